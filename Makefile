@@ -1,0 +1,41 @@
+# The two commands of the README: `make demo` and `make test`. Everything else is a step of theirs.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: test demo generate lint typecheck pytest system-deps benchmarks clean
+
+test: $(STAMP) system-deps lint typecheck pytest
+
+demo: $(STAMP)
+	$(PY) -m stallwatch demo
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# The CPU wheel of torch 2.13.0: any other version would pull a multi-GB CUDA build.
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[test,torch]'
+	touch $@
+
+system-deps:
+	scripts/install-system-deps.sh
+
+lint: $(STAMP)
+	$(PY) -m ruff check .
+
+typecheck: $(STAMP)
+	$(PY) -m mypy
+
+pytest: $(STAMP) system-deps
+	$(PY) -m pytest -q
+
+generate: $(STAMP)
+	$(PY) -m stallwatch generate
+
+benchmarks: $(STAMP)
+	$(PY) benchmarks/run_all.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,1 @@
+"""The node agent's collectors: one file each, registered by name, enabled by flag."""

@@ -1,0 +1,72 @@
+"""`stallwatch agent`: the node agent. Builds the enabled collectors and serves them to Prometheus."""
+
+from __future__ import annotations
+
+import logging
+import signal
+import sys
+import threading
+from collections.abc import Iterator, Sequence
+
+from prometheus_client.core import Metric
+from prometheus_client.registry import CollectorRegistry
+
+from stallwatch import __version__, catalogue
+from stallwatch.batch import discard
+
+# Importing a collector module registers it by name.
+from stallwatch.exporters import gpu, host  # noqa: F401
+from stallwatch.exporters.collector import Collector, CollectorContext, ScrapeCollector, registered
+from stallwatch.exporters.config import ConfigError, log_level, parse, parse_listen_address
+from stallwatch.exporters.web import MetricsServer
+
+log = logging.getLogger("stallwatch.agent")
+
+
+class _BuildInfo:
+    def collect(self) -> Iterator[Metric]:
+        family = catalogue.BUILD_INFO.family()
+        family.add_metric([__version__], 1)
+        yield family
+
+
+def main(argv: Sequence[str]) -> int:
+    specs = registered()
+    try:
+        options = parse(argv, specs)
+    except ConfigError as error:
+        print(f"stallwatch agent: error: {error}", file=sys.stderr)
+        return 2
+    logging.basicConfig(
+        level=log_level(options.log_level),
+        format="ts=%(asctime)s level=%(levelname)s logger=%(name)s msg=%(message)r",
+        stream=sys.stderr,
+    )
+    context = CollectorContext(options=options, sink=discard)
+    collectors: dict[str, Collector] = {}
+    for name, spec in specs.items():
+        if getattr(options, f"collector_{name}"):
+            collectors[name] = spec.factory(context)
+    log.info("collectors enabled: %s", ", ".join(collectors) or "none")
+    scrape = ScrapeCollector(collectors)
+    registry = CollectorRegistry()
+    registry.register(scrape)
+    registry.register(_BuildInfo())
+    host_name, port = parse_listen_address(options.web_listen_address)
+    try:
+        server = MetricsServer(registry, host_name, port, options.web_telemetry_path)
+    except OSError as error:
+        print(f"stallwatch agent: error: cannot listen on {options.web_listen_address}: {error.strerror}",
+              file=sys.stderr)
+        scrape.close()
+        return 2
+    server.start()
+    log.info("listening on %s", server.url)
+    stop = threading.Event()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, lambda *_: stop.set())
+    stop.wait()
+    log.info("shutting down")
+    server.close()
+    scrape.close()
+    return 0

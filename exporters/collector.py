@@ -1,0 +1,103 @@
+"""The collector framework, after node_exporter: one failing collector never breaks a scrape.
+
+A collector module calls `register_collector()` at import with its name, whether it is on by default,
+its own flags and a factory. The agent turns that table into `--collector.NAME` / `--no-collector.NAME`
+flags, builds the enabled collectors, and exposes them through one `ScrapeCollector` that times each
+one and reports `stallwatch_scrape_collector_{duration_seconds,success}`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Protocol
+
+from prometheus_client.core import Metric
+from prometheus_client.registry import Collector as PromCollector
+
+from stallwatch import catalogue
+from stallwatch.batch import BatchSink
+
+log = logging.getLogger(__name__)
+
+
+class Collector(Protocol):
+    def collect(self) -> Iterable[Metric]: ...
+
+    def close(self) -> None: ...
+
+
+@dataclass(frozen=True)
+class CollectorContext:
+    """What the agent hands every collector factory: parsed options and the correlator's input."""
+
+    options: argparse.Namespace
+    sink: BatchSink
+
+
+Factory = Callable[[CollectorContext], Collector]
+AddArguments = Callable[[argparse._ArgumentGroup], None]
+
+
+@dataclass(frozen=True)
+class CollectorSpec:
+    name: str
+    default_enabled: bool
+    description: str
+    factory: Factory
+    add_arguments: AddArguments | None = None
+
+
+_REGISTRY: dict[str, CollectorSpec] = {}
+
+
+def register_collector(
+    name: str,
+    default_enabled: bool,
+    description: str,
+    factory: Factory,
+    add_arguments: AddArguments | None = None,
+) -> None:
+    if name in _REGISTRY:
+        raise ValueError(f"collector {name!r} registered twice")
+    _REGISTRY[name] = CollectorSpec(name, default_enabled, description, factory, add_arguments)
+
+
+def registered() -> Mapping[str, CollectorSpec]:
+    return dict(sorted(_REGISTRY.items()))
+
+
+class ScrapeCollector(PromCollector):
+    """Runs every enabled collector on each scrape, isolating failures, and reports on each one."""
+
+    def __init__(self, collectors: Mapping[str, Collector], clock: Callable[[], float] = time.perf_counter):
+        self._collectors = dict(collectors)
+        self._clock = clock
+
+    def collect(self) -> Iterator[Metric]:
+        duration = catalogue.SCRAPE_COLLECTOR_DURATION.family()
+        success = catalogue.SCRAPE_COLLECTOR_SUCCESS.family()
+        for name, collector in self._collectors.items():
+            start = self._clock()
+            try:
+                families = list(collector.collect())
+            except Exception:
+                log.exception("collector %s failed", name)
+                families, ok = [], 0.0
+            else:
+                ok = 1.0
+            duration.add_metric([name], self._clock() - start)
+            success.add_metric([name], ok)
+            yield from families
+        yield duration
+        yield success
+
+    def close(self) -> None:
+        for collector in self._collectors.values():
+            try:
+                collector.close()
+            except Exception:
+                log.exception("collector close failed")

@@ -1,0 +1,111 @@
+"""The agent's configuration: exporter-style flags, optionally preset by a YAML file.
+
+The file is a flat mapping of flag names without their dashes (`web.listen-address: ":9842"`,
+`collector.gpu: false`, `gpu.interval: 0.25`); flags on the command line win over the file. Every
+mistake, in a flag or in the file, is a `ConfigError` with a one-line message.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, NoReturn
+
+import yaml
+
+from stallwatch.exporters.collector import CollectorSpec
+
+DEFAULT_PORT = 9842
+DEFAULT_LISTEN_ADDRESS = f":{DEFAULT_PORT}"
+
+
+class ConfigError(Exception):
+    """A bad flag or configuration file; the message is one line for the user."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        raise ConfigError(message)
+
+
+def build_parser(collectors: Mapping[str, CollectorSpec]) -> argparse.ArgumentParser:
+    parser = _Parser(prog="stallwatch agent", description="Serve GPU, host, loader and spoke metrics.")
+    parser.add_argument("--config.file", dest="config_file", metavar="PATH",
+                        help="YAML file presetting any of these flags (names without the dashes)")
+    parser.add_argument("--web.listen-address", dest="web_listen_address", default=DEFAULT_LISTEN_ADDRESS,
+                        metavar="[HOST]:PORT", help="where /metrics is served (default: %(default)s)")
+    parser.add_argument("--web.telemetry-path", dest="web_telemetry_path", default="/metrics", metavar="PATH",
+                        help="path of the metrics endpoint (default: %(default)s)")
+    parser.add_argument("--log.level", dest="log_level", default="info",
+                        choices=["debug", "info", "warning", "error"], help="(default: %(default)s)")
+    enable = parser.add_argument_group("collectors")
+    for name, spec in collectors.items():
+        state = "on" if spec.default_enabled else "off"
+        enable.add_argument(f"--collector.{name}", dest=f"collector_{name}", default=spec.default_enabled,
+                            action=argparse.BooleanOptionalAction,
+                            help=f"{spec.description} (default: {state})")
+    for name, spec in collectors.items():
+        if spec.add_arguments is not None:
+            spec.add_arguments(parser.add_argument_group(f"{name} collector"))
+    return parser
+
+
+def _load_file(parser: argparse.ArgumentParser, path: str) -> dict[str, Any]:
+    try:
+        document = yaml.safe_load(Path(path).read_text())
+    except OSError as error:
+        raise ConfigError(f"{path}: cannot read: {error.strerror}") from error
+    except yaml.YAMLError as error:
+        where = getattr(error, "problem_mark", None)
+        line = f" at line {where.line + 1}" if where is not None else ""
+        problem = getattr(error, "problem", None) or "not valid YAML"
+        raise ConfigError(f"{path}: not valid YAML{line}: {problem}") from error
+    if document is None:
+        return {}
+    if not isinstance(document, dict):
+        raise ConfigError(f"{path}: expected a mapping of flag names to values, got {type(document).__name__}")
+    actions = {opt[2:]: action for action in parser._actions for opt in action.option_strings}
+    values: dict[str, Any] = {}
+    for key, raw in document.items():
+        value = raw
+        action = actions.get(str(key))
+        if action is None or key in ("config.file", "help"):
+            raise ConfigError(f"{path}: unknown option {key!r}")
+        if isinstance(action, argparse.BooleanOptionalAction):
+            if not isinstance(value, bool):
+                raise ConfigError(f"{path}: {key} must be true or false, got {value!r}")
+        elif action.type is not None:
+            try:
+                value = action.type(str(value))  # type: ignore[operator]
+            except (ValueError, argparse.ArgumentTypeError) as error:
+                raise ConfigError(f"{path}: {key}: {error}") from error
+        if action.choices is not None and value not in action.choices:
+            raise ConfigError(f"{path}: {key} must be one of {', '.join(map(str, action.choices))}")
+        values[action.dest] = value
+    return values
+
+
+def parse(argv: Sequence[str], collectors: Mapping[str, CollectorSpec]) -> argparse.Namespace:
+    parser = build_parser(collectors)
+    options = parser.parse_args(argv)
+    if options.config_file:
+        parser.set_defaults(**_load_file(parser, options.config_file))
+        options = parser.parse_args(argv)
+    parse_listen_address(options.web_listen_address)
+    if not options.web_telemetry_path.startswith("/"):
+        raise ConfigError(f"--web.telemetry-path must start with /, got {options.web_telemetry_path!r}")
+    return options
+
+
+def parse_listen_address(address: str) -> tuple[str, int]:
+    """`:9842`, `127.0.0.1:9842`, `[::1]:9842` -> (host, port); an empty host means every interface."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ConfigError(f"listen address {address!r} is not [HOST]:PORT")
+    return host.strip("[]"), int(port)
+
+
+def log_level(name: str) -> int:
+    return int(getattr(logging, name.upper()))

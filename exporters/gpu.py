@@ -1,0 +1,462 @@
+"""The `gpu` collector: NVIDIA GPUs through NVML (pynvml from nvidia-ml-py).
+
+NVML is read in a background thread, never on the scrape path: `nvmlDeviceGetPcieThroughput` alone
+blocks ~20 ms per call. Each poll reads every field of every GPU; the driver's high-rate utilization
+samples (`nvmlDeviceGetSamples`) are read since the last timestamp seen, so a 200 ms dip between
+two polls still shows, as `stallwatch_gpu_utilization_min_ratio` and in
+`stallwatch_gpu_idle_seconds_total`, and reaches the correlator as `gpu_util` batches.
+
+A failing call degrades one metric of one GPU and is counted in `stallwatch_gpu_nvml_errors_total`:
+NotSupported stops asking for that field, GpuIsLost marks the GPU down until it answers again, a
+missing library or driver turns the collector into "no GPU" (said once) while the agent runs on.
+XID events arrive on their own thread through an NVML event set.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import re
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from prometheus_client.core import Metric
+
+from stallwatch import catalogue
+from stallwatch.batch import Batch, BatchSink, discard
+from stallwatch.exporters.collector import CollectorContext, register_collector
+
+log = logging.getLogger(__name__)
+
+# Bits of nvmlDeviceGetCurrentClocksEventReasons, by pynvml constant; gpu_idle is the starvation signal.
+CLOCK_EVENT_REASONS = {
+    "gpu_idle": "nvmlClocksEventReasonGpuIdle",
+    "applications_clocks_setting": "nvmlClocksEventReasonApplicationsClocksSetting",
+    "sw_power_cap": "nvmlClocksEventReasonSwPowerCap",
+    "hw_slowdown": "nvmlClocksEventReasonHwSlowdown",
+    "sync_boost": "nvmlClocksEventReasonSyncBoost",
+    "sw_thermal_slowdown": "nvmlClocksEventReasonSwThermalSlowdown",
+    "hw_thermal_slowdown": "nvmlClocksEventReasonHwThermalSlowdown",
+    "hw_power_brake_slowdown": "nvmlClocksEventReasonHwPowerBrakeSlowdown",
+    "display_clock_setting": "nvmlClocksEventReasonDisplayClockSetting",
+}
+RETRY_INIT_SECONDS = 30.0
+XID_WAIT_MS = 500
+
+
+class _DeviceLostError(Exception):
+    pass
+
+
+class _DriverGoneError(Exception):
+    pass
+
+
+def error_label(error: Exception) -> str:
+    """`NVMLError_GpuIsLost` -> `gpu_is_lost`: a short, bounded label value."""
+    name = type(error).__name__.removeprefix("NVMLError_").removeprefix("NVMLError")
+    if not name:
+        return f"code_{getattr(error, 'value', 'unknown')}"
+    return re.sub(r"(?<!^)(?=[A-Z])", "_", name).lower()
+
+
+@dataclass
+class _Reading:
+    """One poll's values for one GPU; a field that failed is simply absent."""
+
+    gauges: dict[str, float] = field(default_factory=dict)
+    pcie: dict[str, float] = field(default_factory=dict)
+    reasons: int | None = None
+    pids: tuple[int, ...] | None = None
+    utilization_min: float | None = None
+
+
+@dataclass
+class _Device:
+    index: int
+    handle: Any
+    uuid: str = ""
+    name: str = ""
+    up: bool = True
+    unsupported: set[str] = field(default_factory=set)
+    last_sample_us: int = 0
+    sample_period_us: float = 0.0
+    idle_seconds: float = 0.0
+    samples: int = 0
+    reading: _Reading = field(default_factory=_Reading)
+
+    @property
+    def label(self) -> str:
+        return str(self.index)
+
+
+class GpuCollector:
+    def __init__(
+        self,
+        nvml: Any,
+        *,
+        interval: float = 0.5,
+        pcie_interval: float = 10.0,
+        idle_threshold: float = 0.05,
+        sink: BatchSink = discard,
+        clock: Callable[[], float] = time.monotonic,
+        start: bool = True,
+    ) -> None:
+        self._nvml = nvml
+        self._interval = interval
+        self._pcie_interval = pcie_interval
+        self._idle_threshold = idle_threshold
+        self._sink = sink
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._devices: list[_Device] = []
+        self._initialised = False
+        self._said_no_gpu = False
+        self._next_init = 0.0
+        self._next_pcie = 0.0
+        self._errors: Counter[tuple[str, str, str]] = Counter()
+        self._xids: Counter[tuple[str, str]] = Counter()
+        self._threads: list[threading.Thread] = []
+        if start:
+            self._start_thread(self._poll_forever, "stallwatch-gpu-poll")
+
+    # --- lifecycle -----------------------------------------------------------------------------
+    def _start_thread(self, target: Callable[[], None], name: str) -> None:
+        thread = threading.Thread(target=target, name=name, daemon=True)
+        thread.start()
+        self._threads.append(thread)
+
+    def close(self) -> None:
+        self._stop.set()
+        for thread in self._threads:
+            if thread is not threading.current_thread():
+                thread.join(timeout=2)
+        if self._initialised:
+            with contextlib.suppress(self._nvml.NVMLError):
+                self._nvml.nvmlShutdown()
+
+    def _poll_forever(self) -> None:
+        while not self._stop.is_set():
+            started = self._clock()
+            try:
+                self.poll()
+            except Exception:  # a bug here must not kill the thread: the scrape would freeze
+                log.exception("gpu poll failed")
+            self._stop.wait(max(0.0, self._interval - (self._clock() - started)))
+
+    def _count_error(self, gpu: str, call: str, error: Exception) -> None:
+        with self._lock:
+            self._errors[(gpu, call, error_label(error))] += 1
+
+    def _try_init(self) -> bool:
+        now = self._clock()
+        if now < self._next_init:
+            return False
+        self._next_init = now + RETRY_INIT_SECONDS
+        nvml = self._nvml
+        try:
+            nvml.nvmlInit()
+            count = nvml.nvmlDeviceGetCount()
+            devices = [_Device(i, nvml.nvmlDeviceGetHandleByIndex(i)) for i in range(count)]
+            for device in devices:
+                device.uuid = str(nvml.nvmlDeviceGetUUID(device.handle))
+                device.name = str(nvml.nvmlDeviceGetName(device.handle))
+        except nvml.NVMLError as error:
+            self._count_error("", "nvmlInit", error)
+            if not self._said_no_gpu:
+                log.warning("gpu collector: no GPU (NVML: %s); GPU metrics are off, the agent runs on", error)
+                self._said_no_gpu = True
+            with self._lock:
+                self._devices = []
+            return False
+        if not devices and not self._said_no_gpu:
+            log.warning("gpu collector: NVML found no GPU; GPU metrics are off, the agent runs on")
+            self._said_no_gpu = True
+        log.info("gpu collector: %d GPU(s): %s", len(devices), ", ".join(d.name for d in devices))
+        with self._lock:
+            self._devices = devices
+        self._initialised = True
+        self._said_no_gpu = False
+        self._start_thread(self._watch_xids, "stallwatch-gpu-xid")
+        return True
+
+    # --- polling -------------------------------------------------------------------------------
+    def poll(self) -> None:
+        """Read every GPU once. Runs on the poll thread; tests call it directly."""
+        if not self._initialised and not self._try_init():
+            return
+        read_pcie = self._pcie_interval > 0 and self._clock() >= self._next_pcie
+        if read_pcie:
+            self._next_pcie = self._clock() + self._pcie_interval
+        for device in list(self._devices):
+            try:
+                reading = self._read_device(device, read_pcie)
+            except _DeviceLostError:
+                if device.up:
+                    log.warning("gpu %d (%s) is lost", device.index, device.uuid)
+                reading, device.up = _Reading(), False
+            except _DriverGoneError:
+                log.warning("gpu collector: the NVIDIA driver went away; retrying every %ss", RETRY_INIT_SECONDS)
+                with self._lock:
+                    for d in self._devices:
+                        d.up, d.reading = False, _Reading()
+                self._initialised = False
+                self._next_init = self._clock() + RETRY_INIT_SECONDS
+                return
+            with self._lock:
+                device.reading = reading
+
+    def _call(self, device: _Device, function: str, *args: Any) -> Any:
+        """One NVML call for one GPU: None when it failed, the failure counted."""
+        if function in device.unsupported:
+            return None
+        nvml = self._nvml
+        try:
+            return getattr(nvml, function)(device.handle, *args)
+        except nvml.NVMLError as error:
+            self._call_failed(device, function, error)
+            return None
+
+    def _read_device(self, device: _Device, read_pcie: bool) -> _Reading:
+        nvml = self._nvml
+        reading = _Reading()
+        gauges = reading.gauges
+        utilization = self._call(device, "nvmlDeviceGetUtilizationRates")
+        if not device.up:
+            log.info("gpu %d answers again", device.index)
+            device.up = True
+        if utilization is not None:
+            gauges[catalogue.GPU_UTILIZATION.name] = utilization.gpu / 100
+            gauges[catalogue.GPU_MEMORY_UTILIZATION.name] = utilization.memory / 100
+        reading.utilization_min = self._read_samples(device)
+        memory = self._call(device, "nvmlDeviceGetMemoryInfo")
+        if memory is not None:
+            gauges[catalogue.GPU_MEMORY_USED.name] = float(memory.used)
+            gauges[catalogue.GPU_MEMORY_TOTAL.name] = float(memory.total)
+        scaled = (
+            (catalogue.GPU_POWER, "nvmlDeviceGetPowerUsage", (), 1e-3),  # mW
+            (catalogue.GPU_ENERGY, "nvmlDeviceGetTotalEnergyConsumption", (), 1e-3),  # mJ
+            (catalogue.GPU_SM_CLOCK, "nvmlDeviceGetClockInfo", (nvml.NVML_CLOCK_SM,), 1e6),  # MHz
+            (catalogue.GPU_MEMORY_CLOCK, "nvmlDeviceGetClockInfo", (nvml.NVML_CLOCK_MEM,), 1e6),
+            (catalogue.GPU_TEMPERATURE, "nvmlDeviceGetTemperature", (nvml.NVML_TEMPERATURE_GPU,), 1.0),
+        )
+        for metric, function, args, scale in scaled:
+            value = self._call(device, function, *args)
+            if value is not None:
+                gauges[metric.name] = value * scale
+        reading.reasons = self._call(device, "nvmlDeviceGetCurrentClocksEventReasons")
+        processes = self._call(device, "nvmlDeviceGetComputeRunningProcesses")
+        if processes is not None:
+            reading.pids = tuple(int(p.pid) for p in processes)
+        if read_pcie:
+            for direction, counter in (("rx", nvml.NVML_PCIE_UTIL_RX_BYTES), ("tx", nvml.NVML_PCIE_UTIL_TX_BYTES)):
+                value = self._call(device, "nvmlDeviceGetPcieThroughput", counter)
+                if value is not None:
+                    reading.pcie[direction] = value * 1024.0  # KB/s
+        else:
+            reading.pcie = dict(device.reading.pcie)
+        return reading
+
+    def _read_samples(self, device: _Device) -> float | None:
+        """Fold the driver's new utilization samples into idle seconds; return their minimum."""
+        nvml = self._nvml
+        if "nvmlDeviceGetSamples" in device.unsupported:
+            return None
+        try:
+            _, raw = nvml.nvmlDeviceGetSamples(device.handle, nvml.NVML_GPU_UTILIZATION_SAMPLES, device.last_sample_us)
+        except nvml.NVMLError as error:
+            if getattr(error, "value", None) == nvml.NVML_ERROR_NOT_FOUND:
+                return None  # no sample since the last one: not a failure
+            self._call_failed(device, "nvmlDeviceGetSamples", error)
+            return None
+        stamps = np.fromiter((s.timeStamp for s in raw), dtype=np.int64, count=len(raw))
+        values = np.fromiter((s.sampleValue.uiVal for s in raw), dtype=np.float64, count=len(raw)) / 100
+        fresh = stamps > device.last_sample_us
+        stamps, values = stamps[fresh], values[fresh]
+        if stamps.size == 0:
+            return None
+        order = np.argsort(stamps, kind="stable")
+        stamps, values = stamps[order], values[order]
+        gaps = np.diff(stamps).astype(np.float64)
+        if gaps.size:
+            device.sample_period_us = float(np.median(gaps))
+        # Each sample covers the time since the one before; the first ever sample has no predecessor.
+        previous = device.last_sample_us if device.last_sample_us else stamps[0] - device.sample_period_us
+        periods_us = np.diff(stamps, prepend=previous).astype(np.float64)
+        periods_us = np.minimum(periods_us, 4 * max(device.sample_period_us, 1.0))
+        idle = values <= self._idle_threshold
+        device.idle_seconds += float(periods_us[idle].sum()) / 1e6
+        device.samples += int(stamps.size)
+        device.last_sample_us = int(stamps[-1])
+        wall_to_monotonic_ns = time.monotonic_ns() - time.time_ns()
+        self._sink(
+            Batch(
+                "gpu_util",
+                {
+                    "ts_ns": stamps * 1000 + wall_to_monotonic_ns,
+                    "period_ns": (periods_us * 1000).astype(np.int64),
+                    "gpu": np.full(stamps.size, device.index, dtype=np.int16),
+                    "util": values.astype(np.float32),
+                },
+            )
+        )
+        return float(values.min())
+
+    def _call_failed(self, device: _Device, function: str, error: Exception) -> None:
+        """Count a failed call; stop asking for what is unsupported; escalate a lost GPU or driver."""
+        nvml = self._nvml
+        self._count_error(device.label, function, error)
+        code = getattr(error, "value", None)
+        if code == nvml.NVML_ERROR_NOT_SUPPORTED:
+            device.unsupported.add(function)
+        elif code in (nvml.NVML_ERROR_GPU_IS_LOST, nvml.NVML_ERROR_GPU_NOT_FOUND):
+            raise _DeviceLostError from error
+        elif code in (nvml.NVML_ERROR_DRIVER_NOT_LOADED, nvml.NVML_ERROR_UNINITIALIZED):
+            raise _DriverGoneError from error
+
+    # --- XID events ----------------------------------------------------------------------------
+    def _watch_xids(self) -> None:
+        nvml = self._nvml
+        try:
+            event_set = nvml.nvmlEventSetCreate()
+        except nvml.NVMLError as error:
+            self._count_error("", "nvmlEventSetCreate", error)
+            return
+        for device in list(self._devices):
+            try:
+                nvml.nvmlDeviceRegisterEvents(device.handle, nvml.nvmlEventTypeXidCriticalError, event_set)
+            except nvml.NVMLError as error:
+                self._count_error(device.label, "nvmlDeviceRegisterEvents", error)
+        while not self._stop.is_set() and self._initialised:
+            try:
+                event = nvml.nvmlEventSetWait(event_set, XID_WAIT_MS)
+            except nvml.NVMLError as error:
+                if getattr(error, "value", None) == nvml.NVML_ERROR_TIMEOUT:
+                    continue
+                self._count_error("", "nvmlEventSetWait", error)
+                self._stop.wait(self._interval)
+                continue
+            try:
+                gpu = str(nvml.nvmlDeviceGetIndex(event.device))
+            except nvml.NVMLError:
+                gpu = ""
+            with self._lock:
+                self._xids[(gpu, str(event.eventData))] += 1
+            log.warning("gpu %s: XID %s", gpu, event.eventData)
+        with contextlib.suppress(nvml.NVMLError):
+            nvml.nvmlEventSetFree(event_set)
+
+    # --- what others read ----------------------------------------------------------------------
+    def pid_to_gpu(self) -> dict[int, int]:
+        """Which GPU each compute process runs on (the correlator maps pid -> rank with it)."""
+        with self._lock:
+            return {pid: d.index for d in self._devices for pid in (d.reading.pids or ())}
+
+    def collect(self) -> Iterator[Metric]:
+        c = catalogue
+        with self._lock:
+            devices = [(d.label, d.uuid, d.name, d.up, d.reading, d.idle_seconds, d.samples) for d in self._devices]
+            errors = dict(self._errors)
+            xids = dict(self._xids)
+        count = c.GPU_DEVICES.family()
+        count.add_metric([], len(devices))
+        yield count
+        info, up = c.GPU_INFO.family(), c.GPU_UP.family()
+        gauges = {m.name: m.family() for m in _READING_GAUGES}
+        energy = c.GPU_ENERGY.family()
+        minimum, idle = c.GPU_UTILIZATION_MIN.family(), c.GPU_IDLE_SECONDS.family()
+        samples, pcie = c.GPU_UTILIZATION_SAMPLES.family(), c.GPU_PCIE_THROUGHPUT.family()
+        reasons, processes = c.GPU_CLOCKS_EVENT_REASON.family(), c.GPU_PROCESSES.family()
+        for gpu, uuid, name, is_up, reading, idle_seconds, sample_count in devices:
+            info.add_metric([gpu, uuid, name], 1)
+            up.add_metric([gpu], 1 if is_up else 0)
+            idle.add_metric([gpu], idle_seconds)
+            samples.add_metric([gpu], sample_count)
+            for metric_name, value in reading.gauges.items():
+                if metric_name == c.GPU_ENERGY.name:
+                    energy.add_metric([gpu], value)
+                else:
+                    gauges[metric_name].add_metric([gpu], value)
+            if reading.utilization_min is not None:
+                minimum.add_metric([gpu], reading.utilization_min)
+            for direction, value in reading.pcie.items():
+                pcie.add_metric([gpu, direction], value)
+            if reading.reasons is not None:
+                for reason, constant in CLOCK_EVENT_REASONS.items():
+                    reasons.add_metric([gpu, reason], 1 if reading.reasons & getattr(self._nvml, constant) else 0)
+            if reading.pids is not None:
+                processes.add_metric([gpu], len(reading.pids))
+        xid_family = c.GPU_XID_ERRORS.family()
+        for (gpu, xid), n in sorted(xids.items()):
+            xid_family.add_metric([gpu, xid], n)
+        error_family = c.GPU_NVML_ERRORS.family()
+        for (gpu, call, error), n in sorted(errors.items()):
+            error_family.add_metric([gpu, call, error], n)
+        yield from (info, up, *gauges.values(), energy, minimum, idle, samples, pcie, reasons, processes)
+        yield xid_family
+        yield error_family
+
+
+_READING_GAUGES = (
+    catalogue.GPU_UTILIZATION,
+    catalogue.GPU_MEMORY_UTILIZATION,
+    catalogue.GPU_MEMORY_USED,
+    catalogue.GPU_MEMORY_TOTAL,
+    catalogue.GPU_POWER,
+    catalogue.GPU_SM_CLOCK,
+    catalogue.GPU_MEMORY_CLOCK,
+    catalogue.GPU_TEMPERATURE,
+)
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+
+
+def _add_arguments(group: argparse._ArgumentGroup) -> None:
+    group.add_argument("--gpu.interval", dest="gpu_interval", type=_positive_float, default=0.5,
+                       metavar="SECONDS", help="how often NVML is polled (default: %(default)s)")
+    group.add_argument("--gpu.pcie-interval", dest="gpu_pcie_interval", type=float, default=10.0,
+                       metavar="SECONDS", help="how often PCIe throughput is read, 0 to never; each read "
+                       "blocks ~20 ms per GPU (default: %(default)s)")
+    group.add_argument("--gpu.idle-threshold", dest="gpu_idle_threshold", type=float, default=0.05,
+                       metavar="RATIO", help="a utilization sample at or below this counts as idle "
+                       "(default: %(default)s)")
+    group.add_argument("--gpu.fake-devices", dest="gpu_fake_devices", type=int, default=0, metavar="N",
+                       help="emulate N GPUs with stallwatch's fake NVML instead of the real one (demos, tests)")
+
+
+def _from_context(context: CollectorContext) -> GpuCollector:
+    options = context.options
+    nvml: Any
+    if options.gpu_fake_devices > 0:
+        from stallwatch.exporters.nvml_fake import FakeGpu, FakeNVML, training
+
+        nvml = FakeNVML(
+            [FakeGpu(utilization=training(1.0 + 0.1 * i, 0.2)) for i in range(options.gpu_fake_devices)],
+            pcie_latency=0.0,
+        )
+    else:
+        import pynvml
+
+        nvml = pynvml
+    return GpuCollector(
+        nvml,
+        interval=options.gpu_interval,
+        pcie_interval=options.gpu_pcie_interval,
+        idle_threshold=options.gpu_idle_threshold,
+        sink=context.sink,
+    )
+
+
+register_collector("gpu", True, "NVIDIA GPUs through NVML", _from_context, _add_arguments)

@@ -1,0 +1,325 @@
+"""A fake NVML that answers like `pynvml`, for machines without a GPU.
+
+Same function names and signatures as the pynvml functions the GPU collector calls, the same
+exception classes (pynvml's own `NVMLError_*`, raised through `pynvml.NVMLError(code)`), the same
+return types (pynvml's ctypes structs) and the same units: milliwatts, millijoules, bytes, MHz,
+KB/s, microsecond wall-clock timestamps. Constants and exception classes are pynvml's own.
+
+Each scripted GPU follows a utilization timeline (percent as a function of seconds since
+`nvmlInit`), can be lost at a given moment, can refuse some functions with NotSupported, and can
+raise XID events. The driver can be unloaded mid-run.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import time
+import uuid as uuidlib
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from types import FunctionType
+from typing import Any
+
+import pynvml
+
+Timeline = Callable[[float], float]
+
+
+def constant(percent: float) -> Timeline:
+    return lambda t: percent
+
+
+def steps(*segments: tuple[float, float], then: float = 100.0) -> Timeline:
+    """Utilization by segments of (duration seconds, percent); `then` afterwards."""
+
+    def timeline(t: float) -> float:
+        start = 0.0
+        for duration, percent in segments:
+            if t < start + duration:
+                return percent
+            start += duration
+        return then
+
+    return timeline
+
+
+def training(step_seconds: float = 1.0, stall_seconds: float = 0.2) -> Timeline:
+    """A training loop: busy for a step, then idle for a stall, repeating."""
+    period = step_seconds + stall_seconds
+    return lambda t: 0.0 if t % period >= step_seconds else 97.0
+
+
+@dataclass
+class FakeGpu:
+    name: str = "NVIDIA H200"
+    uuid: str = ""
+    memory_total: int = 143_771 * 1024 * 1024
+    utilization: Timeline = field(default_factory=lambda: constant(100.0))
+    lost_at: float | None = None
+    unsupported: frozenset[str] = frozenset()
+    xids: tuple[tuple[float, int], ...] = ()
+    pids: tuple[int, ...] = ()
+    idle_power_mw: int = 90_000
+    max_power_mw: int = 700_000
+
+
+@dataclass
+class _Handle:
+    index: int
+
+
+@dataclass
+class _Process:
+    pid: int
+    usedGpuMemory: int  # noqa: N815 - pynvml's field name
+    gpuInstanceId: int = 0xFFFFFFFF  # noqa: N815
+    computeInstanceId: int = 0xFFFFFFFF  # noqa: N815
+
+
+@dataclass
+class _EventData:
+    """pynvml's c_nvmlEventData_t, with the device as a fake handle instead of a C pointer."""
+
+    device: _Handle
+    eventType: int  # noqa: N815
+    eventData: int  # noqa: N815
+    gpuInstanceId: int = 0xFFFFFFFF  # noqa: N815
+    computeInstanceId: int = 0xFFFFFFFF  # noqa: N815
+
+
+@dataclass
+class _EventSet:
+    handles: list[_Handle] = field(default_factory=list)
+    delivered: set[tuple[int, int]] = field(default_factory=set)
+
+
+def _raise(code: int) -> None:
+    raise pynvml.NVMLError(code)
+
+
+class FakeNVML:
+    """Drop-in for the `pynvml` module: pass it wherever the collector takes `nvml`."""
+
+    def __init__(
+        self,
+        gpus: Iterable[FakeGpu] = (),
+        clock: Callable[[], float] = time.time,
+        sample_period: float = 1 / 6,
+        sample_buffer: int = 120,
+        pcie_latency: float = 0.02,
+        library_present: bool = True,
+    ) -> None:
+        self.gpus = list(gpus)
+        for i, gpu in enumerate(self.gpus):
+            if not gpu.uuid:
+                gpu.uuid = f"GPU-{uuidlib.UUID(int=0xFA4E0000 + i)}"
+        self._clock = clock
+        self._sample_period = sample_period
+        self._sample_buffer = sample_buffer
+        self._pcie_latency = pcie_latency
+        self._library_present = library_present
+        self._driver_loaded = True
+        self._started: float | None = None
+        self._energy_mj = [0.0] * len(self.gpus)
+        self._energy_at: list[float | None] = [None] * len(self.gpus)
+        self.calls: dict[str, int] = {}
+
+    def __getattr__(self, name: str) -> Any:
+        # Constants and exception classes are pynvml's own; functions must be implemented here.
+        value = getattr(pynvml, name)
+        if isinstance(value, FunctionType):
+            raise AttributeError(f"FakeNVML does not implement {name}")
+        return value
+
+    # --- test controls -------------------------------------------------------------------------
+    def unload_driver(self) -> None:
+        self._driver_loaded = False
+
+    # --- helpers -------------------------------------------------------------------------------
+    def _count(self, name: str) -> None:
+        self.calls[name] = self.calls.get(name, 0) + 1
+
+    def _elapsed(self) -> float:
+        assert self._started is not None
+        return self._clock() - self._started
+
+    def _device(self, handle: _Handle, function: str) -> FakeGpu:
+        self._count(function)
+        if not self._driver_loaded:
+            _raise(pynvml.NVML_ERROR_DRIVER_NOT_LOADED)
+        if self._started is None:
+            _raise(pynvml.NVML_ERROR_UNINITIALIZED)
+        if not isinstance(handle, _Handle) or not 0 <= handle.index < len(self.gpus):
+            _raise(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        gpu = self.gpus[handle.index]
+        if gpu.lost_at is not None and self._elapsed() >= gpu.lost_at:
+            _raise(pynvml.NVML_ERROR_GPU_IS_LOST)
+        if function in gpu.unsupported:
+            _raise(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        return gpu
+
+    def _percent(self, gpu: FakeGpu, at: float | None = None) -> float:
+        return max(0.0, min(100.0, gpu.utilization(self._elapsed() if at is None else at)))
+
+    def _power_mw(self, gpu: FakeGpu) -> int:
+        return int(gpu.idle_power_mw + (gpu.max_power_mw - gpu.idle_power_mw) * self._percent(gpu) / 100)
+
+    # --- library -------------------------------------------------------------------------------
+    def nvmlInit(self) -> None:  # noqa: N802 - pynvml's names
+        self._count("nvmlInit")
+        if not self._library_present:
+            _raise(pynvml.NVML_ERROR_LIBRARY_NOT_FOUND)
+        if not self._driver_loaded:
+            _raise(pynvml.NVML_ERROR_DRIVER_NOT_LOADED)
+        if self._started is None:
+            self._started = self._clock()
+
+    def nvmlShutdown(self) -> None:  # noqa: N802
+        self._count("nvmlShutdown")
+        if self._started is None:
+            _raise(pynvml.NVML_ERROR_UNINITIALIZED)
+        self._started = None
+
+    def nvmlSystemGetDriverVersion(self) -> str:  # noqa: N802
+        self._count("nvmlSystemGetDriverVersion")
+        if self._started is None:
+            _raise(pynvml.NVML_ERROR_UNINITIALIZED)
+        return "570.124.06"
+
+    def nvmlDeviceGetCount(self) -> int:  # noqa: N802
+        self._count("nvmlDeviceGetCount")
+        if self._started is None:
+            _raise(pynvml.NVML_ERROR_UNINITIALIZED)
+        if not self._driver_loaded:
+            _raise(pynvml.NVML_ERROR_DRIVER_NOT_LOADED)
+        return len(self.gpus)
+
+    def nvmlDeviceGetHandleByIndex(self, index: int) -> _Handle:  # noqa: N802
+        self._count("nvmlDeviceGetHandleByIndex")
+        if self._started is None:
+            _raise(pynvml.NVML_ERROR_UNINITIALIZED)
+        if not 0 <= index < len(self.gpus):
+            _raise(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        return _Handle(index)
+
+    def nvmlDeviceGetIndex(self, handle: _Handle) -> int:  # noqa: N802
+        self._device(handle, "nvmlDeviceGetIndex")
+        return handle.index
+
+    def nvmlDeviceGetUUID(self, handle: _Handle) -> str:  # noqa: N802
+        return self._device(handle, "nvmlDeviceGetUUID").uuid
+
+    def nvmlDeviceGetName(self, handle: _Handle) -> str:  # noqa: N802
+        return self._device(handle, "nvmlDeviceGetName").name
+
+    def nvmlDeviceGetUtilizationRates(self, handle: _Handle) -> pynvml.c_nvmlUtilization_t:  # noqa: N802
+        gpu = self._device(handle, "nvmlDeviceGetUtilizationRates")
+        percent = self._percent(gpu)
+        return pynvml.c_nvmlUtilization_t(gpu=int(percent), memory=int(percent * 0.6))
+
+    def nvmlDeviceGetSamples(  # noqa: N802
+        self, device: _Handle, sampling_type: int, timeStamp: int  # noqa: N803
+    ) -> tuple[int, list[pynvml.c_nvmlSample_t]]:
+        gpu = self._device(device, "nvmlDeviceGetSamples")
+        if sampling_type != pynvml.NVML_GPU_UTILIZATION_SAMPLES:
+            _raise(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        assert self._started is not None
+        # The driver samples on a fixed grid since init and keeps a bounded buffer of the latest.
+        newest = math.floor(self._elapsed() / self._sample_period)
+        oldest = max(0, newest - self._sample_buffer + 1)
+        samples = []
+        for k in range(oldest, newest + 1):
+            at = k * self._sample_period
+            stamp_us = int((self._started + at) * 1_000_000)
+            if stamp_us <= timeStamp:
+                continue
+            value = pynvml.c_nvmlValue_t()
+            value.uiVal = int(self._percent(gpu, at))
+            samples.append(pynvml.c_nvmlSample_t(timeStamp=stamp_us, sampleValue=value))
+        if not samples:
+            _raise(pynvml.NVML_ERROR_NOT_FOUND)
+        return pynvml.NVML_VALUE_TYPE_UNSIGNED_INT, samples
+
+    def nvmlDeviceGetMemoryInfo(self, handle: _Handle, version: int | None = None) -> pynvml.c_nvmlMemory_t:  # noqa: N802
+        gpu = self._device(handle, "nvmlDeviceGetMemoryInfo")
+        used = gpu.memory_total // 3 if gpu.pids else 512 * 1024 * 1024
+        return pynvml.c_nvmlMemory_t(total=gpu.memory_total, free=gpu.memory_total - used, used=used)
+
+    def nvmlDeviceGetPowerUsage(self, handle: _Handle) -> int:  # noqa: N802
+        return self._power_mw(self._device(handle, "nvmlDeviceGetPowerUsage"))
+
+    def nvmlDeviceGetTotalEnergyConsumption(self, handle: _Handle) -> int:  # noqa: N802
+        gpu = self._device(handle, "nvmlDeviceGetTotalEnergyConsumption")
+        now = self._clock()
+        last = self._energy_at[handle.index]
+        if last is not None:
+            self._energy_mj[handle.index] += self._power_mw(gpu) * (now - last)
+        self._energy_at[handle.index] = now
+        return int(self._energy_mj[handle.index])
+
+    def nvmlDeviceGetClockInfo(self, handle: _Handle, type: int) -> int:  # noqa: N802
+        gpu = self._device(handle, "nvmlDeviceGetClockInfo")
+        if type == pynvml.NVML_CLOCK_MEM:
+            return 2619
+        if type == pynvml.NVML_CLOCK_SM:
+            return 1980 if self._percent(gpu) > 0 else 345
+        _raise(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        return 0
+
+    def nvmlDeviceGetPcieThroughput(self, device: _Handle, counter: int) -> int:  # noqa: N802
+        gpu = self._device(device, "nvmlDeviceGetPcieThroughput")
+        time.sleep(self._pcie_latency)  # the real call blocks for the driver's 20 ms window
+        scale = 12_000_000 if counter == pynvml.NVML_PCIE_UTIL_RX_BYTES else 1_500_000
+        return int(scale * self._percent(gpu) / 100)
+
+    def nvmlDeviceGetTemperature(self, handle: _Handle, sensor: int) -> int:  # noqa: N802
+        gpu = self._device(handle, "nvmlDeviceGetTemperature")
+        if sensor != pynvml.NVML_TEMPERATURE_GPU:
+            _raise(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        return int(35 + 40 * self._percent(gpu) / 100)
+
+    def nvmlDeviceGetCurrentClocksEventReasons(self, handle: _Handle) -> int:  # noqa: N802
+        gpu = self._device(handle, "nvmlDeviceGetCurrentClocksEventReasons")
+        if self._percent(gpu) == 0:
+            return int(pynvml.nvmlClocksEventReasonGpuIdle)
+        return int(pynvml.nvmlClocksEventReasonNone)
+
+    def nvmlDeviceGetComputeRunningProcesses(self, handle: _Handle) -> list[_Process]:  # noqa: N802
+        gpu = self._device(handle, "nvmlDeviceGetComputeRunningProcesses")
+        return [_Process(pid, gpu.memory_total // 3 // max(1, len(gpu.pids))) for pid in gpu.pids]
+
+    # --- events (XID) --------------------------------------------------------------------------
+    def nvmlEventSetCreate(self) -> _EventSet:  # noqa: N802
+        self._count("nvmlEventSetCreate")
+        if self._started is None:
+            _raise(pynvml.NVML_ERROR_UNINITIALIZED)
+        return _EventSet()
+
+    def nvmlDeviceRegisterEvents(self, handle: _Handle, eventTypes: int, eventSet: _EventSet) -> None:  # noqa: N802, N803
+        self._device(handle, "nvmlDeviceRegisterEvents")
+        if eventTypes & pynvml.nvmlEventTypeXidCriticalError:
+            eventSet.handles.append(handle)
+
+    def nvmlEventSetWait(self, eventSet: _EventSet, timeoutms: int) -> _EventData:  # noqa: N802, N803
+        self._count("nvmlEventSetWait")
+        deadline = time.monotonic() + timeoutms / 1000
+        for attempt in itertools.count():
+            if not self._driver_loaded:
+                _raise(pynvml.NVML_ERROR_DRIVER_NOT_LOADED)
+            if self._started is None:
+                _raise(pynvml.NVML_ERROR_UNINITIALIZED)
+            elapsed = self._elapsed()
+            for handle in eventSet.handles:
+                for n, (at, xid) in enumerate(self.gpus[handle.index].xids):
+                    if at <= elapsed and (handle.index, n) not in eventSet.delivered:
+                        eventSet.delivered.add((handle.index, n))
+                        return _EventData(handle, pynvml.nvmlEventTypeXidCriticalError, xid)
+            if time.monotonic() >= deadline or attempt > 10_000:
+                _raise(pynvml.NVML_ERROR_TIMEOUT)
+            time.sleep(min(0.01, max(0.0, deadline - time.monotonic())))
+        raise AssertionError("unreachable")
+
+    def nvmlEventSetFree(self, eventSet: _EventSet) -> None:  # noqa: N802, N803
+        self._count("nvmlEventSetFree")
+        eventSet.handles.clear()

@@ -1,0 +1,80 @@
+"""The agent's HTTP endpoint: /metrics, a landing page, and health checks for probes."""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+from prometheus_client.exposition import choose_encoder
+from prometheus_client.registry import CollectorRegistry
+
+log = logging.getLogger(__name__)
+
+LANDING_PAGE = """<!doctype html>
+<html><head><title>stallwatch agent</title></head>
+<body><h1>stallwatch agent</h1>
+<p>Training input stalls, GPU and spoke cache metrics for this node.</p>
+<ul><li><a href="{path}">{path}</a></li><li><a href="/-/healthy">/-/healthy</a></li></ul>
+</body></html>
+"""
+
+
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+    registry: CollectorRegistry
+    telemetry_path: str
+
+
+class _Handler(BaseHTTPRequestHandler):
+    server: _Server
+    server_version = "stallwatch"
+
+    def do_GET(self) -> None:
+        path = self.path.split("?", 1)[0]
+        if path == self.server.telemetry_path:
+            encoder, content_type = choose_encoder(self.headers.get("Accept", ""))
+            self._reply(200, content_type, encoder(self.server.registry))
+        elif path == "/":
+            page = LANDING_PAGE.format(path=self.server.telemetry_path)
+            self._reply(200, "text/html; charset=utf-8", page.encode())
+        elif path in ("/-/healthy", "/-/ready"):
+            self._reply(200, "text/plain; charset=utf-8", b"OK\n")
+        else:
+            self._reply(404, "text/plain; charset=utf-8", b"not found\n")
+
+    def _reply(self, status: int, content_type: str, body: bytes) -> None:
+        self.send_response(status)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, format: str, *args: Any) -> None:
+        log.debug("%s %s", self.address_string(), format % args)
+
+
+class MetricsServer:
+    def __init__(self, registry: CollectorRegistry, host: str, port: int, telemetry_path: str = "/metrics"):
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        server_class = type("_BoundServer", (_Server,), {"address_family": family})
+        self._server: _Server = server_class((host, port), _Handler)
+        self._server.registry = registry
+        self._server.telemetry_path = telemetry_path
+        self._thread = threading.Thread(target=self._server.serve_forever, name="stallwatch-http", daemon=True)
+
+    @property
+    def url(self) -> str:
+        host, port = self._server.server_address[:2]
+        host = host.decode() if isinstance(host, bytes) else str(host)
+        shown = "localhost" if host in ("0.0.0.0", "::") else (f"[{host}]" if ":" in host else host)
+        return f"http://{shown}:{port}{self._server.telemetry_path}"
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()

@@ -1,0 +1,217 @@
+"""Every metric stallwatch exposes, defined once.
+
+Exporters, the correlator, dashboards, alerts, the metrics reference (docs/metrics.md) and the tests
+all read these definitions; nothing else spells a metric name. Labels are bounded by design: job, rank,
+gpu, spoke, cause and a few small enumerations, never a path, URL, pid or batch id.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from enum import Enum
+from typing import Generic, TypeVar
+
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+)
+
+PREFIX = "stallwatch_"
+
+
+class Kind(Enum):
+    COUNTER = "counter"
+    GAUGE = "gauge"
+    HISTOGRAM = "histogram"
+
+
+# Loader waits and reads span 100 µs (a prefetched batch) to tens of seconds (a hub outage).
+LATENCY_BUCKETS: tuple[float, ...] = (
+    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
+    10.0, 30.0,
+)
+
+
+F = TypeVar("F", CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily)
+
+_FAMILY_TYPES: dict[Kind, type[CounterMetricFamily | GaugeMetricFamily | HistogramMetricFamily]] = {
+    Kind.COUNTER: CounterMetricFamily,
+    Kind.GAUGE: GaugeMetricFamily,
+    Kind.HISTOGRAM: HistogramMetricFamily,
+}
+
+
+@dataclass(frozen=True)
+class MetricDef(Generic[F]):
+    name: str
+    kind: Kind
+    unit: str
+    labels: tuple[str, ...]
+    help: str
+    subsystem: str
+    buckets: tuple[float, ...] = ()
+
+    def family(self) -> F:
+        """An empty family of this metric, ready for add_metric()."""
+        family_type = _FAMILY_TYPES[self.kind]
+        return family_type(self.name, self.help, labels=list(self.labels))  # type: ignore[return-value]
+
+
+AnyMetricDef = MetricDef[CounterMetricFamily] | MetricDef[GaugeMetricFamily] | MetricDef[HistogramMetricFamily]
+_ALL: list[AnyMetricDef] = []
+
+
+def counter(
+    subsystem: str, name: str, unit: str, labels: Sequence[str], help: str
+) -> MetricDef[CounterMetricFamily]:
+    metric: MetricDef[CounterMetricFamily] = MetricDef(
+        PREFIX + name, Kind.COUNTER, unit, tuple(labels), help, subsystem
+    )
+    _ALL.append(metric)
+    return metric
+
+
+def gauge(
+    subsystem: str, name: str, unit: str, labels: Sequence[str], help: str
+) -> MetricDef[GaugeMetricFamily]:
+    metric: MetricDef[GaugeMetricFamily] = MetricDef(
+        PREFIX + name, Kind.GAUGE, unit, tuple(labels), help, subsystem
+    )
+    _ALL.append(metric)
+    return metric
+
+
+def histogram(
+    subsystem: str,
+    name: str,
+    unit: str,
+    labels: Sequence[str],
+    help: str,
+    buckets: Sequence[float] = LATENCY_BUCKETS,
+) -> MetricDef[HistogramMetricFamily]:
+    metric: MetricDef[HistogramMetricFamily] = MetricDef(
+        PREFIX + name, Kind.HISTOGRAM, unit, tuple(labels), help, subsystem, tuple(buckets)
+    )
+    _ALL.append(metric)
+    return metric
+
+
+# --- agent -------------------------------------------------------------------------------------------
+BUILD_INFO = gauge("agent", "build_info", "", ["version"], "Always 1; the agent's version as a label.")
+SCRAPE_COLLECTOR_DURATION = gauge(
+    "agent", "scrape_collector_duration_seconds", "seconds", ["collector"],
+    "Time a collector took to produce its metrics on this scrape.",
+)
+SCRAPE_COLLECTOR_SUCCESS = gauge(
+    "agent", "scrape_collector_success", "", ["collector"],
+    "1 if the collector produced its metrics on this scrape, 0 if it failed.",
+)
+
+# --- gpu (NVML) --------------------------------------------------------------------------------------
+GPU_DEVICES = gauge("gpu", "gpu_devices", "", [], "GPUs NVML reports on this node (0 when NVML is absent).")
+GPU_INFO = gauge("gpu", "gpu_info", "", ["gpu", "uuid", "name"], "Always 1; identifies each GPU by index.")
+GPU_UP = gauge("gpu", "gpu_up", "", ["gpu"], "1 if the GPU answered NVML on the last poll, 0 if lost.")
+GPU_UTILIZATION = gauge(
+    "gpu", "gpu_utilization_ratio", "ratio", ["gpu"],
+    "Fraction of the last sample period in which a kernel ran (NVML utilization.gpu).",
+)
+GPU_MEMORY_UTILIZATION = gauge(
+    "gpu", "gpu_memory_utilization_ratio", "ratio", ["gpu"],
+    "Fraction of the last sample period in which device memory was read or written.",
+)
+GPU_UTILIZATION_MIN = gauge(
+    "gpu", "gpu_utilization_min_ratio", "ratio", ["gpu"],
+    "Lowest of the driver's high-rate utilization samples since the previous poll; shows sub-second dips.",
+)
+GPU_IDLE_SECONDS = counter(
+    "gpu", "gpu_idle_seconds_total", "seconds", ["gpu"],
+    "Seconds the driver's high-rate utilization samples were at or below the idle threshold.",
+)
+GPU_UTILIZATION_SAMPLES = counter(
+    "gpu", "gpu_utilization_samples_total", "", ["gpu"],
+    "High-rate utilization samples read from the driver.",
+)
+GPU_MEMORY_USED = gauge("gpu", "gpu_memory_used_bytes", "bytes", ["gpu"], "Device memory in use.")
+GPU_MEMORY_TOTAL = gauge("gpu", "gpu_memory_total_bytes", "bytes", ["gpu"], "Device memory installed.")
+GPU_POWER = gauge("gpu", "gpu_power_watts", "watts", ["gpu"], "Power draw of the board.")
+GPU_ENERGY = counter(
+    "gpu", "gpu_energy_joules_total", "joules", ["gpu"], "Energy used since the driver was loaded."
+)
+GPU_SM_CLOCK = gauge("gpu", "gpu_sm_clock_hertz", "hertz", ["gpu"], "Current SM clock.")
+GPU_MEMORY_CLOCK = gauge("gpu", "gpu_memory_clock_hertz", "hertz", ["gpu"], "Current memory clock.")
+GPU_PCIE_THROUGHPUT = gauge(
+    "gpu", "gpu_pcie_throughput_bytes_per_second", "bytes_per_second", ["gpu", "direction"],
+    "PCIe throughput over the driver's last 20 ms window, direction rx (to the GPU) or tx.",
+)
+GPU_TEMPERATURE = gauge("gpu", "gpu_temperature_celsius", "celsius", ["gpu"], "GPU die temperature.")
+GPU_CLOCKS_EVENT_REASON = gauge(
+    "gpu", "gpu_clocks_event_reason", "", ["gpu", "reason"],
+    "1 while the reason holds clocks down; reason gpu_idle means nothing runs on the GPU.",
+)
+GPU_XID_ERRORS = counter(
+    "gpu", "gpu_xid_errors_total", "", ["gpu", "xid"], "Critical XID error events reported by the driver."
+)
+GPU_PROCESSES = gauge("gpu", "gpu_processes", "", ["gpu"], "Compute processes running on the GPU.")
+GPU_NVML_ERRORS = counter(
+    "gpu", "gpu_nvml_errors_total", "", ["gpu", "call", "error"],
+    "NVML calls that failed, by function and error (gpu is empty for calls not tied to a device).",
+)
+
+# --- host (psutil) -----------------------------------------------------------------------------------
+HOST_CPU_SECONDS = counter(
+    "host", "host_cpu_seconds_total", "seconds", ["mode"], "CPU time spent in each mode, all cores."
+)
+HOST_CPUS = gauge("host", "host_cpus", "", [], "Logical CPUs on the node.")
+HOST_MEMORY_TOTAL = gauge("host", "host_memory_total_bytes", "bytes", [], "Physical memory installed.")
+HOST_MEMORY_AVAILABLE = gauge(
+    "host", "host_memory_available_bytes", "bytes", [], "Memory available without swapping."
+)
+HOST_NETWORK_RECEIVED = counter(
+    "host", "host_network_received_bytes_total", "bytes", ["interface"], "Bytes received per interface."
+)
+HOST_NETWORK_TRANSMITTED = counter(
+    "host", "host_network_transmitted_bytes_total", "bytes", ["interface"],
+    "Bytes transmitted per interface.",
+)
+HOST_DISK_READ = counter(
+    "host", "host_disk_read_bytes_total", "bytes", ["device"], "Bytes read per block device."
+)
+HOST_DISK_WRITTEN = counter(
+    "host", "host_disk_written_bytes_total", "bytes", ["device"], "Bytes written per block device."
+)
+HOST_DISK_IO_SECONDS = counter(
+    "host", "host_disk_io_seconds_total", "seconds", ["device"], "Time each block device was busy."
+)
+
+
+# --- loader: the training client and the agent's event receiver ---------------------------------------
+# (defined by the client/receiver work)
+
+
+# --- spoke: the cache's own view of the traffic ------------------------------------------------------
+# (defined by the spoke collectors work)
+
+
+# --- correlator: stall attribution, GPU idle, warm-up, cache what-if ---------------------------------
+# (defined by the correlator work)
+
+
+def all_metrics() -> tuple[AnyMetricDef, ...]:
+    return tuple(_ALL)
+
+
+def by_subsystem(subsystem: str) -> tuple[AnyMetricDef, ...]:
+    return tuple(m for m in _ALL if m.subsystem == subsystem)
+
+
+def family_names(metrics: Iterable[AnyMetricDef]) -> list[str]:
+    """Sample names as they appear in the exposition, e.g. for a histogram its _bucket/_sum/_count."""
+    names: list[str] = []
+    for m in metrics:
+        if m.kind is Kind.HISTOGRAM:
+            names += [m.name + "_bucket", m.name + "_sum", m.name + "_count"]
+        else:
+            names.append(m.name)
+    return names

@@ -1,0 +1,24 @@
+"""The key of a dataset read, shared by the training client and the spoke collectors.
+
+A read is named by its resource (a file path, or a URL's path without scheme, host or query) and
+its byte offset, hashed to 64 bits: both sides of the cache compute the same key, so the correlator
+can join a worker's read to the spoke's log line without ever carrying a path as a label.
+Standard library only: the training client imports this.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from urllib.parse import urlsplit
+
+
+def resource_of(location: str) -> str:
+    """`http://spoke:8080/shards/0001.tar?x=1` -> `/shards/0001.tar`; a file path stays as it is."""
+    if "://" in location:
+        return urlsplit(location).path or "/"
+    return location
+
+
+def read_key(location: str, offset: int = 0) -> int:
+    digest = hashlib.blake2b(f"{resource_of(location)}@{offset}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little")
