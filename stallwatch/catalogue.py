@@ -187,15 +187,126 @@ HOST_DISK_IO_SECONDS = counter(
 
 
 # --- loader: the training client and the agent's event receiver ---------------------------------------
-# (defined by the client/receiver work)
+LOADER_WAIT = histogram(
+    "loader", "loader_wait_seconds", "seconds", ["job", "rank"],
+    "Time the training loop waited in next(loader) for a batch.",
+)
+STEP_COMPUTE = histogram(
+    "loader", "step_compute_seconds", "seconds", ["job", "rank"],
+    "Time from receiving a batch to asking for the next one (the step's work).",
+)
+DATASET_READS = counter(
+    "loader", "dataset_reads_total", "", ["job", "rank", "verdict"],
+    "Dataset reads by loader workers, by the cache's verdict (hit, miss, unknown) as the reader saw it.",
+)
+DATASET_READ_BYTES = counter(
+    "loader", "dataset_read_bytes_total", "bytes", ["job", "rank"], "Bytes read by loader workers."
+)
+DATASET_READ_DURATION = histogram(
+    "loader", "dataset_read_duration_seconds", "seconds", ["job", "rank"],
+    "Duration of single dataset reads in loader workers.",
+)
+RECEIVER_BATCHES = counter(
+    "loader", "receiver_batches_total", "", ["result"],
+    "Event batches received from training clients: accepted, or rejected with the reason.",
+)
+RECEIVER_EVENTS = counter(
+    "loader", "receiver_events_total", "", ["kind"], "Events accepted from training clients, by kind."
+)
+RECEIVER_DROPPED_EVENTS = counter(
+    "loader", "receiver_dropped_events_total", "", ["reason"],
+    "Events the agent dropped after receiving them (queue full under a flood, or in a rejected batch).",
+)
+CLIENT_DROPPED_EVENTS = counter(
+    "loader", "client_dropped_events_total", "", ["job", "rank"],
+    "Events training clients could not send (agent absent or slow), as the clients report them.",
+)
+RECEIVER_FOLDED_LABELS = counter(
+    "loader", "receiver_folded_label_values_total", "", ["label"],
+    "Distinct job names past the per-node cap, folded into the value __other__.",
+)
 
 
 # --- spoke: the cache's own view of the traffic ------------------------------------------------------
-# (defined by the spoke collectors work)
+SPOKE_REQUESTS = counter(
+    "spoke", "spoke_requests_total", "", ["spoke", "result"],
+    "Requests the spoke served, by result: hit, miss, expired, stale, updating, revalidated, bypass, none.",
+)
+SPOKE_BYTES = counter(
+    "spoke", "spoke_bytes_total", "bytes", ["spoke", "source"],
+    "Bytes the spoke served, by source: cache (local) or hub (fetched across the region boundary).",
+)
+SPOKE_HUB_FETCH_DURATION = histogram(
+    "spoke", "spoke_hub_fetch_duration_seconds", "seconds", ["spoke"],
+    "Time the spoke waited on the hub for one fetch (upstream response time).",
+)
+SPOKE_HUB_ERRORS = counter(
+    "spoke", "spoke_hub_errors_total", "", ["spoke"],
+    "Fetches from the hub that failed (upstream 5xx, timeouts, refused connections).",
+)
+SPOKE_EVICTIONS = counter(
+    "spoke", "spoke_evictions_total", "", ["spoke"], "Objects the spoke evicted to make room."
+)
+SPOKE_CACHE_SIZE = gauge("spoke", "spoke_cache_size_bytes", "bytes", ["spoke"], "Bytes the spoke holds in cache.")
+SPOKE_CACHE_CAPACITY = gauge(
+    "spoke", "spoke_cache_capacity_bytes", "bytes", ["spoke"], "Bytes the spoke may hold in cache."
+)
+SPOKE_HUB_RTT = gauge(
+    "spoke", "spoke_hub_rtt_seconds", "seconds", ["spoke"], "Round-trip time from the spoke to its hub."
+)
+SPOKE_COLLECTOR_ERRORS = counter(
+    "spoke", "spoke_collector_errors_total", "", ["spoke", "reason"],
+    "Problems reading the spoke's statistics: malformed log lines, failed scrapes, timeouts.",
+)
 
 
 # --- correlator: stall attribution, GPU idle, warm-up, cache what-if ---------------------------------
-# (defined by the correlator work)
+CAUSES = ("remote_fetch", "cache_read", "preprocess", "other")
+PHASES = ("cold", "transition", "steady")
+STALL_SECONDS = counter(
+    "correlator", "stall_seconds_total", "seconds", ["job", "rank", "cause"],
+    "Loader-wait seconds above the stall threshold, each attributed to exactly one cause.",
+)
+COMPUTE_SECONDS = counter(
+    "correlator", "compute_seconds_total", "seconds", ["job", "rank"], "Seconds the rank spent computing."
+)
+INPUT_BOUND_RATIO = gauge(
+    "correlator", "input_bound_ratio", "ratio", ["job", "rank"],
+    "wait / (wait + compute) over the last window: the share of step time spent waiting for input.",
+)
+GPU_STALL_IDLE_SECONDS = counter(
+    "correlator", "gpu_stall_idle_seconds_total", "seconds", ["job", "gpu", "cause"],
+    "GPU idle seconds (from NVML samples) during stalls of the rank on that GPU, by the stall's cause.",
+)
+WARMUP_PHASE = gauge(
+    "correlator", "warmup_phase", "", ["job", "phase"], "1 for the job's current phase: cold, transition, steady."
+)
+WARMUP_TIME_TO_STEADY = gauge(
+    "correlator", "warmup_time_to_steady_seconds", "seconds", ["job"],
+    "Seconds from the job's first event to its first steady window.",
+)
+WARMUP_IDLE_GPU_SECONDS = gauge(
+    "correlator", "warmup_idle_gpu_seconds", "seconds", ["job"],
+    "GPU idle seconds during stalls from the job's start until steady state: the warm-up's cost.",
+)
+WARMUP_HUB_BYTES = gauge(
+    "correlator", "warmup_hub_bytes", "bytes", ["job"], "Bytes fetched from the hub until steady state."
+)
+WARMUP_REGRESSIONS = counter(
+    "correlator", "warmup_regressions_total", "", ["job"],
+    "Times the job fell out of steady state (eviction, thrash, hub trouble).",
+)
+CACHE_WHATIF_HIT_RATIO = gauge(
+    "correlator", "cache_whatif_hit_ratio", "ratio", ["spoke", "capacity_factor"],
+    "Estimated hit ratio if the spoke had capacity_factor times its capacity (sampled miss-ratio curve).",
+)
+CORRELATOR_WINDOWS = counter(
+    "correlator", "correlator_windows_total", "", [], "Windows the correlator closed and published."
+)
+CORRELATOR_LATE_EVENTS = counter(
+    "correlator", "correlator_late_events_total", "", ["kind"],
+    "Events that arrived after their window closed (beyond the allowed lateness) and were not attributed.",
+)
 
 
 def all_metrics() -> tuple[AnyMetricDef, ...]:
