@@ -42,6 +42,14 @@ def main(argv: Sequence[str]) -> int:
         format="ts=%(asctime)s level=%(levelname)s logger=%(name)s msg=%(message)r",
         stream=sys.stderr,
     )
+    registry = CollectorRegistry()
+    host_name, port = parse_listen_address(options.web_listen_address)
+    try:  # bind first: a taken port fails before any collector starts a thread
+        server = MetricsServer(registry, host_name, port, options.web_telemetry_path)
+    except OSError as error:
+        print(f"stallwatch agent: error: cannot listen on {options.web_listen_address}: {error.strerror}",
+              file=sys.stderr)
+        return 2
     context = CollectorContext(options=options, sink=discard)
     collectors: dict[str, Collector] = {}
     for name, spec in specs.items():
@@ -49,17 +57,8 @@ def main(argv: Sequence[str]) -> int:
             collectors[name] = spec.factory(context)
     log.info("collectors enabled: %s", ", ".join(collectors) or "none")
     scrape = ScrapeCollector(collectors)
-    registry = CollectorRegistry()
     registry.register(scrape)
     registry.register(_BuildInfo())
-    host_name, port = parse_listen_address(options.web_listen_address)
-    try:
-        server = MetricsServer(registry, host_name, port, options.web_telemetry_path)
-    except OSError as error:
-        print(f"stallwatch agent: error: cannot listen on {options.web_listen_address}: {error.strerror}",
-              file=sys.stderr)
-        scrape.close()
-        return 2
     server.start()
     log.info("listening on %s", server.url)
     stop = threading.Event()

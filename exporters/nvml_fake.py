@@ -228,6 +228,8 @@ class FakeNVML:
         # The driver samples on a fixed grid since init and keeps a bounded buffer of the latest.
         newest = math.floor(self._elapsed() / self._sample_period)
         oldest = max(0, newest - self._sample_buffer + 1)
+        if timeStamp:  # skip straight to the first sample newer than the caller's last
+            oldest = max(oldest, math.floor((timeStamp / 1e6 - self._started) / self._sample_period))
         samples = []
         for k in range(oldest, newest + 1):
             at = k * self._sample_period
@@ -317,7 +319,7 @@ class FakeNVML:
                         return _EventData(handle, pynvml.nvmlEventTypeXidCriticalError, xid)
             if time.monotonic() >= deadline or attempt > 10_000:
                 _raise(pynvml.NVML_ERROR_TIMEOUT)
-            time.sleep(min(0.01, max(0.0, deadline - time.monotonic())))
+            time.sleep(min(0.05, max(0.0, deadline - time.monotonic())))
         raise AssertionError("unreachable")
 
     def nvmlEventSetFree(self, eventSet: _EventSet) -> None:  # noqa: N802, N803

@@ -272,7 +272,7 @@ COMPUTE_SECONDS = counter(
 )
 INPUT_BOUND_RATIO = gauge(
     "correlator", "input_bound_ratio", "ratio", ["job", "rank"],
-    "wait / (wait + compute) over the last window: the share of step time spent waiting for input.",
+    "Share of step time spent waiting for input over the last window: wait / (wait + compute).",
 )
 GPU_STALL_IDLE_SECONDS = counter(
     "correlator", "gpu_stall_idle_seconds_total", "seconds", ["job", "gpu", "cause"],

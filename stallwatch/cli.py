@@ -9,6 +9,7 @@ USAGE = """usage: stallwatch COMMAND [ARGS]
 
 commands:
   agent      run the node agent that serves /metrics (stallwatch agent --help)
+  demo       run the agent on emulated GPUs and show live metrics
   generate   write the generated artifacts: docs/metrics.md (stallwatch generate --help)
 """
 
@@ -25,7 +26,13 @@ def _generate(argv: Sequence[str]) -> int:
     return main(argv)
 
 
-COMMANDS: dict[str, Callable[[Sequence[str]], int]] = {"agent": _agent, "generate": _generate}
+def _demo(argv: Sequence[str]) -> int:
+    from stallwatch.demo import main
+
+    return main(argv)
+
+
+COMMANDS: dict[str, Callable[[Sequence[str]], int]] = {"agent": _agent, "demo": _demo, "generate": _generate}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -1,0 +1,91 @@
+"""Shared fixtures: real binaries found or a clear failure, and a real agent process on a free port."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+LISTENING = re.compile(r"listening on (http://\S+?)(?:'|$)")
+
+
+def require_binary(name: str, package: str) -> str:
+    """Path of a real binary the tests need; `make test` installs it, so its absence is a failure."""
+    found = shutil.which(name) or next(
+        (str(p) for p in (Path("/usr/sbin") / name, Path("/usr/bin") / name) if p.exists()), None
+    )
+    if found is None:
+        pytest.fail(f"{name} not found: `make test` installs Debian's {package} (scripts/install-system-deps.sh)")
+    return found
+
+
+@pytest.fixture(scope="session")
+def promtool() -> str:
+    return require_binary("promtool", "prometheus")
+
+
+@dataclass
+class AgentProcess:
+    process: subprocess.Popen[str]
+    url: str
+    log: Path
+
+    @property
+    def base(self) -> str:
+        return self.url.rsplit("/", 1)[0]
+
+    def stderr(self) -> str:
+        return self.log.read_text()
+
+
+def start_agent(args: list[str], log: Path, timeout: float = 20.0) -> AgentProcess:
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    with log.open("w") as sink:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "stallwatch", "agent", "--web.listen-address", "127.0.0.1:0", *args],
+            stdout=sink, stderr=subprocess.STDOUT, text=True, env=env, cwd=ROOT,
+        )
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        match = LISTENING.search(log.read_text())
+        if match:
+            return AgentProcess(process, match.group(1), log)
+        if process.poll() is not None:
+            break
+        time.sleep(0.05)
+    process.kill()
+    raise AssertionError(f"agent did not start: {log.read_text()}")
+
+
+def stop_agent(agent: AgentProcess) -> None:
+    if agent.process.poll() is None:
+        agent.process.send_signal(signal.SIGTERM)
+        try:
+            agent.process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            agent.process.kill()
+            agent.process.wait()
+
+
+@pytest.fixture
+def agent_factory(tmp_path: Path) -> Iterator[Callable[..., AgentProcess]]:
+    started: list[AgentProcess] = []
+
+    def factory(*args: str) -> AgentProcess:
+        agent = start_agent(list(args), tmp_path / f"agent-{len(started)}.log")
+        started.append(agent)
+        return agent
+
+    yield factory
+    for agent in started:
+        stop_agent(agent)

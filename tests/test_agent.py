@@ -1,0 +1,120 @@
+"""A real agent process: served over HTTP, linted by promtool, configured by flags and YAML."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import requests
+from prometheus_client.parser import text_string_to_metric_families
+
+from stallwatch import catalogue
+from tests.conftest import ROOT, AgentProcess
+
+
+def scrape(agent: AgentProcess) -> dict[str, list[tuple[dict[str, str], float]]]:
+    text = requests.get(agent.url, timeout=10).text
+    out: dict[str, list[tuple[dict[str, str], float]]] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            out.setdefault(s.name, []).append((s.labels, s.value))
+    return out
+
+
+def run_cli(*args: str, timeout: float = 30) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "stallwatch", *args], capture_output=True, text=True,
+                          timeout=timeout, cwd=ROOT)
+
+
+def test_serves_gpu_and_host_metrics_that_promtool_accepts(
+    agent_factory: Callable[..., AgentProcess], promtool: str
+) -> None:
+    agent = agent_factory("--gpu.fake-devices", "2", "--gpu.interval", "0.1")
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline:
+        metrics = scrape(agent)
+        if catalogue.GPU_UTILIZATION.name in metrics and len(metrics[catalogue.GPU_UTILIZATION.name]) == 2:
+            break
+        time.sleep(0.1)
+    assert {labels["gpu"] for labels, _ in metrics[catalogue.GPU_UTILIZATION.name]} == {"0", "1"}
+    assert metrics[catalogue.HOST_CPUS.name][0][1] >= 1
+    success = {labels["collector"]: v for labels, v in metrics[catalogue.SCRAPE_COLLECTOR_SUCCESS.name]}
+    assert success == {"gpu": 1.0, "host": 1.0}
+    body = requests.get(agent.url, timeout=10).content
+    lint = subprocess.run([promtool, "check", "metrics"], input=body, capture_output=True, timeout=60)
+    assert lint.returncode == 0 and not lint.stdout.strip() and not lint.stderr.strip(), lint.stdout + lint.stderr
+    assert requests.get(agent.base + "/-/healthy", timeout=5).text == "OK\n"
+    assert "/metrics" in requests.get(agent.base + "/", timeout=5).text
+    assert requests.get(agent.base + "/nope", timeout=5).status_code == 404
+
+
+def test_openmetrics_is_served_when_asked(agent_factory: Callable[..., AgentProcess]) -> None:
+    agent = agent_factory("--no-collector.gpu")
+    reply = requests.get(agent.url, headers={"Accept": "application/openmetrics-text; version=1.0.0"}, timeout=10)
+    assert reply.headers["Content-Type"].startswith("application/openmetrics-text")
+    assert reply.text.rstrip().endswith("# EOF")
+
+
+def test_without_a_gpu_the_agent_runs_on(agent_factory: Callable[..., AgentProcess]) -> None:
+    # This machine has no NVIDIA driver: the real pynvml path must say so once and keep serving.
+    agent = agent_factory()
+    metrics = scrape(agent)
+    assert metrics[catalogue.GPU_DEVICES.name] == [({}, 0.0)]
+    assert metrics[catalogue.HOST_CPUS.name][0][1] >= 1
+    time.sleep(0.5)
+    assert agent.stderr().count("no GPU") == 1
+
+
+def test_config_file_sets_options_and_flags_win(
+    agent_factory: Callable[..., AgentProcess], tmp_path: Path
+) -> None:
+    config = tmp_path / "agent.yaml"
+    config.write_text("collector.host: false\ngpu.fake-devices: 3\nweb.telemetry-path: /m\n")
+    agent = agent_factory("--config.file", str(config), "--gpu.fake-devices", "1")
+    assert agent.url.endswith("/m")
+    metrics = scrape(agent)
+    assert catalogue.HOST_CPUS.name not in metrics
+    assert metrics[catalogue.GPU_DEVICES.name] == [({}, 1.0)]
+
+
+@pytest.mark.parametrize(
+    ("args", "config", "message"),
+    [
+        (["--bogus"], None, "unrecognized arguments: --bogus"),
+        (["--gpu.interval", "-1"], None, "must be > 0"),
+        (["--web.listen-address", "nowhere"], None, "is not [HOST]:PORT"),
+        (["--config.file", "{config}"], "collector.gpu: [", "not valid YAML at line"),
+        (["--config.file", "{config}"], "colector.gpu: true", "unknown option 'colector.gpu'"),
+        (["--config.file", "{config}"], "collector.gpu: 3", "must be true or false"),
+        (["--config.file", "{config}"], "gpu.interval: fast", "gpu.interval"),
+        (["--config.file", "{config}"], "- a list", "expected a mapping"),
+        (["--config.file", "/nonexistent/agent.yaml"], None, "cannot read"),
+    ],
+)
+def test_bad_flags_and_files_are_one_line_and_exit_2(
+    tmp_path: Path, args: list[str], config: str | None, message: str
+) -> None:
+    path = tmp_path / "agent.yaml"
+    if config is not None:
+        path.write_text(config + "\n")
+    result = run_cli("agent", *[a.format(config=path) for a in args])
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("stallwatch agent: error:") and message in lines[0], result.stderr
+
+
+def test_a_taken_port_is_a_one_line_error(agent_factory: Callable[..., AgentProcess]) -> None:
+    agent = agent_factory("--no-collector.gpu")
+    address = agent.base.removeprefix("http://")
+    result = run_cli("agent", "--no-collector.gpu", "--web.listen-address", address)
+    assert result.returncode == 2 and "cannot listen on" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_unknown_command_and_help() -> None:
+    assert run_cli("frobnicate").returncode == 2
+    assert "agent" in run_cli("--help").stdout

@@ -1,0 +1,81 @@
+"""The metric catalogue: Prometheus naming conventions, a clean promtool lint, a fresh reference doc."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+
+from prometheus_client.exposition import generate_latest
+from prometheus_client.registry import CollectorRegistry
+
+from stallwatch import catalogue
+from stallwatch.catalogue import Kind
+from stallwatch.generate import render_metrics_reference
+from tests.conftest import ROOT
+
+UNIT_SUFFIXES = {
+    "seconds": "_seconds", "bytes": "_bytes", "ratio": "_ratio", "watts": "_watts", "joules": "_joules",
+    "hertz": "_hertz", "celsius": "_celsius", "bytes_per_second": "_bytes_per_second",
+}
+BOUNDED_LABELS = {
+    "job", "rank", "gpu", "uuid", "name", "spoke", "cause", "phase", "collector", "version", "direction",
+    "reason", "xid", "call", "error", "mode", "interface", "device", "verdict", "result", "source", "kind",
+    "label", "capacity_factor",
+}
+
+
+class PopulatedCatalogue:
+    """Every catalogue metric with one sample, as a collector would expose it."""
+
+    def collect(self):  # type: ignore[no-untyped-def]
+        for metric in catalogue.all_metrics():
+            family = metric.family()
+            labels = [f"{label}-value" for label in metric.labels]
+            if metric.kind is Kind.HISTOGRAM:
+                buckets = [(str(b), i) for i, b in enumerate(metric.buckets)] + [("+Inf", len(metric.buckets))]
+                family.add_metric(labels, buckets, 1.5)
+            else:
+                family.add_metric(labels, 1.0)
+            yield family
+
+
+def test_names_follow_prometheus_conventions() -> None:
+    names = [m.name for m in catalogue.all_metrics()]
+    assert len(names) == len(set(names)), "a metric is defined twice"
+    for m in catalogue.all_metrics():
+        assert re.fullmatch(r"stallwatch_[a-z][a-z0-9_]*", m.name), m.name
+        assert m.name.endswith("_total") == (m.kind is Kind.COUNTER), m.name
+        if m.unit:
+            suffix = UNIT_SUFFIXES[m.unit]
+            assert m.name.removesuffix("_total").endswith(suffix), f"{m.name} should end in {suffix}"
+        assert m.help and not m.help[0].islower() and m.help.endswith("."), f"{m.name}: help is a sentence"
+        assert set(m.labels) <= BOUNDED_LABELS, f"{m.name}: unbounded label in {m.labels}"
+        if m.kind is Kind.HISTOGRAM:
+            assert list(m.buckets) == sorted(m.buckets) and m.buckets, m.name
+
+
+def test_promtool_finds_nothing_to_complain_about(promtool: str) -> None:
+    registry = CollectorRegistry()
+    registry.register(PopulatedCatalogue())
+    exposition = generate_latest(registry)
+    for m in catalogue.all_metrics():
+        assert f"# TYPE {m.name.removesuffix('_total')}".encode() in exposition
+    result = subprocess.run([promtool, "check", "metrics"], input=exposition, capture_output=True, timeout=60)
+    assert result.returncode == 0 and not result.stdout.strip() and not result.stderr.strip(), (
+        result.stdout + result.stderr
+    ).decode()
+
+
+def test_promtool_lint_does_catch_a_bad_name(promtool: str) -> None:
+    # The check above must be able to fail: promtool does flag a non-base unit.
+    name = b"stallwatch_wait_milliseconds"
+    text = b"# HELP %s Wait.\n# TYPE %s gauge\n%s 1\n" % (name, name, name)
+    result = subprocess.run([promtool, "check", "metrics"], input=text, capture_output=True, timeout=60)
+    assert result.returncode != 0
+
+
+def test_metrics_reference_is_fresh() -> None:
+    committed = (ROOT / "docs" / "metrics.md").read_text()
+    assert committed == render_metrics_reference(), "docs/metrics.md is stale: run `make generate`"
+    for m in catalogue.all_metrics():
+        assert f"`{m.name}`" in committed

@@ -1,0 +1,218 @@
+"""The gpu collector against a fake NVML that behaves like pynvml: values, units, dips, failures."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import pytest
+from prometheus_client.core import Metric
+
+from stallwatch import catalogue
+from stallwatch.batch import Batch
+from stallwatch.exporters.gpu import GpuCollector, error_label
+from stallwatch.exporters.nvml_fake import FakeGpu, FakeNVML, constant, steps
+
+
+class Clock:
+    def __init__(self, now: float = 1_700_000_000.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+def samples(collector: GpuCollector) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    out = {}
+    for family in collector.collect():
+        for s in family.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def value(readings: dict[tuple[str, tuple[tuple[str, str], ...]], float], name: str, **labels: str) -> float:
+    return readings[(name, tuple(sorted(labels.items())))]
+
+
+def has(readings: dict[tuple[str, tuple[tuple[str, str], ...]], float], name: str, **labels: str) -> bool:
+    return (name, tuple(sorted(labels.items()))) in readings
+
+
+def make(gpus: list[FakeGpu], clock: Clock, **kwargs: object) -> tuple[FakeNVML, GpuCollector, list[Batch]]:
+    nvml = FakeNVML(gpus, clock=clock, sample_period=0.1, pcie_latency=0.0)
+    batches: list[Batch] = []
+    collector = GpuCollector(nvml, start=False, clock=clock, sink=batches.append, **kwargs)  # type: ignore[arg-type]
+    return nvml, collector, batches
+
+
+def test_reads_every_field_in_base_units() -> None:
+    clock = Clock()
+    _, collector, _ = make([FakeGpu(utilization=constant(80), pids=(4242, 4343)), FakeGpu()], clock)
+    collector.poll()
+    clock.advance(1.0)
+    collector.poll()
+    r = samples(collector)
+    c = catalogue
+    assert value(r, c.GPU_DEVICES.name) == 2
+    assert value(r, c.GPU_UP.name, gpu="0") == 1
+    assert value(r, c.GPU_UTILIZATION.name, gpu="0") == pytest.approx(0.80)
+    assert value(r, c.GPU_POWER.name, gpu="0") == pytest.approx((90_000 + 610_000 * 0.8) / 1000, rel=1e-3)
+    assert value(r, c.GPU_SM_CLOCK.name, gpu="0") == 1980e6
+    assert value(r, c.GPU_MEMORY_CLOCK.name, gpu="0") == 2619e6
+    assert value(r, c.GPU_MEMORY_TOTAL.name, gpu="0") == 143_771 * 1024 * 1024
+    assert value(r, c.GPU_TEMPERATURE.name, gpu="0") == 35 + 32
+    # energy: watts x seconds between the two reads, reported in joules
+    assert value(r, c.GPU_ENERGY.name, gpu="0") == pytest.approx(578.0, rel=1e-2)
+    assert value(r, c.GPU_PCIE_THROUGHPUT.name, gpu="0", direction="rx") == 9_600_000 * 1024
+    assert value(r, c.GPU_PROCESSES.name, gpu="0") == 2
+    assert value(r, c.GPU_CLOCKS_EVENT_REASON.name, gpu="0", reason="gpu_idle") == 0
+    assert collector.pid_to_gpu() == {4242: 0, 4343: 0}
+    info = [k for k in r if k[0] == c.GPU_INFO.name]
+    assert len(info) == 2 and dict(info[0][1])["name"] == "NVIDIA H200"
+
+
+def test_a_200ms_dip_between_polls_is_seen() -> None:
+    clock = Clock()
+    # busy, then 200 ms at 0 %, then busy again, all between two one-second polls
+    _, collector, batches = make([FakeGpu(utilization=steps((1.4, 100), (0.2, 0)))], clock, interval=1.0)
+    collector.poll()
+    clock.advance(1.0)
+    collector.poll()
+    clock.advance(1.0)
+    collector.poll()
+    r = samples(collector)
+    assert value(r, catalogue.GPU_UTILIZATION.name, gpu="0") == 1.0  # the instantaneous rate misses it
+    assert value(r, catalogue.GPU_IDLE_SECONDS.name, gpu="0") == pytest.approx(0.2, abs=0.01)
+    assert value(r, catalogue.GPU_UTILIZATION_SAMPLES.name, gpu="0") == 21  # 0.0 .. 2.0 every 100 ms
+    joined = [b for b in batches if b.kind == "gpu_util"]
+    utils = [float(u) for b in joined for u in b.columns["util"]]
+    assert utils.count(0.0) == 2 and len(utils) == 21
+    stamps = [int(t) for b in joined for t in b.columns["ts_ns"]]
+    assert stamps == sorted(stamps) and len(set(stamps)) == len(stamps)  # no sample read twice
+
+
+def test_minimum_of_each_poll_window() -> None:
+    clock = Clock()
+    _, collector, _ = make([FakeGpu(utilization=steps((1.4, 100), (0.2, 0)))], clock)
+    collector.poll()
+    clock.advance(1.0)
+    collector.poll()
+    assert value(samples(collector), catalogue.GPU_UTILIZATION_MIN.name, gpu="0") == 1.0
+    clock.advance(1.0)
+    collector.poll()
+    assert value(samples(collector), catalogue.GPU_UTILIZATION_MIN.name, gpu="0") == 0.0
+
+
+def test_not_supported_degrades_one_metric_and_is_counted_once() -> None:
+    clock = Clock()
+    nvml, collector, _ = make(
+        [FakeGpu(unsupported=frozenset({"nvmlDeviceGetPowerUsage", "nvmlDeviceGetSamples"})), FakeGpu()], clock
+    )
+    for _ in range(3):
+        collector.poll()
+        clock.advance(0.5)
+    r = samples(collector)
+    assert not has(r, catalogue.GPU_POWER.name, gpu="0")
+    assert has(r, catalogue.GPU_POWER.name, gpu="1")
+    assert has(r, catalogue.GPU_UTILIZATION.name, gpu="0")
+    errors = catalogue.GPU_NVML_ERRORS.name
+    assert value(r, errors, gpu="0", call="nvmlDeviceGetPowerUsage", error="not_supported") == 1
+    assert value(r, errors, gpu="0", call="nvmlDeviceGetSamples", error="not_supported") == 1
+    assert nvml.calls["nvmlDeviceGetPowerUsage"] == 3 + 1  # gpu 1 three times, gpu 0 once
+
+
+def test_lost_gpu_goes_down_the_others_keep_serving() -> None:
+    clock = Clock()
+    _, collector, _ = make([FakeGpu(lost_at=1.0), FakeGpu()], clock)
+    collector.poll()
+    clock.advance(1.5)
+    collector.poll()
+    r = samples(collector)
+    assert value(r, catalogue.GPU_UP.name, gpu="0") == 0
+    assert not has(r, catalogue.GPU_UTILIZATION.name, gpu="0")
+    assert value(r, catalogue.GPU_UP.name, gpu="1") == 1
+    assert value(r, catalogue.GPU_UTILIZATION.name, gpu="1") == 1.0
+    errors = catalogue.GPU_NVML_ERRORS.name
+    assert value(r, errors, gpu="0", call="nvmlDeviceGetUtilizationRates", error="gpu_is_lost") == 1
+
+
+def test_no_gpu_is_said_once_and_the_collector_still_answers(caplog: pytest.LogCaptureFixture) -> None:
+    clock = Clock()
+    nvml = FakeNVML([], clock=clock, library_present=False)
+    collector = GpuCollector(nvml, start=False, clock=clock)
+    with caplog.at_level(logging.WARNING):
+        for _ in range(3):
+            collector.poll()
+            clock.advance(60)
+    said = [r.message for r in caplog.records if "no GPU" in r.message]
+    assert len(said) == 1, said
+    r = samples(collector)
+    assert value(r, catalogue.GPU_DEVICES.name) == 0
+    assert value(r, catalogue.GPU_NVML_ERRORS.name, gpu="", call="nvmlInit", error="library_not_found") >= 1
+
+
+def test_driver_gone_mid_run_marks_every_gpu_down_then_recovers() -> None:
+    clock = Clock()
+    nvml, collector, _ = make([FakeGpu(), FakeGpu()], clock)
+    collector.poll()
+    nvml.unload_driver()
+    clock.advance(1)
+    collector.poll()
+    r = samples(collector)
+    assert value(r, catalogue.GPU_UP.name, gpu="0") == 0 and value(r, catalogue.GPU_UP.name, gpu="1") == 0
+    assert value(r, catalogue.GPU_NVML_ERRORS.name, gpu="0", call="nvmlDeviceGetUtilizationRates",
+                 error="driver_not_loaded") == 1
+    nvml._driver_loaded = True  # the driver comes back
+    clock.advance(31)
+    collector.poll()
+    collector.poll()
+    assert value(samples(collector), catalogue.GPU_UP.name, gpu="1") == 1
+    collector.close()
+
+
+def test_xid_events_are_counted_per_gpu_and_code() -> None:
+    nvml = FakeNVML([FakeGpu(), FakeGpu(xids=((0.0, 79), (0.0, 48)))], pcie_latency=0.0)
+    collector = GpuCollector(nvml, interval=0.05)
+    try:
+        deadline = time.monotonic() + 10
+        name = catalogue.GPU_XID_ERRORS.name
+        while time.monotonic() < deadline:
+            r = samples(collector)
+            if has(r, name, gpu="1", xid="79") and has(r, name, gpu="1", xid="48"):
+                break
+            time.sleep(0.02)
+        assert value(r, name, gpu="1", xid="79") == 1 and value(r, name, gpu="1", xid="48") == 1
+        assert not any(k[0] == name and dict(k[1])["gpu"] == "0" for k in r)
+    finally:
+        collector.close()
+
+
+def test_error_labels_are_short_and_bounded() -> None:
+    import pynvml
+
+    assert error_label(pynvml.NVMLError(pynvml.NVML_ERROR_GPU_IS_LOST)) == "gpu_is_lost"
+    assert error_label(pynvml.NVMLError(pynvml.NVML_ERROR_NOT_SUPPORTED)) == "not_supported"
+    assert error_label(pynvml.NVMLError(12345)) == "code_12345"
+
+
+def test_a_broken_collect_never_reaches_the_scrape() -> None:
+    from stallwatch.exporters.collector import ScrapeCollector
+
+    class Broken:
+        def collect(self) -> list[Metric]:
+            raise RuntimeError("boom")
+
+        def close(self) -> None:
+            pass
+
+    clock = Clock()
+    _, gpu, _ = make([FakeGpu()], clock)
+    gpu.poll()
+    families = list(ScrapeCollector({"broken": Broken(), "gpu": gpu}).collect())
+    success = {s.labels["collector"]: s.value for f in families if f.name == catalogue.SCRAPE_COLLECTOR_SUCCESS.name
+               for s in f.samples}
+    assert success == {"broken": 0.0, "gpu": 1.0}
+    assert any(f.name == catalogue.GPU_UTILIZATION.name for f in families)
