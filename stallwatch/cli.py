@@ -11,6 +11,7 @@ commands:
   agent      run the node agent that serves /metrics (stallwatch agent --help)
   demo       run the agent on emulated GPUs and show live metrics
   generate   write the generated artifacts: docs/metrics.md (stallwatch generate --help)
+  publish    push the generated dashboards to Grafana and rules to Prometheus
 """
 
 
@@ -32,7 +33,18 @@ def _demo(argv: Sequence[str]) -> int:
     return main(argv)
 
 
-COMMANDS: dict[str, Callable[[Sequence[str]], int]] = {"agent": _agent, "demo": _demo, "generate": _generate}
+def _publish(argv: Sequence[str]) -> int:
+    from stallwatch.publish import main
+
+    return main(argv)
+
+
+COMMANDS: dict[str, Callable[[Sequence[str]], int]] = {
+    "agent": _agent,
+    "demo": _demo,
+    "generate": _generate,
+    "publish": _publish,
+}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -1,0 +1,187 @@
+"""`stallwatch publish`: push the generated dashboards and rules to where users look.
+
+- Grafana: each dashboard through the HTTP API (`POST /api/dashboards/db`, overwrite) into a folder
+  created when missing; a dashboard whose stored copy already matches is left alone, so publishing
+  twice changes nothing. The service-account token comes from a file or `GRAFANA_TOKEN`, never a flag.
+- Prometheus: each rule file is written next to its target, checked with `promtool check rules`, and
+  only then moved over the old one (atomically); then `POST /-/reload` when a URL is given (the server
+  must run with `--web.enable-lifecycle`). A broken rule never replaces a good file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import urllib.error
+import urllib.request
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from stallwatch.generate import ARTIFACTS
+
+TIMEOUT_SECONDS = 10.0
+
+
+class PublishError(Exception):
+    """A failure the user can act on; the message is one line."""
+
+
+# --- Grafana -------------------------------------------------------------------------------------------
+class Grafana:
+    def __init__(self, url: str, token: str, timeout: float = TIMEOUT_SECONDS) -> None:
+        self._url = url.rstrip("/")
+        self._token = token
+        self._timeout = timeout
+
+    def _request(self, method: str, path: str, body: Any = None) -> tuple[int, Any]:
+        data = None if body is None else json.dumps(body).encode()
+        request = urllib.request.Request(self._url + path, data=data, method=method)
+        request.add_header("Authorization", f"Bearer {self._token}")
+        request.add_header("Accept", "application/json")
+        if data is not None:
+            request.add_header("Content-Type", "application/json")
+        try:
+            with urllib.request.urlopen(request, timeout=self._timeout) as reply:
+                return reply.status, json.loads(reply.read() or b"null")
+        except urllib.error.HTTPError as error:
+            status, detail = error.code, _message(error.read())
+        except (urllib.error.URLError, OSError) as error:
+            reason = getattr(error, "reason", error)
+            raise PublishError(f"Grafana is not reachable at {self._url}: {reason}") from error
+        if status == 404:
+            return status, None
+        if status == 401:
+            raise PublishError(f"Grafana rejected the token (401 {detail}): check the token file or GRAFANA_TOKEN")
+        if status == 403:
+            raise PublishError(f"Grafana denied {method} {path} (403 {detail}): the service account needs the "
+                               "Editor role on the folder")
+        if status == 412:
+            raise PublishError(f"Grafana refused {path} (412 {detail}): a dashboard with the same name or uid "
+                               "exists elsewhere; move or delete it")
+        raise PublishError(f"Grafana answered {status} to {method} {path}: {detail}")
+
+    def ensure_folder(self, title: str, uid: str) -> str:
+        status, folder = self._request("GET", f"/api/folders/{uid}")
+        if status == 200 and folder:
+            return str(folder["uid"])
+        _, created = self._request("POST", "/api/folders", {"uid": uid, "title": title})
+        return str(created["uid"])
+
+    def publish_dashboard(self, dashboard: Mapping[str, Any], folder_uid: str) -> bool:
+        """Upload one dashboard; False when the stored copy already matched (nothing was changed)."""
+        uid = dashboard["uid"]
+        status, stored = self._request("GET", f"/api/dashboards/uid/{uid}")
+        unchanged = (
+            status == 200
+            and stored
+            and stored.get("meta", {}).get("folderUid") == folder_uid
+            and _comparable(stored["dashboard"]) == _comparable(dashboard)
+        )
+        if unchanged:
+            return False
+        body = {"dashboard": {**dashboard, "id": None}, "folderUid": folder_uid, "overwrite": True,
+                "message": "stallwatch publish"}
+        self._request("POST", "/api/dashboards/db", body)
+        return True
+
+
+def _comparable(dashboard: Mapping[str, Any]) -> dict[str, Any]:
+    # Grafana adds its own bookkeeping to what it stores.
+    return {k: v for k, v in dashboard.items() if k not in ("id", "version")}
+
+
+def _message(body: bytes) -> str:
+    try:
+        return str(json.loads(body).get("message", ""))
+    except (ValueError, AttributeError):
+        return body[:200].decode(errors="replace")
+
+
+def read_token(path: str | None) -> str:
+    if path:
+        try:
+            return Path(path).read_text().strip()
+        except OSError as error:
+            raise PublishError(f"cannot read the Grafana token file {path}: {error.strerror}") from error
+    token = os.environ.get("GRAFANA_TOKEN", "").strip()
+    if not token:
+        raise PublishError("no Grafana token: pass --grafana.token-file or set GRAFANA_TOKEN")
+    return token
+
+
+# --- Prometheus ----------------------------------------------------------------------------------------
+def install_rules(rules: Mapping[str, str], directory: Path, promtool: str) -> list[str]:
+    """Check each rule file with promtool, then move it into place atomically. Returns what changed."""
+    directory.mkdir(parents=True, exist_ok=True)
+    changed = []
+    for name, text in rules.items():
+        target = directory / name
+        if target.exists() and target.read_text() == text:
+            continue
+        fd, staged = tempfile.mkstemp(prefix=f".{name}.", suffix=".yaml", dir=directory)
+        with os.fdopen(fd, "w") as handle:
+            handle.write(text)
+        check = subprocess.run([promtool, "check", "rules", staged], capture_output=True, text=True, timeout=60)
+        if check.returncode != 0:
+            os.unlink(staged)
+            detail = " ".join((check.stdout + check.stderr).split())
+            raise PublishError(f"{name} failed promtool check rules, the installed copy is unchanged: {detail}")
+        os.chmod(staged, 0o644)
+        os.replace(staged, target)
+        changed.append(name)
+    return changed
+
+
+def reload_prometheus(url: str, timeout: float = TIMEOUT_SECONDS) -> None:
+    request = urllib.request.Request(url.rstrip("/") + "/-/reload", method="POST")
+    try:
+        urllib.request.urlopen(request, timeout=timeout).close()
+    except urllib.error.HTTPError as error:
+        hint = " (start Prometheus with --web.enable-lifecycle)" if error.code in (403, 404) else ""
+        raise PublishError(f"Prometheus refused the reload: {error.code} {error.reason}{hint}") from error
+    except (urllib.error.URLError, OSError) as error:
+        raise PublishError(f"Prometheus is not reachable at {url}: {getattr(error, 'reason', error)}") from error
+
+
+# --- the command ---------------------------------------------------------------------------------------
+def generated(prefix: str) -> dict[str, str]:
+    """Fresh renders of the artifacts under `prefix`, by file name."""
+    return {Path(p).name: render() for p, render in ARTIFACTS.items() if p.startswith(prefix)}
+
+
+def main(argv: Sequence[str]) -> int:
+    parser = argparse.ArgumentParser(prog="stallwatch publish", description=__doc__.splitlines()[0])
+    parser.add_argument("--grafana.url", dest="grafana_url", help="Grafana base URL, e.g. http://grafana:3000")
+    parser.add_argument("--grafana.token-file", dest="grafana_token_file",
+                        help="file holding a service-account token (default: $GRAFANA_TOKEN)")
+    parser.add_argument("--grafana.folder", dest="grafana_folder", default="stallwatch", help="(default: %(default)s)")
+    parser.add_argument("--prometheus.rules-dir", dest="rules_dir", type=Path,
+                        help="directory Prometheus loads rule files from (rule_files glob)")
+    parser.add_argument("--prometheus.url", dest="prometheus_url", help="reload this Prometheus after writing rules")
+    parser.add_argument("--promtool", default=shutil.which("promtool") or "promtool", help="(default: %(default)s)")
+    options = parser.parse_args(argv)
+    if not options.grafana_url and not options.rules_dir:
+        parser.error("nothing to do: give --grafana.url and/or --prometheus.rules-dir")
+    try:
+        if options.grafana_url:
+            grafana = Grafana(options.grafana_url, read_token(options.grafana_token_file))
+            folder = grafana.ensure_folder(options.grafana_folder, options.grafana_folder.lower())
+            for name, text in generated("dashboards/").items():
+                changed = grafana.publish_dashboard(json.loads(text), folder)
+                print(f"grafana: {name}: {'published' if changed else 'unchanged'}")
+        if options.rules_dir:
+            changed_rules = install_rules(generated("alerts/"), options.rules_dir, options.promtool)
+            print(f"prometheus: {len(changed_rules)} rule file(s) updated in {options.rules_dir}")
+            if options.prometheus_url and changed_rules:
+                reload_prometheus(options.prometheus_url)
+                print(f"prometheus: reloaded {options.prometheus_url}")
+    except PublishError as error:
+        print(f"stallwatch publish: error: {error}", file=sys.stderr)
+        return 1
+    return 0
