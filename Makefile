@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	# The CPU wheel of torch 2.13.0: any other version would pull a multi-GB CUDA build.
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[test,torch]'
+	$(PY) -m pip install -q -e '.[test,torch,report]'
 	touch $@
 
 system-deps:

@@ -2,61 +2,38 @@
 
 from __future__ import annotations
 
+import importlib
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
-USAGE = """usage: stallwatch COMMAND [ARGS]
-
-commands:
-  agent      run the node agent that serves /metrics (stallwatch agent --help)
-  demo       run the agent on emulated GPUs and show live metrics
-  generate   write the generated artifacts: docs/metrics.md (stallwatch generate --help)
-  publish    push the generated dashboards to Grafana and rules to Prometheus
-"""
-
-
-def _agent(argv: Sequence[str]) -> int:
-    from stallwatch.exporters.agent import main
-
-    return main(argv)
-
-
-def _generate(argv: Sequence[str]) -> int:
-    from stallwatch.generate import main
-
-    return main(argv)
-
-
-def _demo(argv: Sequence[str]) -> int:
-    from stallwatch.demo import main
-
-    return main(argv)
-
-
-def _publish(argv: Sequence[str]) -> int:
-    from stallwatch.publish import main
-
-    return main(argv)
-
-
-COMMANDS: dict[str, Callable[[Sequence[str]], int]] = {
-    "agent": _agent,
-    "demo": _demo,
-    "generate": _generate,
-    "publish": _publish,
+# Subcommand -> (module whose `main(argv) -> int` runs it, one line of help). Modules load on use, so
+# `stallwatch agent` never imports matplotlib and `stallwatch report` never imports NVML.
+COMMANDS: dict[str, tuple[str, str]] = {
+    "agent": ("stallwatch.exporters.agent", "run the node agent that serves /metrics"),
+    "demo": ("stallwatch.demo", "run a hub, a spoke, a training job and the agent on this machine"),
+    "generate": ("stallwatch.generate", "write the generated artifacts (docs, dashboards, rules)"),
+    "publish": ("stallwatch.publish", "push the generated dashboards to Grafana and rules to Prometheus"),
+    "report": ("stallwatch.report", "write an HTML warm-up report of a run"),
 }
+
+
+def usage() -> str:
+    lines = ["usage: stallwatch COMMAND [ARGS]   (stallwatch COMMAND --help for its options)", "", "commands:"]
+    lines += [f"  {name:10} {text}" for name, (_, text) in COMMANDS.items()]
+    return "\n".join(lines) + "\n"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if not args or args[0] in ("-h", "--help"):
-        print(USAGE, end="")
+        print(usage(), end="")
         return 0 if args else 2
     command = COMMANDS.get(args[0])
     if command is None:
         print(f"stallwatch: error: unknown command {args[0]!r} (try: {', '.join(COMMANDS)})", file=sys.stderr)
         return 2
-    return command(args[1:])
+    module = importlib.import_module(command[0])
+    return int(module.main(args[1:]))
 
 
 if __name__ == "__main__":

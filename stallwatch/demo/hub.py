@@ -1,0 +1,134 @@
+"""The demo's hub: an HTTP server holding a sharded dataset behind an emulated region boundary.
+
+Every response first waits one round trip, then streams at a capped bandwidth, as a bucket in another
+region would. The hub can be cut (`/-/outage?seconds=N` or `Hub.cut_for()`): during an outage it
+accepts connections and answers nothing until the outage ends, the way a broken long-haul link looks
+to a cache in front of it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+import time
+from collections.abc import Callable
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+from urllib.parse import parse_qs, urlsplit
+
+CHUNK = 64 * 1024
+
+
+def make_dataset(directory: Path, shards: int, shard_bytes: int) -> list[str]:
+    """Write `shards` files of deterministic bytes; return their names (sorted)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    names = []
+    for index in range(shards):
+        name = f"shard-{index:05d}.bin"
+        path = directory / name
+        if not path.exists() or path.stat().st_size != shard_bytes:
+            seed = hashlib.sha256(name.encode()).digest()
+            path.write_bytes((seed * (shard_bytes // len(seed) + 1))[:shard_bytes])
+        names.append(name)
+    return names
+
+
+class Hub:
+    def __init__(
+        self,
+        root: Path,
+        rtt_seconds: float = 0.06,
+        bandwidth_bytes_per_second: float = 300e6 / 8,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.root = root
+        self.rtt_seconds = rtt_seconds
+        self.bandwidth = bandwidth_bytes_per_second
+        self._clock = clock
+        self._outage_until = 0.0
+        self.requests = 0
+        self.bytes_sent = 0
+        self._lock = threading.Lock()
+        handler = type("_BoundHandler", (_HubHandler,), {"hub": self})
+        self._server = ThreadingHTTPServer((host, port), handler)
+        self._server.daemon_threads = True
+        self._thread = threading.Thread(target=self._server.serve_forever, name="hub", daemon=True)
+
+    @property
+    def url(self) -> str:
+        host, port = self._server.server_address[:2]
+        return f"http://{host!s}:{port}"
+
+    def start(self) -> Hub:
+        self._thread.start()
+        return self
+
+    def close(self) -> None:
+        self._outage_until = 0.0
+        self._server.shutdown()
+        self._server.server_close()
+
+    def cut_for(self, seconds: float) -> None:
+        self._outage_until = self._clock() + seconds
+
+    def in_outage(self) -> bool:
+        return self._clock() < self._outage_until
+
+    def wait_out_outage(self) -> None:
+        while self.in_outage():
+            time.sleep(0.05)
+
+    def account(self, sent: int) -> None:
+        with self._lock:
+            self.bytes_sent += sent
+
+
+class _HubHandler(BaseHTTPRequestHandler):
+    hub: Hub
+    protocol_version = "HTTP/1.1"
+
+    def do_GET(self) -> None:
+        parts = urlsplit(self.path)
+        if parts.path == "/-/outage":
+            seconds = float(parse_qs(parts.query).get("seconds", ["30"])[0])
+            self.hub.cut_for(seconds)
+            self._reply_small(200, f"hub cut for {seconds} s\n")
+            return
+        self.hub.wait_out_outage()
+        path = (self.hub.root / parts.path.lstrip("/")).resolve()
+        if self.hub.root.resolve() not in path.parents or not path.is_file():
+            self._reply_small(404, "no such shard\n")
+            return
+        with self.hub._lock:
+            self.hub.requests += 1
+        time.sleep(self.hub.rtt_seconds)
+        size = path.stat().st_size
+        self.send_response(200)
+        self.send_header("Content-Type", "application/octet-stream")
+        self.send_header("Content-Length", str(size))
+        self.send_header("Cache-Control", "public, max-age=86400")
+        self.end_headers()
+        started = time.monotonic()
+        sent = 0
+        with path.open("rb") as handle:
+            while chunk := handle.read(CHUNK):
+                self.wfile.write(chunk)
+                sent += len(chunk)
+                ahead = sent / self.hub.bandwidth - (time.monotonic() - started)
+                if ahead > 0:
+                    time.sleep(ahead)
+        self.hub.account(sent)
+
+    def _reply_small(self, status: int, text: str) -> None:
+        body = text.encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "text/plain")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
