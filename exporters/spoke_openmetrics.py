@@ -187,6 +187,8 @@ def http_get(url: str, headers: Mapping[str, str], timeout: float, context: ssl.
     except urllib.error.URLError as error:
         if isinstance(error.reason, TimeoutError):
             raise ScrapeError("timeout", f"no answer from {url} within {timeout} s") from error
+        if isinstance(error.reason, ssl.SSLError):
+            raise ScrapeError("tls_error", f"{url}: {error.reason}") from error
         raise ScrapeError("unreachable", f"{url}: {error.reason}") from error
     except OSError as error:
         raise ScrapeError("unreachable", f"{url}: {error}") from error
