@@ -12,14 +12,14 @@ import argparse
 import logging
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from prometheus_client.core import Metric
 from prometheus_client.registry import Collector as PromCollector
 
 from stallwatch import catalogue
-from stallwatch.batch import BatchSink
+from stallwatch.batch import BatchSink, Interner
 
 log = logging.getLogger(__name__)
 
@@ -32,10 +32,15 @@ class Collector(Protocol):
 
 @dataclass(frozen=True)
 class CollectorContext:
-    """What the agent hands every collector factory: parsed options and the correlator's input."""
+    """What the agent hands every collector factory: parsed options and the correlator's input.
+
+    `spokes` turns spoke names into the small ids `spoke_request` batches carry; the correlator reads
+    names back from the same instance.
+    """
 
     options: argparse.Namespace
     sink: BatchSink
+    spokes: Interner = field(default_factory=Interner)
 
 
 Factory = Callable[[CollectorContext], Collector]

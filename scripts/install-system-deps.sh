@@ -1,17 +1,18 @@
 #!/usr/bin/env bash
 # Installs the real components the tests run against, from Debian's packages, when they are missing:
-# Prometheus and promtool, Alertmanager and amtool, nginx (the spoke).
+# Prometheus and promtool, Alertmanager and amtool, nginx and Varnish (spokes).
 set -euo pipefail
 need=()
 command -v promtool >/dev/null || need+=(prometheus)
 command -v amtool >/dev/null || need+=(prometheus-alertmanager)
 command -v nginx >/dev/null || [ -x /usr/sbin/nginx ] || need+=(nginx-light)
+command -v varnishstat >/dev/null || need+=(varnish)
 [ ${#need[@]} -eq 0 ] && exit 0
 if [ "$(id -u)" -ne 0 ]; then SUDO=sudo; else SUDO=; fi
 echo "installing Debian packages: ${need[*]}"
 $SUDO apt-get update -qq
 DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null
 # Debian's packages start their services where an init system runs; the tests start their own.
-for service in prometheus prometheus-alertmanager nginx; do
+for service in prometheus prometheus-alertmanager nginx varnish varnishncsa; do
   $SUDO service "$service" stop >/dev/null 2>&1 || true
 done

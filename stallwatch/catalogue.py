@@ -258,6 +258,31 @@ SPOKE_COLLECTOR_ERRORS = counter(
     "spoke", "spoke_collector_errors_total", "", ["spoke", "reason"],
     "Problems reading the spoke's statistics: malformed log lines, failed scrapes, timeouts.",
 )
+# NFS client view of a spoke mounted over NFS (/proc/self/mountstats, READ operations only): the
+# spoke's latency as the node sees it, where the spoke itself has no hit/miss counter.
+SPOKE_NFS_READ_OPERATIONS = counter(
+    "spoke", "spoke_nfs_read_operations_total", "", ["spoke"], "NFS READ operations the node sent to the spoke."
+)
+SPOKE_NFS_READ_BYTES = counter(
+    "spoke", "spoke_nfs_read_bytes_total", "bytes", ["spoke"],
+    "Bytes received in NFS READ replies from the spoke, RPC headers included.",
+)
+SPOKE_NFS_READ_RTT = counter(
+    "spoke", "spoke_nfs_read_rtt_seconds_total", "seconds", ["spoke"],
+    "Summed round-trip time of NFS READs: request sent to reply received.",
+)
+SPOKE_NFS_READ_EXECUTE = counter(
+    "spoke", "spoke_nfs_read_execute_seconds_total", "seconds", ["spoke"],
+    "Summed execute time of NFS READs: queued, sent, retransmitted and answered.",
+)
+SPOKE_NFS_READ_MAJOR_TIMEOUTS = counter(
+    "spoke", "spoke_nfs_read_major_timeouts_total", "", ["spoke"],
+    "NFS READs that hit a major timeout (the spoke did not answer through all retransmissions).",
+)
+SPOKE_NFS_READ_ERRORS = counter(
+    "spoke", "spoke_nfs_read_errors_total", "", ["spoke"],
+    "NFS READs that completed with an error (kernels with mountstats statvers 1.1 and per-op errors).",
+)
 
 
 # --- correlator: stall attribution, GPU idle, warm-up, cache what-if ---------------------------------

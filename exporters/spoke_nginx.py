@@ -1,0 +1,296 @@
+"""The `spoke_nginx` collector: an nginx `proxy_cache` spoke, from its access log.
+
+Open-source nginx keeps no cache counters; the access log is the only place that says, per request,
+whether the cache served it (`$upstream_cache_status`) and how long the hub took
+(`$upstream_response_time`). The log must use the `stallwatch` format of docs/nginx-spoke.conf: LTSV
+(`name:value` fields separated by tabs, in any order, unknown fields ignored), which nginx's default
+escaping keeps unambiguous.
+
+The log is tailed by a background thread every `--spoke_nginx.interval` seconds, so the correlator
+receives `spoke_request` batches while nobody scrapes; each scrape also reads what was appended since
+the last poll, so /metrics is never behind the log. Rotation, partial lines and a log that does not
+exist yet are handled by `LogTailer`; every line is counted once, and every line that cannot be used
+is counted in `stallwatch_spoke_collector_errors_total`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import bisect
+import logging
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import numpy as np
+from prometheus_client.core import Metric
+
+from stallwatch import catalogue
+from stallwatch.batch import Batch, BatchSink, Verdict, discard
+from stallwatch.exporters.collector import CollectorContext, register_collector
+from stallwatch.exporters.logtail import LogTailer
+from stallwatch.keys import read_key
+
+log = logging.getLogger(__name__)
+
+# $upstream_cache_status -> the `result` label. "-" means the request did not go through a cache.
+RESULTS = {
+    "HIT": "hit", "MISS": "miss", "EXPIRED": "expired", "STALE": "stale", "UPDATING": "updating",
+    "REVALIDATED": "revalidated", "BYPASS": "bypass", "-": "none",
+}
+# Where the body came from. STALE and UPDATING serve the cached copy (the hub failed or is being
+# asked in the background); REVALIDATED asked the hub (304) and served the cached copy.
+FROM_CACHE = frozenset({"hit", "stale", "updating", "revalidated"})
+FROM_HUB = frozenset({"miss", "expired", "bypass"})
+REQUIRED_FIELDS = ("msec", "request_time", "status", "bytes", "cache", "upstream_time", "uri")
+
+
+class MalformedLineError(ValueError):
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(detail)
+        self.reason = reason
+
+
+@dataclass(frozen=True)
+class LogEntry:
+    result: str
+    verdict: Verdict
+    status: int
+    body_bytes: int
+    end_wall_ns: int
+    duration_ns: int
+    upstream_ns: int  # -1 when the hub was not contacted
+    upstream_errors: int
+    key: int
+
+
+def seconds_to_ns(text: str) -> int:
+    """`1700000000.123` -> ns, exactly: nginx writes fixed decimals, floats would round."""
+    whole, _, fraction = text.partition(".")
+    if not whole.isdigit() or (fraction and not fraction.isdigit()):
+        raise ValueError(f"not a time in seconds: {text!r}")
+    return int(whole) * 1_000_000_000 + int((fraction + "000000000")[:9])
+
+
+def upstream_seconds_ns(text: str) -> int:
+    """Total hub time of `$upstream_response_time`: "0.010, 0.020" (two servers tried), "0.1 : 0.2"
+    (an internal redirect), "-" (not contacted) -> ns, or -1 when no server answered at all."""
+    total, seen = 0, False
+    for raw in text.replace(":", ",").split(","):
+        item = raw.strip()
+        if item and item != "-":
+            total += seconds_to_ns(item)
+            seen = True
+    return total if seen else -1
+
+
+def upstream_error_count(text: str) -> int:
+    """Servers that failed in `$upstream_status` ("502, 200" is one failure, then a success)."""
+    return sum(1 for item in text.replace(":", ",").split(",") if item.strip().isdigit() and int(item) >= 500)
+
+
+def range_start(text: str) -> int:
+    """`bytes=1048576-2097151` -> 1048576; anything else (no Range, a suffix range) -> 0."""
+    unit, _, spec = text.partition("=")
+    first = spec.split(",", 1)[0].split("-", 1)[0].strip()
+    return int(first) if unit.strip() == "bytes" and first.isdigit() else 0
+
+
+def parse_entry(line: str) -> LogEntry:
+    fields = dict(item.split(":", 1) for item in line.split("\t") if ":" in item)
+    missing = [name for name in REQUIRED_FIELDS if name not in fields]
+    if missing:
+        raise MalformedLineError("malformed_line", f"missing fields {', '.join(missing)}")
+    result = RESULTS.get(fields["cache"])
+    if result is None:
+        raise MalformedLineError("unknown_cache_status", f"unknown cache status {fields['cache']!r}")
+    try:
+        upstream_ns = upstream_seconds_ns(fields["upstream_time"])
+        end_wall_ns = seconds_to_ns(fields["msec"])
+        duration_ns = seconds_to_ns(fields["request_time"])
+        status, body_bytes = int(fields["status"]), int(fields["bytes"])
+    except ValueError as error:
+        raise MalformedLineError("malformed_line", str(error)) from error
+    if result in FROM_CACHE:
+        verdict = Verdict.HIT
+    elif result in FROM_HUB or upstream_ns >= 0:
+        verdict = Verdict.MISS
+    else:
+        verdict = Verdict.UNKNOWN  # answered by nginx itself: neither cache nor hub
+    upstream_status = fields.get("upstream_status", "-")
+    errors = upstream_error_count(upstream_status) if "upstream_status" in fields else int(
+        upstream_ns >= 0 and status >= 500
+    )
+    offset_text = fields.get("slice", "-")
+    if offset_text in ("", "-"):
+        offset_text = fields.get("range", "-")
+    uri = fields["uri"].split("?", 1)[0]
+    return LogEntry(result, verdict, status, body_bytes, end_wall_ns, duration_ns, upstream_ns, errors,
+                    read_key(uri, range_start(offset_text)))
+
+
+class _Histogram:
+    def __init__(self, bounds: tuple[float, ...]) -> None:
+        self._bounds = bounds
+        self._counts = [0] * (len(bounds) + 1)
+        self._sum = 0.0
+
+    def observe(self, value: float) -> None:
+        self._counts[bisect.bisect_left(self._bounds, value)] += 1
+        self._sum += value
+
+    def buckets(self) -> tuple[list[tuple[str, float]], float]:
+        cumulative, out = 0, []
+        for bound, count in zip((*self._bounds, float("inf")), self._counts, strict=True):
+            cumulative += count
+            out.append(("+Inf" if bound == float("inf") else repr(bound), float(cumulative)))
+        return out, self._sum
+
+
+class NginxSpokeCollector:
+    def __init__(
+        self,
+        path: str,
+        spoke: str = "nginx",
+        *,
+        spoke_id: int = 0,
+        sink: BatchSink = discard,
+        from_start: bool = False,
+        rotate_wait: float = 5.0,
+        interval: float = 1.0,
+        wall_ns: Callable[[], int] = time.time_ns,
+        monotonic_ns: Callable[[], int] = time.monotonic_ns,
+    ) -> None:
+        self._spoke, self._spoke_id, self._sink = spoke, spoke_id, sink
+        self._wall_ns, self._monotonic_ns = wall_ns, monotonic_ns
+        self._lock = threading.Lock()
+        self._requests: Counter[str] = Counter({result: 0 for result in RESULTS.values()})
+        self._bytes = {"cache": 0, "hub": 0}
+        self._hub_fetch = _Histogram(catalogue.SPOKE_HUB_FETCH_DURATION.buckets)
+        self._hub_errors = 0
+        self._errors: Counter[str] = Counter()
+        self._tailer = LogTailer(path, from_start=from_start, rotate_wait=rotate_wait, on_problem=self._problem)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        if interval > 0:
+            self._thread = threading.Thread(target=self._run, args=(interval,), name="spoke-nginx", daemon=True)
+            self._thread.start()
+
+    def poll(self) -> int:
+        """Read and account every line appended since the last poll; returns how many were used."""
+        with self._lock:
+            try:
+                lines = self._tailer.read_lines()
+            except OSError as error:
+                self._problem("read_error")
+                log.warning("spoke %s: cannot read %s: %s", self._spoke, self._tailer.path, error)
+                return 0
+            entries: list[LogEntry] = []
+            for raw in lines:
+                try:
+                    entries.append(parse_entry(raw.decode("utf-8", "replace")))
+                except MalformedLineError as error:
+                    self._problem(error.reason)
+                    log.debug("spoke %s: skipped line: %s", self._spoke, error)
+            for entry in entries:
+                self._account(entry)
+            if entries:
+                self._sink(self._batch(entries))
+            return len(entries)
+
+    def collect(self) -> Iterator[Metric]:
+        self.poll()
+        c, labels = catalogue, [self._spoke]
+        requests, volume = c.SPOKE_REQUESTS.family(), c.SPOKE_BYTES.family()
+        hub_fetch, hub_errors, errors = (
+            c.SPOKE_HUB_FETCH_DURATION.family(), c.SPOKE_HUB_ERRORS.family(), c.SPOKE_COLLECTOR_ERRORS.family()
+        )
+        with self._lock:
+            for result, count in sorted(self._requests.items()):
+                requests.add_metric([*labels, result], count)
+            for source, count in self._bytes.items():
+                volume.add_metric([*labels, source], count)
+            buckets, total = self._hub_fetch.buckets()
+            hub_fetch.add_metric(labels, buckets, total)
+            hub_errors.add_metric(labels, self._hub_errors)
+            for reason, count in sorted(self._errors.items()):
+                errors.add_metric([*labels, reason], count)
+        yield from (requests, volume, hub_fetch, hub_errors, errors)
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        with self._lock:
+            self._tailer.close()
+
+    def _run(self, interval: float) -> None:
+        while not self._stop.wait(interval):
+            try:
+                self.poll()
+            except Exception:  # one bad poll must not end the thread; the next one retries
+                log.exception("spoke %s: poll failed", self._spoke)
+
+    def _problem(self, reason: str) -> None:
+        if not self._errors[reason]:
+            log.warning("spoke %s: %s in %s (counted from now on)", self._spoke, reason, self._tailer.path)
+        self._errors[reason] += 1
+
+    def _account(self, entry: LogEntry) -> None:
+        self._requests[entry.result] += 1
+        if entry.verdict is Verdict.HIT:
+            self._bytes["cache"] += entry.body_bytes
+        elif entry.verdict is Verdict.MISS:
+            self._bytes["hub"] += entry.body_bytes
+        if entry.upstream_ns >= 0:
+            self._hub_fetch.observe(entry.upstream_ns / 1e9)
+        self._hub_errors += entry.upstream_errors
+
+    def _batch(self, entries: list[LogEntry]) -> Batch:
+        # $msec is wall time; the stream runs on the node's monotonic clock. Sample the offset once
+        # per batch so a wall-clock step moves later batches, not the order within one.
+        offset = self._wall_ns() - self._monotonic_ns()
+        return Batch("spoke_request", {
+            "spoke": np.full(len(entries), self._spoke_id, dtype=np.int32),
+            "key": np.fromiter((e.key for e in entries), dtype=np.uint64, count=len(entries)),
+            "bytes": np.fromiter((e.body_bytes for e in entries), dtype=np.int64, count=len(entries)),
+            "end_ns": np.fromiter((e.end_wall_ns - offset for e in entries), dtype=np.int64, count=len(entries)),
+            "duration_ns": np.fromiter((e.duration_ns for e in entries), dtype=np.int64, count=len(entries)),
+            "upstream_ns": np.fromiter((e.upstream_ns for e in entries), dtype=np.int64, count=len(entries)),
+            "verdict": np.fromiter((e.verdict for e in entries), dtype=np.int8, count=len(entries)),
+        })
+
+
+def _add_arguments(group: argparse._ArgumentGroup) -> None:
+    group.add_argument("--spoke_nginx.log", dest="spoke_nginx_log", default="/var/log/nginx/stallwatch.log",
+                       metavar="PATH", help="access log in the stallwatch format of docs/nginx-spoke.conf "
+                       "(default: %(default)s)")
+    group.add_argument("--spoke_nginx.name", dest="spoke_nginx_name", default="nginx", metavar="NAME",
+                       help="the spoke label of its metrics (default: %(default)s)")
+    group.add_argument("--spoke_nginx.interval", dest="spoke_nginx_interval", type=float, default=1.0,
+                       metavar="SECONDS", help="how often the log is read between scrapes (default: %(default)s)")
+    group.add_argument("--spoke_nginx.rotate-wait", dest="spoke_nginx_rotate_wait", type=float, default=5.0,
+                       metavar="SECONDS", help="how long a renamed log is still read after its successor "
+                       "appears (default: %(default)s)")
+    group.add_argument("--spoke_nginx.from-start", dest="spoke_nginx_from_start", default=False,
+                       action=argparse.BooleanOptionalAction,
+                       help="count the lines already in the log at startup (default: start at its end)")
+
+
+def _from_context(context: CollectorContext) -> NginxSpokeCollector:
+    options = context.options
+    return NginxSpokeCollector(
+        options.spoke_nginx_log,
+        options.spoke_nginx_name,
+        spoke_id=context.spokes.intern(options.spoke_nginx_name),
+        sink=context.sink,
+        from_start=options.spoke_nginx_from_start,
+        rotate_wait=options.spoke_nginx_rotate_wait,
+        interval=options.spoke_nginx_interval,
+    )
+
+
+register_collector("spoke_nginx", False, "nginx proxy_cache spoke, from its access log", _from_context,
+                   _add_arguments)

@@ -1,0 +1,131 @@
+"""spoke_openmetrics scraping real HTTP servers on 127.0.0.1 that serve recorded or documented
+exposition text (tests/data/SOURCES.md), and ones that are slow, broken or absent."""
+
+from __future__ import annotations
+
+import importlib.resources
+import threading
+import time
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any, ClassVar
+
+import pytest
+
+from stallwatch.exporters.spoke_openmetrics import (
+    BUILTIN_MAPPINGS,
+    MappingError,
+    OpenMetricsSpokeCollector,
+    load_mapping,
+    mapping_text,
+)
+
+DATA = Path(__file__).parent / "data"
+
+
+class _Handler(BaseHTTPRequestHandler):
+    routes: ClassVar[dict[str, tuple[int, bytes, float]]] = {}
+
+    def do_GET(self) -> None:
+        status, body, delay = self.routes.get(self.path, (404, b"not found\n", 0.0))
+        time.sleep(delay)
+        try:
+            self.send_response(status)
+            self.send_header("Content-Type", "text/plain; version=0.0.4")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+        except (BrokenPipeError, ConnectionResetError):
+            pass  # the slow route: the client gave up, as it should
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[str]:
+    _Handler.routes = {
+        "/juicefs": (200, (DATA / "juicefs-1.4.2-gateway.prom").read_bytes(), 0.0),
+        "/alluxio": (200, (DATA / "alluxio-client-cache.prom").read_bytes(), 0.0),
+        "/qumulo": (200, (DATA / "qumulo-metrics.prom").read_bytes(), 0.0),
+        "/slow": (200, (DATA / "juicefs-1.4.2-gateway.prom").read_bytes(), 2.0),
+        "/garbage": (200, b"<html><body>{not: metrics}</body></html>\n\x00\xff", 0.0),
+        "/broken": (500, b"internal error\n", 0.0),
+    }
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
+    httpd.daemon_threads = True
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{httpd.server_address[1]}"
+    httpd.shutdown()
+    httpd.server_close()
+
+
+def collector(url: str, mapping: str, timeout: float = 2.0) -> OpenMetricsSpokeCollector:
+    text, origin = mapping_text(mapping)
+    return OpenMetricsSpokeCollector(url, load_mapping(text, origin), "spoke-a", timeout=timeout)
+
+
+def samples(c: OpenMetricsSpokeCollector) -> dict[tuple[str, ...], float]:
+    return {(s.name, *(f"{k}={v}" for k, v in sorted(s.labels.items()))): s.value
+            for family in c.collect() for s in family.samples}
+
+
+def test_juicefs_recorded_from_a_real_gateway(server: str) -> None:
+    seen = samples(collector(server + "/juicefs", "juicefs"))
+    assert seen[("stallwatch_spoke_requests_total", "result=hit", "spoke=spoke-a")] == 13
+    assert seen[("stallwatch_spoke_requests_total", "result=miss", "spoke=spoke-a")] == 5
+    assert seen[("stallwatch_spoke_bytes_total", "source=cache", "spoke=spoke-a")] == 5836962
+    assert seen[("stallwatch_spoke_bytes_total", "source=hub", "spoke=spoke-a")] == 9194304
+    assert seen[("stallwatch_spoke_evictions_total", "spoke=spoke-a")] == 0
+    assert seen[("stallwatch_spoke_cache_size_bytes", "spoke=spoke-a")] == 5024270
+    # GETs only: 3 of them in the recording; the 5 PUTs are write-back, not hub fetches.
+    assert seen[("stallwatch_spoke_hub_fetch_duration_seconds_count", "spoke=spoke-a")] == 3
+    assert seen[("stallwatch_spoke_hub_fetch_duration_seconds_sum", "spoke=spoke-a")] == pytest.approx(0.00841641)
+    assert not any("instance=" in part or "vol_name=" in part for key in seen for part in key)
+
+
+def test_alluxio_and_qumulo_documented_names(server: str) -> None:
+    alluxio = samples(collector(server + "/alluxio", "alluxio"))
+    assert alluxio[("stallwatch_spoke_bytes_total", "source=cache", "spoke=spoke-a")] == 7340032
+    assert alluxio[("stallwatch_spoke_bytes_total", "source=hub", "spoke=spoke-a")] == 1048576
+    assert alluxio[("stallwatch_spoke_evictions_total", "spoke=spoke-a")] == 3
+    assert alluxio[("stallwatch_spoke_cache_size_bytes", "spoke=spoke-a")] == 4194304
+    qumulo = samples(collector(server + "/qumulo", "qumulo"))
+    assert qumulo[("stallwatch_spoke_cache_size_bytes", "spoke=spoke-a")] == 52613349376  # fs_type=spoke only
+
+
+@pytest.mark.parametrize(("path", "reason"), [
+    ("/slow", "timeout"), ("/garbage", "parse_error"), ("/broken", "http_error"), ("/nowhere", "http_error"),
+])
+def test_failed_scrapes_are_counted_not_raised(server: str, path: str, reason: str) -> None:
+    c = collector(server + path, "juicefs", timeout=0.3)
+    seen = samples(c)
+    assert seen == {("stallwatch_spoke_collector_errors_total", f"reason={reason}", "spoke=spoke-a"): 1}
+    assert samples(c)[("stallwatch_spoke_collector_errors_total", f"reason={reason}", "spoke=spoke-a")] == 2
+
+
+def test_refused_connection() -> None:
+    from realspoke import free_port
+
+    seen = samples(collector(f"http://127.0.0.1:{free_port()}/metrics", "juicefs", timeout=0.5))
+    assert seen == {("stallwatch_spoke_collector_errors_total", "reason=unreachable", "spoke=spoke-a"): 1}
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ("metrics: {}", "list under 'metrics'"),
+    ("metrics: [{source: x, target: nope}]", "target must be one of"),
+    ("metrics: [{source: x, target: spoke_requests_total}]", "needs labels ['result']"),
+    ("metrics: [{source: '(', target: spoke_evictions_total}]", "regular expression"),
+    ("metrics: [{source: x, target: spoke_evictions_total, colour: red}]", "unknown keys colour"),
+    ("metrics: [", "not valid YAML"),
+])
+def test_bad_mappings_say_what_is_wrong(text: str, message: str) -> None:
+    with pytest.raises(MappingError, match=message.replace("[", r"\[").replace("(", r"\(")):
+        load_mapping(text, "my.yaml")
+
+
+def test_builtin_mappings_ship_as_package_data() -> None:
+    for name in BUILTIN_MAPPINGS:
+        assert (importlib.resources.files("stallwatch.exporters") / "mappings" / f"{name}.yaml").is_file()
+        assert load_mapping(*mapping_text(name))
