@@ -10,7 +10,7 @@ import shutil
 import signal
 import socket
 import subprocess
-import sys
+import tempfile
 import threading
 import time
 import urllib.error
@@ -22,15 +22,9 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
-ROOT = Path(__file__).resolve().parent.parent
+from tests.conftest import ROOT, free_port, start_agent, stop_agent
+
 NGINX = shutil.which("nginx") or "/usr/sbin/nginx"
-
-
-def free_port() -> int:
-    """A port nothing listens on now (nginx cannot report a port it picked itself)."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 class _HubHandler(SimpleHTTPRequestHandler):
@@ -154,32 +148,15 @@ class Agent:
     """A real `stallwatch agent` process; `scrape()` returns {(sample name, labels...): value}."""
 
     def __init__(self, args: Sequence[str]) -> None:
-        env = dict(os.environ, PYTHONPATH=str(ROOT))
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "stallwatch", "agent", "--web.listen-address", "127.0.0.1:0",
-             "--no-collector.gpu", *args],
-            stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, env=env, text=True,
-        )
-        assert self.process.stderr is not None
-        self.log: list[str] = []
-        deadline = time.monotonic() + 30
-        for line in self.process.stderr:
-            self.log.append(line)
-            found = re.search(r"listening on (http://\S+?/metrics)", line)
-            if found:
-                self.url = found.group(1)
-                break
-            if time.monotonic() > deadline:
-                break
-        else:
-            raise RuntimeError("agent exited: " + "".join(self.log))
-        # Keep draining stderr so the agent never blocks on a full pipe.
-        threading.Thread(target=self._drain, daemon=True).start()
+        fd, log = tempfile.mkstemp(prefix="stallwatch-agent-", suffix=".log")
+        os.close(fd)
+        self._agent = start_agent(["--no-collector.gpu", *args], Path(log))
+        self.process = self._agent.process
+        self.url = self._agent.url
 
-    def _drain(self) -> None:
-        assert self.process.stderr is not None
-        for line in self.process.stderr:
-            self.log.append(line)
+    @property
+    def log(self) -> list[str]:
+        return self._agent.stderr().splitlines(keepends=True)
 
     def scrape(self) -> dict[tuple[str, ...], float]:
         with urllib.request.urlopen(self.url, timeout=10) as response:
@@ -191,10 +168,5 @@ class Agent:
         return samples
 
     def close(self) -> None:
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+        stop_agent(self._agent)
+        self._agent.log.unlink(missing_ok=True)

@@ -13,7 +13,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from realspoke import NGINX, ROOT, Agent, Hub, Nginx, free_port, get
 
 from stallwatch import catalogue
 from stallwatch.batch import Batch, Verdict
@@ -27,6 +26,7 @@ from stallwatch.exporters.spoke_nginx import (
     upstream_seconds_ns,
 )
 from stallwatch.keys import read_key
+from tests.realspoke import NGINX, ROOT, Agent, Hub, Nginx, free_port, get
 
 DATA = Path(__file__).parent / "data"
 REAL_LINES = [line for line in (DATA / "nginx-stallwatch.log").read_text().splitlines() if not line.startswith("#")]

@@ -106,7 +106,7 @@ def test_failed_scrapes_are_counted_not_raised(server: str, path: str, reason: s
 
 
 def test_refused_connection() -> None:
-    from realspoke import free_port
+    from tests.realspoke import free_port
 
     seen = samples(collector(f"http://127.0.0.1:{free_port()}/metrics", "juicefs", timeout=0.5))
     assert seen == {("stallwatch_spoke_collector_errors_total", "reason=unreachable", "spoke=spoke-a"): 1}

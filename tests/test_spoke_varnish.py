@@ -11,9 +11,9 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import pytest
-from realspoke import Hub, free_port, get
 
 from stallwatch.exporters.spoke_varnish import VarnishSpokeCollector, counter_values
+from tests.realspoke import Hub, free_port, get
 
 VARNISHD = shutil.which("varnishd") or "/usr/sbin/varnishd"
 needs_varnish = pytest.mark.skipif(not Path(VARNISHD).exists() or not shutil.which("varnishstat"),
