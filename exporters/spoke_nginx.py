@@ -45,6 +45,13 @@ RESULTS = {
 FROM_CACHE = frozenset({"hit", "stale", "updating", "revalidated"})
 FROM_HUB = frozenset({"miss", "expired", "bypass"})
 REQUIRED_FIELDS = ("msec", "request_time", "status", "bytes", "cache", "upstream_time", "uri")
+# The recommended log format (docs/nginx-spoke.conf carries the same directive; a test keeps them equal).
+LOG_FORMAT = (
+    "log_format stallwatch escape=default\n"
+    "        'msec:$msec\\trequest_time:$request_time\\tstatus:$status\\tbytes:$body_bytes_sent\\t'\n"
+    "        'cache:$upstream_cache_status\\tupstream_time:$upstream_response_time\\t'\n"
+    "        'upstream_status:$upstream_status\\tslice:$slice_range\\trange:$http_range\\turi:$request_uri';"
+)
 
 
 class MalformedLineError(ValueError):

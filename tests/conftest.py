@@ -6,7 +6,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -28,13 +27,6 @@ def require_binary(name: str, package: str) -> str:
     if found is None:
         pytest.fail(f"{name} not found: `make test` installs Debian's {package} (scripts/install-system-deps.sh)")
     return found
-
-
-def free_port() -> int:
-    """A port nothing listens on right now, for servers that cannot bind port 0 themselves."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 @pytest.fixture(scope="session")

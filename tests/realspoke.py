@@ -5,11 +5,6 @@ from __future__ import annotations
 
 import functools
 import os
-import re
-import shutil
-import signal
-import socket
-import subprocess
 import tempfile
 import threading
 import time
@@ -22,9 +17,11 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.conftest import ROOT, free_port, start_agent, stop_agent
+from stallwatch.demo.spoke import Nginx, free_port, nginx_binary
+from tests.conftest import ROOT, start_agent, stop_agent
 
-NGINX = shutil.which("nginx") or "/usr/sbin/nginx"
+NGINX = nginx_binary()
+__all__ = ["NGINX", "ROOT", "Agent", "Hub", "Nginx", "free_port", "get"]
 
 
 class _HubHandler(SimpleHTTPRequestHandler):
@@ -56,83 +53,6 @@ class Hub:
     def close(self) -> None:
         self.server.shutdown()
         self.server.server_close()
-
-
-def stallwatch_log_format() -> str:
-    """The `log_format stallwatch ...;` directive exactly as docs/nginx-spoke.conf ships it."""
-    text = (ROOT / "docs" / "nginx-spoke.conf").read_text()
-    match = re.search(r"^\s*(log_format stallwatch .*?;)\s*$", text, re.MULTILINE | re.DOTALL)
-    assert match, "docs/nginx-spoke.conf lost its log_format"
-    return match.group(1)
-
-
-class Nginx:
-    """A real nginx run as the current user with its own prefix, config and temp paths."""
-
-    def __init__(self, prefix: Path, http_block: str) -> None:
-        self.prefix = prefix
-        self.port = free_port()
-        for name in ("body", "proxy", "fastcgi", "uwsgi", "scgi", "cache", "logs"):
-            (prefix / name).mkdir(parents=True, exist_ok=True)
-        self.access_log = prefix / "logs" / "access.log"
-        self.error_log = prefix / "logs" / "error.log"
-        # Unprivileged, nginx runs as the current user; as root it would switch its workers to nobody,
-        # who cannot write this prefix, so then it is told to stay root.
-        user = "user root;" if os.geteuid() == 0 else ""
-        (prefix / "nginx.conf").write_text(f"""
-{user}
-worker_processes 1;
-error_log {self.error_log} info;
-events {{ worker_connections 64; }}
-http {{
-    client_body_temp_path {prefix}/body;
-    proxy_temp_path {prefix}/proxy;
-    fastcgi_temp_path {prefix}/fastcgi;
-    uwsgi_temp_path {prefix}/uwsgi;
-    scgi_temp_path {prefix}/scgi;
-    {stallwatch_log_format()}
-    access_log {self.access_log} stallwatch;
-    proxy_cache_path {prefix}/cache levels=1:2 keys_zone=spoke:1m max_size=64m;
-    server {{
-        listen 127.0.0.1:{self.port};
-        {http_block}
-    }}
-}}
-""")
-        self._globals = f"daemon off; pid {prefix}/nginx.pid;"
-        self.process = subprocess.Popen(
-            [NGINX, "-p", str(prefix), "-c", str(prefix / "nginx.conf"), "-g", self._globals],
-            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-        )
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"nginx exited: {self.process.stderr.read().decode() if self.process.stderr else ''}"
-                                   f"{self.error_log.read_text() if self.error_log.exists() else ''}")
-            try:
-                socket.create_connection(("127.0.0.1", self.port), timeout=0.2).close()
-                return
-            except OSError:
-                time.sleep(0.05)
-        self.close()
-        raise RuntimeError("nginx did not start listening")
-
-    def url(self, path: str) -> str:
-        return f"http://127.0.0.1:{self.port}{path}"
-
-    def reopen(self) -> None:
-        """`nginx -s reopen`: what logrotate's postrotate runs after renaming the log."""
-        subprocess.run([NGINX, "-p", str(self.prefix), "-c", str(self.prefix / "nginx.conf"), "-g", self._globals,
-                        "-s", "reopen"], check=True, capture_output=True, timeout=10)
-
-    def close(self) -> None:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGQUIT)
-            try:
-                self.process.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
 
 
 def get(url: str, headers: Mapping[str, str] | None = None) -> tuple[int, bytes, Mapping[str, str]]:

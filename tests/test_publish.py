@@ -16,8 +16,9 @@ from typing import Any
 import pytest
 import requests
 
+from stallwatch.demo.spoke import free_port
 from stallwatch.publish import Grafana, PublishError, install_rules, reload_prometheus
-from tests.conftest import free_port, require_binary
+from tests.conftest import require_binary
 
 TOKEN = "glsa_test_token"
 DASHBOARD = {"uid": "stallwatch-test", "title": "Test", "panels": [], "schemaVersion": 39}

@@ -18,6 +18,7 @@ from stallwatch import catalogue
 from stallwatch.batch import Batch, Verdict
 from stallwatch.exporters.logtail import LogTailer
 from stallwatch.exporters.spoke_nginx import (
+    LOG_FORMAT,
     MalformedLineError,
     NginxSpokeCollector,
     parse_entry,
@@ -352,6 +353,7 @@ def test_rotation_by_rename_and_reopen_and_by_copytruncate_loses_and_repeats_not
 @needs_nginx
 def test_shipped_example_config_is_valid_nginx(tmp_path: Path) -> None:
     text = (ROOT / "docs" / "nginx-spoke.conf").read_text()
+    assert LOG_FORMAT in text, "docs/nginx-spoke.conf and spoke_nginx.LOG_FORMAT differ"
     text = text.replace("hub.example.com:443", "127.0.0.1:443").replace("/var/", f"{tmp_path}/var/")
     for name in ("log/nginx", "cache/nginx"):
         (tmp_path / "var" / name).mkdir(parents=True)
