@@ -35,8 +35,8 @@ app.kubernetes.io/component: agent
 
 {{/* A Kubernetes object name from a file name: "Stall_Overview.json" -> "stall-overview". */}}
 {{- define "stallwatch.fileObjectName" -}}
-{{- $base := base . | trimSuffix (ext .) | lower | regexReplaceAll "[^a-z0-9-]+" "-" | trimAll "-" }}
-{{- $base }}
+{{- $stem := base . | trimSuffix (ext .) | lower }}
+{{- regexReplaceAll "[^a-z0-9-]+" $stem "-" | trimAll "-" }}
 {{- end }}
 
 {{- define "stallwatch.socketPath" -}}
