@@ -4,9 +4,9 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: test demo generate lint typecheck pytest system-deps benchmarks clean
+.PHONY: test demo generate lint typecheck pytest system-deps helm-tools benchmarks clean
 
-test: $(STAMP) system-deps lint typecheck pytest
+test: $(STAMP) system-deps helm-tools lint typecheck pytest
 
 demo: $(STAMP)
 	$(PY) -m stallwatch demo
@@ -22,13 +22,17 @@ $(STAMP): pyproject.toml
 system-deps:
 	scripts/install-system-deps.sh
 
+# helm and kubectl for the chart's tests, into build/tools/bin.
+helm-tools:
+	scripts/install-helm.sh
+
 lint: $(STAMP)
 	$(PY) -m ruff check .
 
 typecheck: $(STAMP)
 	$(PY) -m mypy
 
-pytest: $(STAMP) system-deps
+pytest: $(STAMP) system-deps helm-tools
 	$(PY) -m pytest -q
 
 generate: $(STAMP)

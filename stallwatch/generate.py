@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 from stallwatch import catalogue
@@ -35,6 +35,22 @@ def render_metrics_reference() -> str:
 ARTIFACTS: dict[str, Callable[[], str]] = {
     "docs/metrics.md": render_metrics_reference,
 }
+
+# The Helm chart ships its own copy of every dashboard and rule file (templates read them with
+# `.Files.Glob`): derived from the table, so a new dashboard or rule file reaches the chart by itself.
+CHART_COPIES = {"dashboards/": "helm/stallwatch/files/dashboards/", "alerts/": "helm/stallwatch/files/rules/"}
+
+
+def chart_copies(artifacts: Mapping[str, Callable[[], str]]) -> dict[str, Callable[[], str]]:
+    return {
+        chart + relative.removeprefix(source): render
+        for relative, render in artifacts.items()
+        for source, chart in CHART_COPIES.items()
+        if relative.startswith(source)
+    }
+
+
+ARTIFACTS |= chart_copies(ARTIFACTS)
 
 
 def stale(root: Path) -> list[str]:

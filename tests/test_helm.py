@@ -1,0 +1,396 @@
+"""The Helm chart, rendered by the real helm and checked against the real schemas and tools.
+
+helm comes from scripts/install-helm.sh (`make test` runs it). The chart is tested as a copy that holds
+its generated rules and dashboards plus small fixtures (tests/data/helm/), so the tests exercise the
+PrometheusRule and dashboard templates whatever `make generate` has produced so far.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import urllib.request
+from collections import Counter
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import kubernetes_validate
+import pytest
+import yaml
+
+from stallwatch.exporters import agent  # noqa: F401  (registers the collectors this checkout has)
+from stallwatch.exporters.collector import registered
+from stallwatch.generate import ARTIFACTS, CHART_COPIES, chart_copies
+from tests.conftest import ROOT, start_agent, stop_agent
+
+CHART = ROOT / "helm" / "stallwatch"
+HELM = ROOT / "build" / "tools" / "bin" / "helm"
+FIXTURES = ROOT / "tests" / "data" / "helm"
+CRDS = ROOT / "tests" / "data" / "crds"
+# The oldest and newest Kubernetes minors the chart is validated against.
+KUBERNETES_VERSIONS = ("1.29", "1.35")
+OPERATOR_KINDS = {"ServiceMonitor": "servicemonitor", "PrometheusRule": "prometheusrule"}
+NAMESPACE = "monitoring"
+
+Manifest = dict[str, Any]
+
+VALUE_SETS: dict[str, dict[str, Any]] = {
+    "defaults": {},
+    "everything-off": {
+        "agent": {"collectors": {"gpu": False, "host": False, "events": False}},
+        "gpu": {"access": "none"},
+        "serviceAccount": {"create": False},
+        "service": {"enabled": False},
+        "serviceMonitor": {"enabled": False},
+        "prometheusRule": {"enabled": False},
+        "dashboards": {"enabled": False},
+        "nodeSelector": {},
+        "tolerations": [],
+        "updateStrategy": {},
+    },
+    "device-mounts-and-host-paths": {
+        "gpu": {"access": "devices"},
+        "spokeLogs": {"enabled": True, "hostPath": "/var/log/spoke"},
+        "hostProc": {"enabled": True},
+        "hostPID": True,
+        "socket": {"chownInit": False, "hostPath": "/run/stallwatch", "mountPath": "/run/stallwatch"},
+        "agent": {"port": 19842, "telemetryPath": "/stats",
+                  "config": {"collector.spoke_nginx": True, "spoke_nginx.log": "/host/spoke-logs/access.log"}},
+    },
+    "kube-prometheus-stack": {
+        "fullnameOverride": "gpu-agent",
+        "serviceMonitor": {"additionalLabels": {"release": "kps"}, "interval": "30s", "honorLabels": False,
+                           "metricRelabelings": [{"action": "labeldrop", "regex": "rank"}]},
+        "prometheusRule": {"additionalLabels": {"release": "kps"}},
+        "dashboards": {"label": "grafana_dashboard_stallwatch", "labelValue": "yes", "namespace": "grafana",
+                       "annotations": {"grafana_folder": "GPU training"}},
+        "serviceAccount": {"name": "gpu-agent-sa", "annotations": {"team": "ml-platform"}},
+        "affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
+            {"matchExpressions": [{"key": "nvidia.com/gpu.product", "operator": "In", "values": ["H100"]}]}]}}},
+        "priorityClassName": "system-node-critical",
+        "podLabels": {"team": "ml-platform"},
+        "podAnnotations": {"example.com/scrape": "false"},
+        "imagePullSecrets": [{"name": "registry"}],
+        "agent": {"extraArgs": ["--gpu.interval=0.25"], "extraEnv": [{"name": "TZ", "value": "UTC"}],
+                  "logLevel": "debug"},
+    },
+}
+
+
+@pytest.fixture(scope="session")
+def helm() -> str:
+    if not HELM.exists():
+        subprocess.run([str(ROOT / "scripts" / "install-helm.sh")], check=True, timeout=600)
+    return str(HELM)
+
+
+@pytest.fixture(scope="session")
+def chart(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A copy of the chart with its generated files and the fixtures in files/."""
+    copy = tmp_path_factory.mktemp("chart") / "stallwatch"
+    shutil.copytree(CHART, copy)
+    for kind, pattern in (("rules", "*.yaml"), ("dashboards", "*.json")):
+        (copy / "files" / kind).mkdir(parents=True, exist_ok=True)
+        for fixture in (FIXTURES / kind).glob(pattern):
+            shutil.copy(fixture, copy / "files" / kind / fixture.name)
+    return copy
+
+
+def run_helm(helm: str, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([helm, *args], capture_output=True, text=True, timeout=120)
+
+
+def values_file(directory: Path, name: str, values: dict[str, Any]) -> Path:
+    path = directory / f"{name}.values.yaml"
+    path.write_text(yaml.safe_dump(values))
+    return path
+
+
+def render(helm: str, chart: Path, values: Path) -> list[Manifest]:
+    result = run_helm(helm, "template", "stallwatch", str(chart), "--namespace", NAMESPACE, "-f", str(values))
+    assert result.returncode == 0, result.stderr
+    return [doc for doc in yaml.safe_load_all(result.stdout) if doc]
+
+
+@pytest.fixture(scope="session")
+def rendered(helm: str, chart: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[Manifest]]:
+    directory = tmp_path_factory.mktemp("values")
+    return {name: render(helm, chart, values_file(directory, name, values)) for name, values in VALUE_SETS.items()}
+
+
+def of_kind(manifests: list[Manifest], kind: str) -> list[Manifest]:
+    return [m for m in manifests if m["kind"] == kind]
+
+
+def the(manifests: list[Manifest], kind: str) -> Manifest:
+    [found] = of_kind(manifests, kind)
+    return found
+
+
+def chart_files(chart: Path, kind: str) -> list[Path]:
+    return sorted((chart / "files" / kind).glob("*.yaml" if kind == "rules" else "*.json"))
+
+
+def dashboard_maps(manifests: list[Manifest]) -> list[Manifest]:
+    return [m for m in of_kind(manifests, "ConfigMap") if "-dashboard-" in m["metadata"]["name"]]
+
+
+@pytest.mark.parametrize("name", VALUE_SETS)
+def test_lint_strict(helm: str, chart: Path, tmp_path: Path, name: str) -> None:
+    result = run_helm(helm, "lint", "--strict", str(chart), "-f", str(values_file(tmp_path, name, VALUE_SETS[name])))
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_the_chart_as_committed_lints(helm: str) -> None:
+    result = run_helm(helm, "lint", "--strict", str(CHART))
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_toggles_decide_what_is_rendered(rendered: dict[str, list[Manifest]], chart: Path) -> None:
+    rules, dashboards = len(chart_files(chart, "rules")), len(chart_files(chart, "dashboards"))
+    assert rules >= 1 and dashboards >= 1  # the fixtures at least
+    everything = Counter({"ServiceAccount": 1, "ConfigMap": 1 + dashboards, "Service": 1, "DaemonSet": 1,
+                          "ServiceMonitor": 1, "PrometheusRule": rules})
+    for name in ("defaults", "device-mounts-and-host-paths", "kube-prometheus-stack"):
+        assert Counter(m["kind"] for m in rendered[name]) == everything, name
+    assert Counter(m["kind"] for m in rendered["everything-off"]) == Counter({"ConfigMap": 1, "DaemonSet": 1})
+
+
+def test_one_object_per_generated_file_named_after_it(rendered: dict[str, list[Manifest]]) -> None:
+    names = {m["metadata"]["name"] for m in rendered["defaults"] if m["kind"] in {"PrometheusRule", "ConfigMap"}}
+    assert {"stallwatch-fixture", "stallwatch-dashboard-fixture-overview", "stallwatch"} <= names
+    for manifests in rendered.values():
+        keys = [(m["kind"], m["metadata"]["name"]) for m in manifests]
+        assert len(keys) == len(set(keys))
+
+
+@pytest.mark.parametrize("version", KUBERNETES_VERSIONS)
+@pytest.mark.parametrize("name", VALUE_SETS)
+def test_objects_validate_against_kubernetes(rendered: dict[str, list[Manifest]], name: str, version: str) -> None:
+    for manifest in rendered[name]:
+        if manifest["kind"] not in OPERATOR_KINDS:
+            kubernetes_validate.validate(manifest, version, strict=True)
+
+
+def operator_schemas(kind: str) -> list[dict[str, Any]]:
+    """The strict catalogue schema (no unknown fields) and the operator's own CRD schema."""
+    strict = json.loads((CRDS / f"{OPERATOR_KINDS[kind]}_v1.strict.json").read_text())
+    crd = yaml.safe_load((CRDS / f"monitoring.coreos.com_{OPERATOR_KINDS[kind]}s.yaml").read_text())
+    [served] = [v for v in crd["spec"]["versions"] if v["name"] == "v1"]
+    return [strict, served["schema"]["openAPIV3Schema"]]
+
+
+def validator(schema: dict[str, Any]) -> jsonschema.protocols.Validator:
+    """A validator without the meta-schema check: the CRDs hold Go regular expressions (`^(?i)(abort|warn)?$`)
+    that Python's `re` rejects; they apply only to fields the chart does not set."""
+    return jsonschema.Draft202012Validator(schema)
+
+
+@pytest.mark.parametrize("name", VALUE_SETS)
+def test_operator_objects_validate_against_crds(rendered: dict[str, list[Manifest]], name: str) -> None:
+    for kind in OPERATOR_KINDS:
+        for manifest in of_kind(rendered[name], kind):
+            for schema in operator_schemas(kind):
+                validator(schema).validate(manifest)
+
+
+def test_crd_schemas_catch_a_typo(rendered: dict[str, list[Manifest]]) -> None:
+    monitor = json.loads(json.dumps(the(rendered["defaults"], "ServiceMonitor")))
+    monitor["spec"]["endpoints"][0]["scrapeInterval"] = "15s"  # the field is `interval`
+    with pytest.raises(jsonschema.ValidationError, match="scrapeInterval"):
+        validator(operator_schemas("ServiceMonitor")[0]).validate(monitor)
+
+
+def test_prometheus_rules_pass_promtool_and_keep_their_templates(
+    rendered: dict[str, list[Manifest]], chart: Path, promtool: str, tmp_path: Path
+) -> None:
+    manifests = of_kind(rendered["defaults"], "PrometheusRule")
+    sources = {yaml.safe_load(path.read_text())["groups"][0]["name"]: path for path in chart_files(chart, "rules")}
+    for manifest in manifests:
+        groups = manifest["spec"]["groups"]
+        extracted = tmp_path / f"{manifest['metadata']['name']}.yaml"
+        extracted.write_text(yaml.safe_dump({"groups": groups}))
+        result = subprocess.run([promtool, "check", "rules", str(extracted)], capture_output=True, text=True,
+                                timeout=60)
+        assert result.returncode == 0, result.stdout + result.stderr
+        # `{{ $labels.job }}` and friends reach Prometheus exactly as generated, not consumed by helm.
+        assert groups == yaml.safe_load(sources[groups[0]["name"]].read_text())["groups"]
+    fixture = next(m for m in manifests if m["spec"]["groups"][0]["name"] == "stallwatch-fixture")
+    assert "{{ $labels.job }}" in fixture["spec"]["groups"][0]["rules"][1]["annotations"]["description"]
+
+
+def test_dashboards_reach_the_grafana_sidecar_unchanged(rendered: dict[str, list[Manifest]], chart: Path) -> None:
+    sources = {path.name: path.read_text() for path in chart_files(chart, "dashboards")}
+    for name, label, value, namespace in (("defaults", "grafana_dashboard", "1", NAMESPACE),
+                                          ("kube-prometheus-stack", "grafana_dashboard_stallwatch", "yes", "grafana")):
+        maps = dashboard_maps(rendered[name])
+        assert sorted(key for m in maps for key in m["data"]) == sorted(sources)
+        for config_map in maps:
+            assert config_map["metadata"]["labels"][label] == value
+            assert config_map["metadata"]["namespace"] == namespace
+            [(file_name, text)] = config_map["data"].items()
+            assert text == sources[file_name].rstrip("\n")
+            json.loads(text)
+    assert "{{job}}" in dashboard_maps(rendered["defaults"])[0]["data"]["Fixture_Overview.json"]
+    kps = dashboard_maps(rendered["kube-prometheus-stack"])[0]
+    assert kps["metadata"]["annotations"] == {"grafana_folder": "GPU training"}
+
+
+def test_operator_objects_carry_the_release_label_when_asked(rendered: dict[str, list[Manifest]]) -> None:
+    for kind in OPERATOR_KINDS:
+        assert "release" not in of_kind(rendered["defaults"], kind)[0]["metadata"]["labels"]
+        labelled = of_kind(rendered["kube-prometheus-stack"], kind)
+        assert all(m["metadata"]["labels"]["release"] == "kps" for m in labelled)
+
+
+@pytest.mark.parametrize(("setting", "message"), [
+    ("agent.port=abc", "at '/agent/port': got string, want integer"),
+    ("serviceMonitor.interval=30", "at '/serviceMonitor/interval': got number, want string"),
+    ("dashboards.enabled=yes", "at '/dashboards/enabled': got string, want boolean"),
+    ("gpu.access=cuda", "at '/gpu/access'"),
+    ("serviceMonitor.enable=false", "additional properties 'enable' not allowed"),
+])
+def test_a_wrong_value_fails_with_a_clear_message(helm: str, setting: str, message: str) -> None:
+    result = run_helm(helm, "template", "stallwatch", str(CHART), "--set", setting)
+    assert result.returncode != 0
+    assert message in result.stderr
+
+
+def test_a_service_monitor_without_its_service_is_refused(helm: str) -> None:
+    result = run_helm(helm, "template", "stallwatch", str(CHART), "--set", "service.enabled=false")
+    assert result.returncode != 0 and "serviceMonitor.enabled needs service.enabled" in result.stderr
+
+
+def pod_spec(manifests: list[Manifest]) -> dict[str, Any]:
+    spec: dict[str, Any] = the(manifests, "DaemonSet")["spec"]["template"]["spec"]
+    return spec
+
+
+@pytest.mark.parametrize("name", VALUE_SETS)
+def test_policy_no_privilege_unless_asked(rendered: dict[str, list[Manifest]], name: str) -> None:
+    """The cheap policy check of issue 9: what a pod security admission reviewer looks for first."""
+    values = VALUE_SETS[name]
+    devices = values.get("gpu", {}).get("access") == "devices"
+    spec = pod_spec(rendered[name])
+    assert not spec.get("hostNetwork") and not spec.get("hostIPC")
+    assert spec["hostPID"] is bool(values.get("hostPID"))
+    assert spec["automountServiceAccountToken"] is False
+    assert spec["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+    for container in spec["containers"] + spec.get("initContainers", []):
+        context = container["securityContext"]
+        assert context["readOnlyRootFilesystem"] is True, container["name"]
+        assert context["capabilities"]["drop"] == ["ALL"], container["name"]
+        assert set(context["capabilities"].get("add", [])) <= {"CHOWN"}, container["name"]
+        assert context.get("privileged", False) is (devices and container["name"] == "agent"), container["name"]
+        assert context["allowPrivilegeEscalation"] is bool(context.get("privileged")), container["name"]
+        assert "resources" in container
+    [agent_container] = spec["containers"]
+    assert agent_container["securityContext"]["runAsNonRoot"] is True
+    assert not any(m["kind"] in {"Role", "ClusterRole", "RoleBinding", "ClusterRoleBinding"} for m in rendered[name])
+
+
+def test_gpu_access_modes(rendered: dict[str, list[Manifest]]) -> None:
+    runtime = pod_spec(rendered["defaults"])
+    assert runtime["runtimeClassName"] == "nvidia"
+    assert {"name": "NVIDIA_VISIBLE_DEVICES", "value": "all"} in runtime["containers"][0]["env"]
+    assert runtime["tolerations"] == [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
+    devices = pod_spec(rendered["device-mounts-and-host-paths"])
+    assert "runtimeClassName" not in devices
+    assert {v["name"]: v["hostPath"]["path"] for v in devices["volumes"] if "hostPath" in v} == {
+        "socket": "/run/stallwatch", "spoke-logs": "/var/log/spoke", "host-proc": "/proc",
+        "nvml": "/usr/lib/x86_64-linux-gnu/libnvidia-ml.so.1"}
+    assert all(m.get("readOnly") for m in devices["containers"][0]["volumeMounts"]
+               if m["name"] in {"spoke-logs", "host-proc", "nvml", "config"})
+    off = pod_spec(rendered["everything-off"])
+    assert "runtimeClassName" not in off and "initContainers" not in off
+    assert not any("hostPath" in v for v in off["volumes"])
+
+
+def agent_config(manifests: list[Manifest]) -> dict[str, Any]:
+    config_map = next(m for m in of_kind(manifests, "ConfigMap") if "agent.yaml" in m["data"])
+    config: dict[str, Any] = yaml.safe_load(config_map["data"]["agent.yaml"])
+    return config
+
+
+def known_to_this_agent(config: dict[str, Any]) -> dict[str, Any]:
+    """The chart also configures collectors that other parts of the project add (events, spoke_*); this
+    checkout's agent would reject their keys as unknown, so those keys are left out. Once they are
+    registered, nothing is left out and the whole rendered file is tested."""
+    collectors = registered()
+
+    def owner(key: str) -> str:
+        return key.removeprefix("collector.").split(".")[0]
+
+    return {key: value for key, value in config.items() if owner(key) in {"web", "log", *collectors}}
+
+
+def test_rendered_config_and_probes_work_on_the_real_agent(helm: str, chart: Path, tmp_path: Path) -> None:
+    values = {"gpu": {"access": "none"}, "socket": {"mountPath": str(tmp_path / "socket")},
+              "agent": {"telemetryPath": "/stats", "config": {"gpu.fake-devices": 2, "gpu.interval": 0.1}}}
+    (tmp_path / "socket").mkdir()
+    manifests = render(helm, chart, values_file(tmp_path, "agent", values))
+    config = agent_config(manifests)
+    assert config["events.socket"] == f"{tmp_path}/socket/events.sock"
+    config_file = tmp_path / "agent.yaml"
+    config_file.write_text(yaml.safe_dump(known_to_this_agent(config)))
+    container = pod_spec(manifests)["containers"][0]
+    assert container["command"][:2] == ["stallwatch", "agent"]
+    assert container["command"][2] == "--config.file=/etc/stallwatch/agent.yaml"
+    assert container["ports"][0]["containerPort"] == 9842
+    # The listen address is the test's own free port; everything else comes from the rendered file.
+    running = start_agent(["--config.file", str(config_file)], tmp_path / "agent.log")
+    try:
+        assert running.url.endswith("/stats")
+        for probe in ("livenessProbe", "readinessProbe"):
+            assert container[probe]["httpGet"]["port"] == "metrics"
+            with urllib.request.urlopen(running.base + container[probe]["httpGet"]["path"], timeout=10) as reply:
+                assert reply.status == 200
+        with urllib.request.urlopen(running.url, timeout=10) as reply:
+            body = reply.read().decode()
+        assert 'stallwatch_scrape_collector_success{collector="gpu"} 1.0' in body
+    finally:
+        stop_agent(running)
+
+
+def test_example_training_pod_matches_the_chart(rendered: dict[str, list[Manifest]]) -> None:
+    pod = yaml.safe_load((ROOT / "docs" / "training-pod.yaml").read_text())
+    for version in KUBERNETES_VERSIONS:
+        kubernetes_validate.validate(pod, version, strict=True)
+    config = agent_config(rendered["defaults"])
+    socket_volume = next(v for v in pod["spec"]["volumes"] if "hostPath" in v)
+    [trainer] = pod["spec"]["containers"]
+    mount = next(m for m in trainer["volumeMounts"] if m["name"] == socket_volume["name"])
+    socket = next(e["value"] for e in trainer["env"] if e["name"] == "STALLWATCH_SOCKET")
+    host_dir = next(v for v in pod_spec(rendered["defaults"])["volumes"] if v["name"] == "socket")["hostPath"]["path"]
+    assert socket_volume["hostPath"]["path"] == host_dir
+    # The same socket file, seen from the agent's mount and from the training pod's.
+    assert Path(socket).relative_to(mount["mountPath"]) == Path(config["events.socket"]).relative_to(
+        "/var/run/stallwatch")
+
+
+def test_chart_copies_follow_the_artifacts_table() -> None:
+    def render_a() -> str:
+        return "a"
+
+    def render_b() -> str:
+        return "b"
+
+    table: dict[str, Callable[[], str]] = {"dashboards/gpu.json": render_a, "alerts/stalls.yaml": render_b,
+                                           "docs/metrics.md": render_a}
+    assert chart_copies(table) == {"helm/stallwatch/files/dashboards/gpu.json": render_a,
+                                   "helm/stallwatch/files/rules/stalls.yaml": render_b}
+    assert chart_copies(ARTIFACTS).items() <= ARTIFACTS.items()
+
+
+def chart_file_paths() -> Iterator[str]:
+    for target in CHART_COPIES.values():
+        for path in (ROOT / target).glob("*"):
+            yield str(path.relative_to(ROOT))
+
+
+def test_the_chart_holds_no_file_the_generator_does_not_write() -> None:
+    """A dashboard or rule file removed from the table must leave the chart too."""
+    assert set(chart_file_paths()) == set(chart_copies(ARTIFACTS))
