@@ -23,6 +23,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -434,16 +435,20 @@ def _add_arguments(group: argparse._ArgumentGroup) -> None:
                        "(default: %(default)s)")
     group.add_argument("--gpu.fake-devices", dest="gpu_fake_devices", type=int, default=0, metavar="N",
                        help="emulate N GPUs with stallwatch's fake NVML instead of the real one (demos, tests)")
+    group.add_argument("--gpu.fake-trace", dest="gpu_fake_trace", type=Path, default=None, metavar="FILE",
+                       help="the emulated GPUs are busy exactly in the compute spans a training job appends "
+                       "to FILE (the demo's emulated job does)")
 
 
 def _from_context(context: CollectorContext) -> GpuCollector:
     options = context.options
     nvml: Any
     if options.gpu_fake_devices > 0:
-        from stallwatch.exporters.nvml_fake import FakeGpu, FakeNVML, training
+        from stallwatch.exporters.nvml_fake import ComputeTrace, FakeGpu, FakeNVML, training
 
+        trace = ComputeTrace(options.gpu_fake_trace) if options.gpu_fake_trace else None
         nvml = FakeNVML(
-            [FakeGpu(utilization=training(1.0 + 0.1 * i, 0.2)) for i in range(options.gpu_fake_devices)],
+            [FakeGpu(utilization=training(1.0 + 0.1 * i, 0.2), trace=trace) for i in range(options.gpu_fake_devices)],
             pcie_latency=0.0,
         )
     else:

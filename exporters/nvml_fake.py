@@ -12,12 +12,15 @@ raise XID events. The driver can be unloaded mid-run.
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import math
+import struct
 import time
 import uuid as uuidlib
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from pathlib import Path
 from types import FunctionType
 from typing import Any
 
@@ -50,6 +53,45 @@ def training(step_seconds: float = 1.0, stall_seconds: float = 0.2) -> Timeline:
     return lambda t: 0.0 if t % period >= step_seconds else 97.0
 
 
+class ComputeTrace:
+    """Utilization that follows a real process: busy inside the compute spans it appends to a file.
+
+    The file holds little-endian float64 pairs (start, end) of wall-clock seconds, appended by the
+    emulated training job (`append_span`); the fake GPU is at 97 % inside a span and idle outside.
+    """
+
+    RECORD = struct.Struct("<dd")
+
+    def __init__(self, path: Path) -> None:
+        self._path = path
+        self._offset = 0
+        self._starts: list[float] = []
+        self._ends: list[float] = []
+
+    @staticmethod
+    def append_span(path: Path, start: float, end: float) -> None:
+        with path.open("ab") as handle:
+            handle.write(ComputeTrace.RECORD.pack(start, end))
+
+    def _refresh(self) -> None:
+        try:
+            with self._path.open("rb") as handle:
+                handle.seek(self._offset)
+                data = handle.read()
+        except FileNotFoundError:
+            return
+        whole = len(data) - len(data) % self.RECORD.size
+        for start, end in self.RECORD.iter_unpack(data[:whole]):
+            self._starts.append(start)
+            self._ends.append(end)
+        self._offset += whole
+
+    def percent_at(self, wall_seconds: float) -> float:
+        self._refresh()
+        index = bisect.bisect_right(self._starts, wall_seconds) - 1
+        return 97.0 if index >= 0 and wall_seconds < self._ends[index] else 0.0
+
+
 @dataclass
 class FakeGpu:
     name: str = "NVIDIA H200"
@@ -62,6 +104,7 @@ class FakeGpu:
     pids: tuple[int, ...] = ()
     idle_power_mw: int = 90_000
     max_power_mw: int = 700_000
+    trace: ComputeTrace | None = None  # when set, utilization follows it instead of the timeline
 
 
 @dataclass
@@ -160,7 +203,11 @@ class FakeNVML:
         return gpu
 
     def _percent(self, gpu: FakeGpu, at: float | None = None) -> float:
-        return max(0.0, min(100.0, gpu.utilization(self._elapsed() if at is None else at)))
+        elapsed = self._elapsed() if at is None else at
+        if gpu.trace is not None:
+            assert self._started is not None
+            return gpu.trace.percent_at(self._started + elapsed)
+        return max(0.0, min(100.0, gpu.utilization(elapsed)))
 
     def _power_mw(self, gpu: FakeGpu) -> int:
         return int(gpu.idle_power_mw + (gpu.max_power_mw - gpu.idle_power_mw) * self._percent(gpu) / 100)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from pathlib import Path
 
 import pytest
 from prometheus_client.core import Metric
@@ -216,3 +217,20 @@ def test_a_broken_collect_never_reaches_the_scrape() -> None:
                for s in f.samples}
     assert success == {"broken": 0.0, "gpu": 1.0}
     assert any(f.name == catalogue.GPU_UTILIZATION.name for f in families)
+
+
+def test_a_fake_gpu_can_follow_the_compute_spans_of_a_real_process(tmp_path: Path) -> None:
+    from stallwatch.exporters.nvml_fake import ComputeTrace
+
+    clock = Clock()
+    trace_file = tmp_path / "gpu.trace"
+    _, collector, batches = make([FakeGpu(trace=ComputeTrace(trace_file))], clock)
+    start = clock.now
+    ComputeTrace.append_span(trace_file, start + 0.0, start + 0.5)  # busy 0.5 s, idle 0.5 s, busy 0.5 s
+    ComputeTrace.append_span(trace_file, start + 1.0, start + 1.5)
+    collector.poll()
+    clock.advance(1.45)
+    collector.poll()
+    utils = [round(float(u), 2) for b in batches for u in b.columns["util"]]
+    assert utils == [0.97] * 5 + [0.0] * 5 + [0.97] * 5
+    assert value(samples(collector), catalogue.GPU_IDLE_SECONDS.name, gpu="0") == pytest.approx(0.5, abs=0.01)
