@@ -11,7 +11,7 @@ import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from stallwatch import catalogue
+from stallwatch import alerts, catalogue
 
 
 def render_metrics_reference() -> str:
@@ -34,6 +34,9 @@ def render_metrics_reference() -> str:
 
 ARTIFACTS: dict[str, Callable[[], str]] = {
     "docs/metrics.md": render_metrics_reference,
+    "alerts/recording-rules.yaml": alerts.render_recording_rules,
+    "alerts/alerting-rules.yaml": alerts.render_alerting_rules,
+    "docs/runbooks.md": alerts.render_runbooks,
 }
 
 
