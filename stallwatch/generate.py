@@ -11,7 +11,7 @@ import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from stallwatch import alerts, catalogue
+from stallwatch import alerts, catalogue, dashboards
 
 
 def render_metrics_reference() -> str:
@@ -37,6 +37,8 @@ ARTIFACTS: dict[str, Callable[[], str]] = {
     "alerts/recording-rules.yaml": alerts.render_recording_rules,
     "alerts/alerting-rules.yaml": alerts.render_alerting_rules,
     "docs/runbooks.md": alerts.render_runbooks,
+    **dashboards.ARTIFACTS,
+    "docs/dashboards.md": dashboards.render_docs,
 }
 
 
