@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from stallwatch import catalogue as c
-from stallwatch.alerts import Thresholds, all_alerts
+from stallwatch.alerts import Thresholds, all_alerts, render_alerting_rules
 from stallwatch.generate import ARTIFACTS
 from tests.conftest import ROOT
 
@@ -206,3 +206,25 @@ def test_a_quiet_case_would_catch_a_rule_that_always_fires(promtool: str, tmp_pa
                                      "tests": [promtool_test(quiet)]}))
     result = subprocess.run([promtool, "test", "rules", str(tests)], capture_output=True, text=True, timeout=60)
     assert result.returncode == 1 and "StallwatchAgentDown" in result.stdout + result.stderr
+
+
+def test_every_alert_carries_what_the_conventions_ask() -> None:
+    runbooks = (ROOT / "docs/runbooks.md").read_text()
+    for group in yaml.safe_load((ROOT / "alerts/alerting-rules.yaml").read_text())["groups"]:
+        for rule in group["rules"]:
+            assert rule["alert"].startswith("Stallwatch") and rule["for"]
+            assert rule["labels"]["severity"] in ("critical", "warning")
+            assert set(rule["annotations"]) == {"summary", "description", "runbook_url"}
+            anchor = rule["annotations"]["runbook_url"].split("#")[1]
+            assert f"\n## {rule['alert']}\n" in runbooks and anchor == rule["alert"].lower()
+
+
+def test_thresholds_shape_the_rules_and_refuse_nonsense() -> None:
+    strict = render_alerting_rules(Thresholds(input_bound_ratio=0.3, input_bound_for="1h"))
+    rule = next(r for g in yaml.safe_load(strict)["groups"] for r in g["rules"]
+                if r["alert"] == "StallwatchTrainingInputBound")
+    assert rule["expr"].endswith(">= 0.3") and rule["for"] == "1h"
+    with pytest.raises(ValueError, match="not a Prometheus duration"):
+        Thresholds(warmup_budget="half an hour")
+    with pytest.raises(ValueError, match="not a ratio"):
+        Thresholds(hub_error_ratio=5)
