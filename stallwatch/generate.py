@@ -11,7 +11,7 @@ import sys
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
-from stallwatch import catalogue
+from stallwatch import alerts, catalogue, dashboards
 
 
 def render_metrics_reference() -> str:
@@ -34,6 +34,11 @@ def render_metrics_reference() -> str:
 
 ARTIFACTS: dict[str, Callable[[], str]] = {
     "docs/metrics.md": render_metrics_reference,
+    "alerts/recording-rules.yaml": alerts.render_recording_rules,
+    "alerts/alerting-rules.yaml": alerts.render_alerting_rules,
+    "docs/runbooks.md": alerts.render_runbooks,
+    **dashboards.ARTIFACTS,
+    "docs/dashboards.md": dashboards.render_docs,
 }
 
 # The Helm chart ships its own copy of every dashboard and rule file (templates read them with

@@ -1,0 +1,230 @@
+"""The generated rules, checked and unit-tested by the real promtool: every alert fires once and stays quiet once.
+
+The cases are data: input series in promtool's expanding notation, when to evaluate, and which alerts
+(labels and expanded description) must be firing then; an empty expectation means the alert must not fire.
+They run against the committed `alerts/*.yaml` (test_generate keeps those equal to a fresh render).
+"""
+
+from __future__ import annotations
+
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import yaml
+
+from stallwatch import catalogue as c
+from stallwatch.alerts import Thresholds, all_alerts, render_alerting_rules
+from stallwatch.generate import ARTIFACTS
+from tests.conftest import ROOT
+
+RULE_FILES = sorted(ROOT / path for path in ARTIFACTS if path.startswith("alerts/"))
+ALERTS = {alert.name: alert for alert in all_alerts(Thresholds())}
+N1 = 'instance="n1"'
+
+
+@dataclass(frozen=True)
+class Case:
+    alert: str
+    series: dict[str, str]
+    at: str
+    firing: tuple[tuple[dict[str, str], str], ...] = ()  # (labels without severity, description); () = quiet
+
+
+def s(metric: c.AnyMetricDef, *labels: str, suffix: str = "") -> str:
+    return f"{metric.name}{suffix}{{{', '.join(labels)}}}"
+
+
+CASES = (
+    Case("StallwatchGPUsStarvedByRemoteFetches", {
+        s(c.GPU_STALL_IDLE_SECONDS, 'job="train"', N1, 'gpu="0"', 'cause="remote_fetch"'): "0+18x30",
+        s(c.GPU_STALL_IDLE_SECONDS, 'job="train"', N1, 'gpu="0"', 'cause="cache_read"'): "0+30x30",
+        s(c.GPU_STALL_IDLE_SECONDS, 'job="train"', N1, 'gpu="1"', 'cause="remote_fetch"'): "0+6x30",
+    }, "20m", (({"job": "train"}, "GPUs of job train spent 20% of their time idle during stalls attributed to "
+                                 "remote fetches from the hub."),)),
+    Case("StallwatchGPUsStarvedByRemoteFetches", {  # idle mostly on cache reads: not the hub's fault
+        s(c.GPU_STALL_IDLE_SECONDS, 'job="train"', N1, 'gpu="0"', 'cause="remote_fetch"'): "0+3x30",
+        s(c.GPU_STALL_IDLE_SECONDS, 'job="train"', N1, 'gpu="0"', 'cause="cache_read"'): "0+40x30",
+    }, "20m"),
+    Case("StallwatchTrainingInputBound", {
+        s(c.INPUT_BOUND_RATIO, 'job="train"', N1, 'rank="0"'): "0.25x30",
+        s(c.INPUT_BOUND_RATIO, 'job="train"', N1, 'rank="1"'): "0.35x30",
+    }, "20m", (({"job": "train"}, "Job train waits for input 30% of its step time (highly input-bound)."),)),
+    Case("StallwatchTrainingInputBound", {  # moderately input-bound only
+        s(c.INPUT_BOUND_RATIO, 'job="train"', N1, 'rank="0"'): "0.15x30",
+        s(c.INPUT_BOUND_RATIO, 'job="train"', N1, 'rank="1"'): "0.19x30",
+    }, "20m"),
+    Case("StallwatchWarmupOverBudget", {
+        s(c.WARMUP_PHASE, 'job="train"', N1, 'phase="cold"'): "1x10 0x30",
+        s(c.WARMUP_PHASE, 'job="train"', N1, 'phase="transition"'): "0x10 1x30",
+        s(c.WARMUP_PHASE, 'job="train"', N1, 'phase="steady"'): "0x40",
+    }, "35m", (({"job": "train"}, "Job train has not reached steady state within 30m."),)),
+    Case("StallwatchWarmupOverBudget", {  # steady after 20 minutes, within the budget
+        s(c.WARMUP_PHASE, 'job="train"', N1, 'phase="cold"'): "1x10 0x30",
+        s(c.WARMUP_PHASE, 'job="train"', N1, 'phase="transition"'): "0x10 1x10 0x20",
+        s(c.WARMUP_PHASE, 'job="train"', N1, 'phase="steady"'): "0x20 1x20",
+    }, "35m"),
+    Case("StallwatchSpokeHitRatioRegressed", {  # 90 % for an hour, then 50 %
+        s(c.SPOKE_REQUESTS, 'spoke="s1"', N1, 'result="hit"'): "0+90x60 5450+50x60",
+        s(c.SPOKE_REQUESTS, 'spoke="s1"', N1, 'result="miss"'): "0+10x60 610+50x60",
+    }, "90m", (({"spoke": "s1"}, "Spoke s1 serves only 50% of requests from cache, 15% or more below its best of "
+                                 "the last 6h."),)),
+    Case("StallwatchSpokeHitRatioRegressed", {
+        # s1 slips from 90 % to 80 %: within the allowed drop; s2 never warmed up (60 % to 30 %).
+        s(c.SPOKE_REQUESTS, 'spoke="s1"', N1, 'result="hit"'): "0+90x60 5480+80x60",
+        s(c.SPOKE_REQUESTS, 'spoke="s1"', N1, 'result="miss"'): "0+10x60 620+20x60",
+        s(c.SPOKE_REQUESTS, 'spoke="s2"', N1, 'result="hit"'): "0+60x60 3630+30x60",
+        s(c.SPOKE_REQUESTS, 'spoke="s2"', N1, 'result="miss"'): "0+40x60 2470+70x60",
+    }, "90m"),
+    Case("StallwatchHubFailingWhileTrainingStalls", {
+        s(c.SPOKE_HUB_ERRORS, 'spoke="s1"', N1): "0+30x20",
+        s(c.SPOKE_HUB_FETCH_DURATION, 'spoke="s1"', N1, suffix="_count"): "0+30x20",
+        s(c.STALL_SECONDS, 'job="train"', N1, 'rank="0"', 'cause="remote_fetch"'): "0+30x20",
+    }, "15m", (({"spoke": "s1"}, "Spoke s1: 50% of fetches from the hub fail while training ranks stall."),)),
+    Case("StallwatchHubFailingWhileTrainingStalls", {  # the hub fails but nobody stalls on it
+        s(c.SPOKE_HUB_ERRORS, 'spoke="s1"', N1): "0+30x20",
+        s(c.SPOKE_HUB_FETCH_DURATION, 'spoke="s1"', N1, suffix="_count"): "0+30x20",
+        s(c.STALL_SECONDS, 'job="train"', N1, 'rank="0"', 'cause="remote_fetch"'): "0x20",
+    }, "15m"),
+    Case("StallwatchEgressOverBudget", {  # 6 GB a minute: 360 GB an hour at 0.02 USD/GB
+        s(c.SPOKE_BYTES, 'spoke="s1"', N1, 'source="hub"'): "0+6000000000x100",
+    }, "80m", (({}, "Spokes fetched 7.20 USD of data from the hub in the last hour (budget 5.0 USD per hour at "
+                    "0.02 USD/GB)."),)),
+    Case("StallwatchEgressOverBudget", {  # 4 GB a minute from the hub: 4.80 USD an hour; cache bytes are free
+        s(c.SPOKE_BYTES, 'spoke="s1"', N1, 'source="hub"'): "0+4000000000x100",
+        s(c.SPOKE_BYTES, 'spoke="s1"', N1, 'source="cache"'): "0+90000000000x100",
+    }, "80m"),
+    Case("StallwatchClientDroppingEvents", {
+        s(c.CLIENT_DROPPED_EVENTS, 'job="train"', 'rank="0"', N1): "0+60x20",
+        s(c.RECEIVER_EVENTS, 'kind="wait"', N1): "0+540x20",
+        s(c.CLIENT_DROPPED_EVENTS, 'job="train"', 'rank="0"', 'instance="n2"'): "0+60x20",  # n2 accepts nothing
+    }, "15m", (
+        ({"instance": "n1"}, "Training clients on n1 dropped 10% of their events: stall attribution there is "
+                             "incomplete."),
+        ({"instance": "n2"}, "Training clients on n2 dropped 100% of their events: stall attribution there is "
+                             "incomplete."),
+    )),
+    Case("StallwatchClientDroppingEvents", {
+        s(c.CLIENT_DROPPED_EVENTS, 'job="train"', 'rank="0"', N1): "0+3x20",
+        s(c.RECEIVER_EVENTS, 'kind="wait"', N1): "0+597x20",
+    }, "15m"),
+    Case("StallwatchReceiverDroppingEvents", {
+        s(c.RECEIVER_DROPPED_EVENTS, 'reason="queue_full"', N1): "0+60x20",
+        s(c.RECEIVER_EVENTS, 'kind="wait"', N1): "0+540x20",
+    }, "15m", (({"instance": "n1"}, "The agent on n1 dropped 10% of the events it received (queue full or "
+                                    "rejected batches)."),)),
+    Case("StallwatchReceiverDroppingEvents", {
+        s(c.RECEIVER_DROPPED_EVENTS, 'reason="queue_full"', N1): "0+3x20",
+        s(c.RECEIVER_EVENTS, 'kind="wait"', N1): "0+597x20",
+    }, "15m"),
+    Case("StallwatchAgentDown", {'up{job="stallwatch", instance="n1:9842"}': "0x10"}, "6m",
+         (({"job": "stallwatch", "instance": "n1:9842"}, "The stallwatch agent at n1:9842 has been unreachable "
+                                                         "for 5m."),)),
+    Case("StallwatchAgentDown", {  # another job's target is down, not the agent's
+        'up{job="stallwatch", instance="n1:9842"}': "1x10",
+        'up{job="other", instance="n1:9100"}': "0x10",
+    }, "6m"),
+    Case("StallwatchCollectorFailing", {s(c.SCRAPE_COLLECTOR_SUCCESS, 'collector="gpu"', N1): "0x15"}, "12m",
+         (({"instance": "n1", "collector": "gpu"}, "Collector gpu on n1 fails (for `gpu`: NVML)."),)),
+    Case("StallwatchCollectorFailing", {  # failed twice, recovered
+        s(c.SCRAPE_COLLECTOR_SUCCESS, 'collector="gpu"', N1): "1 1 0 0 1x12",
+    }, "14m"),
+    Case("StallwatchGPUXidErrors", {s(c.GPU_XID_ERRORS, N1, 'gpu="0"', 'xid="79"'): "0 0 0 1x10"}, "12m",
+         (({"instance": "n1", "gpu": "0", "xid": "79"}, "GPU 0 on n1 reported critical XID 79 errors: 1 in the "
+                                                        "last 10m."),)),
+    Case("StallwatchGPUXidErrors", {  # an old count that does not grow: no sticky alert
+        s(c.GPU_XID_ERRORS, N1, 'gpu="0"', 'xid="79"'): "3x20",
+    }, "12m"),
+)
+
+
+def promtool_test(case: Case) -> dict[str, object]:
+    alert = ALERTS[case.alert]
+    expected = [
+        {
+            "exp_labels": {**labels, "severity": alert.severity},
+            "exp_annotations": {
+                "summary": alert.summary,
+                "description": description,
+                "runbook_url": f"{Thresholds().runbook_base_url}#{alert.anchor}",
+            },
+        }
+        for labels, description in case.firing
+    ]
+    return {
+        "interval": "1m",
+        "input_series": [{"series": series, "values": values} for series, values in case.series.items()],
+        "alert_rule_test": [{"eval_time": case.at, "alertname": case.alert, "exp_alerts": expected}],
+    }
+
+
+def test_every_alert_has_a_firing_and_a_quiet_case() -> None:
+    fires = {case.alert for case in CASES if case.firing}
+    quiet = {case.alert for case in CASES if not case.firing}
+    assert set(ALERTS) == fires == quiet
+    assert set(ALERTS) >= {case.alert for case in CASES}
+
+
+def test_promtool_checks_every_rule_file(promtool: str) -> None:
+    assert [p.name for p in RULE_FILES] == ["alerting-rules.yaml", "recording-rules.yaml"]
+    result = subprocess.run([promtool, "check", "rules", *map(str, RULE_FILES)], capture_output=True, text=True,
+                            timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_recording_rules_follow_level_metric_operation() -> None:
+    groups = yaml.safe_load((ROOT / "alerts/recording-rules.yaml").read_text())["groups"]
+    names = [rule["record"] for group in groups for rule in group["rules"]]
+    assert names and all(len(name.split(":")) == 3 and all(name.split(":")) for name in names), names
+
+
+@pytest.mark.parametrize("firing", [True, False], ids=["fires", "quiet"])
+def test_promtool_unit_tests(promtool: str, tmp_path: Path, firing: bool) -> None:
+    tests = tmp_path / "stallwatch.test.yaml"
+    tests.write_text(yaml.safe_dump({
+        "rule_files": [str(p) for p in RULE_FILES],
+        "evaluation_interval": "1m",
+        "tests": [promtool_test(case) for case in CASES if bool(case.firing) is firing],
+    }, sort_keys=False))
+    result = subprocess.run([promtool, "test", "rules", str(tests)], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_a_quiet_case_would_catch_a_rule_that_always_fires(promtool: str, tmp_path: Path) -> None:
+    # The quiet cases must be able to fail: the same test run against a rule with its condition removed fails.
+    broken = tmp_path / "alerting-rules.yaml"
+    document = yaml.safe_load((ROOT / "alerts/alerting-rules.yaml").read_text())
+    for group in document["groups"]:
+        for rule in group["rules"]:
+            if rule["alert"] == "StallwatchAgentDown":
+                rule["expr"] = 'up{job="stallwatch"}'
+    broken.write_text(yaml.safe_dump(document))
+    quiet = next(case for case in CASES if case.alert == "StallwatchAgentDown" and not case.firing)
+    tests = tmp_path / "broken.test.yaml"
+    tests.write_text(yaml.safe_dump({"rule_files": [str(broken)], "evaluation_interval": "1m",
+                                     "tests": [promtool_test(quiet)]}))
+    result = subprocess.run([promtool, "test", "rules", str(tests)], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 1 and "StallwatchAgentDown" in result.stdout + result.stderr
+
+
+def test_every_alert_carries_what_the_conventions_ask() -> None:
+    runbooks = (ROOT / "docs/runbooks.md").read_text()
+    for group in yaml.safe_load((ROOT / "alerts/alerting-rules.yaml").read_text())["groups"]:
+        for rule in group["rules"]:
+            assert rule["alert"].startswith("Stallwatch") and rule["for"]
+            assert rule["labels"]["severity"] in ("critical", "warning")
+            assert set(rule["annotations"]) == {"summary", "description", "runbook_url"}
+            anchor = rule["annotations"]["runbook_url"].split("#")[1]
+            assert f"\n## {rule['alert']}\n" in runbooks and anchor == rule["alert"].lower()
+
+
+def test_thresholds_shape_the_rules_and_refuse_nonsense() -> None:
+    strict = render_alerting_rules(Thresholds(input_bound_ratio=0.3, input_bound_for="1h"))
+    rule = next(r for g in yaml.safe_load(strict)["groups"] for r in g["rules"]
+                if r["alert"] == "StallwatchTrainingInputBound")
+    assert rule["expr"].endswith(">= 0.3") and rule["for"] == "1h"
+    with pytest.raises(ValueError, match="not a Prometheus duration"):
+        Thresholds(warmup_budget="half an hour")
+    with pytest.raises(ValueError, match="not a ratio"):
+        Thresholds(hub_error_ratio=5)
