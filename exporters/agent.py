@@ -15,7 +15,7 @@ from stallwatch import __version__, catalogue
 from stallwatch.batch import discard
 
 # Importing a collector module registers it by name.
-from stallwatch.exporters import gpu, host  # noqa: F401
+from stallwatch.exporters import events, gpu, host  # noqa: F401
 from stallwatch.exporters.collector import Collector, CollectorContext, ScrapeCollector, registered
 from stallwatch.exporters.config import ConfigError, log_level, parse, parse_listen_address
 from stallwatch.exporters.web import MetricsServer
