@@ -14,9 +14,10 @@ from prometheus_client.exposition import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from stallwatch.batch import Batch
-from stallwatch.client import ReadSpan, monitor, transport, wire
+from stallwatch.client import ReadSpan, http_get, monitor, transport, wire
 from stallwatch.client.identity import source_from_environment
 from stallwatch.exporters.events import EventsCollector
+from stallwatch.keys import read_key
 
 
 def samples(collector: EventsCollector) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -241,3 +242,35 @@ def test_an_unbindable_socket_leaves_the_agent_running_and_says_so(tmp_path: Pat
 ])
 def test_identity_comes_from_the_launchers_environment(env: dict[str, str], expected: wire.Source) -> None:
     assert source_from_environment(env=env) == expected
+
+
+def test_http_get_records_the_spokes_cache_verdict(agent: tuple[EventsCollector, Received]) -> None:
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    class Spoke(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            body = b"x" * 100
+            self.send_response(200)
+            self.send_header("X-Cache-Status", "HIT" if "cached" in self.path else "MISS")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Spoke)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        base = f"http://127.0.0.1:{server.server_address[1]}"
+        assert http_get(f"{base}/cached/a.bin") == b"x" * 100
+        http_get(f"{base}/cold/b.bin", offset=100, length=100)
+    finally:
+        server.shutdown()
+        server.server_close()
+    transport.sender().flush_all()
+    _, received = agent
+    assert wait_for(lambda: received.rows("read") == 2)
+    columns = received.batches[-1].columns
+    assert list(columns["verdict"]) == [wire.VERDICT_HIT, wire.VERDICT_MISS]
+    assert list(columns["key"]) == [read_key("/cached/a.bin", 0), read_key("/cold/b.bin", 100)]
