@@ -46,13 +46,15 @@ class _ReadContext:
     """Where this process's reads go and which batch they serve."""
 
     def __init__(self) -> None:
+        self.source: wire.Source | None = None
         self.channel: Channel | None = None
         self.batch = -1
 
     def target(self) -> Channel:
-        if self.channel is None:
-            self.channel = sender().channel(source_from_environment())
-        return self.channel
+        channel, current = self.channel, sender()
+        if channel is None or channel.owner is not current:  # first read, or `configure()` chose another agent
+            self.channel = channel = current.channel(self.source or source_from_environment())
+        return channel
 
     def _forget(self) -> None:  # in a forked child: the parent's channel is not ours
         self.channel, self.batch = None, -1
@@ -64,7 +66,12 @@ os.register_at_fork(after_in_child=_context._forget)
 
 def bind_worker(source: wire.Source) -> None:
     """Send this process's reads as `source` (job, rank, gpu and loader worker id)."""
+    _context.source = source
     _context.channel = sender().channel(source)
+
+
+def bound_source() -> wire.Source | None:
+    return _context.source
 
 
 def set_batch(batch: int) -> None:

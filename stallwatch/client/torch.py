@@ -57,8 +57,9 @@ class _NumberedBatches:
 def _bind_this_worker(source: wire.Source) -> None:
     info = get_worker_info()
     worker = -1 if info is None else info.id
-    if reads._context.channel is None or reads._context.channel.source.worker != worker:
-        reads.bind_worker(wire.Source(source.job, source.rank, source.gpu, worker))
+    this_worker = wire.Source(source.job, source.rank, source.gpu, worker)
+    if reads.bound_source() != this_worker:
+        reads.bind_worker(this_worker)
 
 
 class _RecordedMapDataset(Dataset[Any]):

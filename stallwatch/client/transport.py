@@ -46,10 +46,10 @@ ABSENT_RETRY_NS = 1_000_000_000
 class Channel:
     """The events of one source, waiting to be sent."""
 
-    __slots__ = ("_sender", "dropped_total", "dropped_unreported", "reads", "source", "steps")
+    __slots__ = ("dropped_total", "dropped_unreported", "owner", "reads", "source", "steps")
 
-    def __init__(self, sender: Sender, source: wire.Source) -> None:
-        self._sender = sender
+    def __init__(self, owner: Sender, source: wire.Source) -> None:
+        self.owner = owner
         self.source = source
         self.steps: list[wire.Step] = []
         self.reads: list[wire.Read] = []
@@ -60,16 +60,16 @@ class Channel:
         steps = self.steps
         steps.append(row)
         if len(steps) >= wire.MAX_EVENTS:
-            self._sender.flush(self, wait=False)
+            self.owner.flush(self, wait=False)
 
     def read(self, row: wire.Read) -> None:
         reads = self.reads
         reads.append(row)
         if len(reads) >= wire.MAX_EVENTS:
-            self._sender.flush(self, wait=False)
+            self.owner.flush(self, wait=False)
 
     def flush(self) -> None:
-        self._sender.flush(self, wait=True)
+        self.owner.flush(self, wait=True)
 
     def _reset(self) -> None:
         self.steps.clear()
