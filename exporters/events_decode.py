@@ -143,7 +143,7 @@ def decode(data: bytes, now_ns: int, wall_now_ns: int) -> Decoded:
     steps: Records = np.frombuffer(data, STEP_DTYPE, n_steps, offset)
     reads: Records = np.frombuffer(data, READ_DTYPE, n_reads, offset + n_steps * wire.STEP.size)
     _check_values(rank, gpu, worker, steps, reads)
-    clock_offset = (wall_now_ns - now_ns) - (wall_ns - mono_ns)
+    clock_offset = (wall_ns - mono_ns) - (wall_now_ns - now_ns)  # add to a client time to get ours
     if not 0 < mono_ns < _SANE_NS or abs(clock_offset) > _SANE_NS // 2:
         raise RejectedBatchError("bad_timestamp", "client clock out of range")  # and int64 arithmetic stays exact
     _check_times(mono_ns, steps, reads)
