@@ -15,7 +15,16 @@ from stallwatch import __version__, catalogue
 from stallwatch.batch import discard
 
 # Importing a collector module registers it by name.
-from stallwatch.exporters import gpu, host, spoke_nfs, spoke_nginx, spoke_openmetrics, spoke_qumulo, spoke_varnish  # noqa: F401
+from stallwatch.exporters import (  # noqa: F401
+    events,
+    gpu,
+    host,
+    spoke_nfs,
+    spoke_nginx,
+    spoke_openmetrics,
+    spoke_qumulo,
+    spoke_varnish,
+)
 from stallwatch.exporters.collector import Collector, CollectorContext, ScrapeCollector, registered
 from stallwatch.exporters.config import ConfigError, log_level, parse, parse_listen_address
 from stallwatch.exporters.web import MetricsServer

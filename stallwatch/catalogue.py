@@ -225,6 +225,10 @@ RECEIVER_FOLDED_LABELS = counter(
     "loader", "receiver_folded_label_values_total", "", ["label"],
     "Distinct job names past the per-node cap, folded into the value __other__.",
 )
+RECEIVER_UP = gauge(
+    "loader", "receiver_up", "", [],
+    "1 if the agent is bound to the events socket, 0 if it could not bind (clients count their events as dropped).",
+)
 
 
 # --- spoke: the cache's own view of the traffic ------------------------------------------------------

@@ -8,6 +8,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -49,6 +50,9 @@ class AgentProcess:
 
 
 def start_agent(args: list[str], log: Path, timeout: float = 20.0) -> AgentProcess:
+    if not any(a.startswith(("--events.socket", "--no-collector.events")) for a in args):
+        # A socket of its own: never the node-wide default. Short path: sun_path holds 108 bytes.
+        args = [*args, "--events.socket", os.path.join(tempfile.mkdtemp(prefix="sw-"), "events.sock")]
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     with log.open("w") as sink:
         process = subprocess.Popen(

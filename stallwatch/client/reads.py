@@ -1,0 +1,200 @@
+"""Recording dataset reads: a file wrapper, an HTTP GET, and a span for any other reader.
+
+Each read becomes one event: its key (`stallwatch.keys.read_key` of the path or URL and the byte
+offset, so the agent can join it to the spoke's log without a path ever leaving the node), bytes,
+start and end (`time.monotonic_ns()`), and the cache's verdict when the reader sees one. The
+process's read context adds the loader worker and the batch being built; the PyTorch integration
+sets both inside each worker (`bind_worker`, `set_batch`), other code may call them itself.
+Recording never raises into the reader: a failure to record only loses the event.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import time
+import urllib.request
+from collections.abc import Callable, Sized
+from types import TracebackType
+from typing import IO, Any, ParamSpec, TypeVar
+
+from stallwatch.client import wire
+from stallwatch.client.identity import source_from_environment
+from stallwatch.client.transport import Channel, sender
+from stallwatch.keys import read_key
+
+P = ParamSpec("P")
+R = TypeVar("R", bound=Sized)
+
+# nginx $upstream_cache_status values: these were served from the spoke's cache (REVALIDATED asked the
+# hub only whether the cached copy was still good); MISS, EXPIRED and BYPASS fetched from the hub.
+_CACHE_HITS = frozenset({"HIT", "STALE", "UPDATING", "REVALIDATED"})
+_CACHE_MISSES = frozenset({"MISS", "EXPIRED", "BYPASS"})
+
+
+def verdict_from_cache_status(value: str | None) -> int:
+    """An `X-Cache-Status` header value -> wire.VERDICT_HIT, _MISS or _UNKNOWN."""
+    status = (value or "").strip().upper()
+    if status in _CACHE_HITS:
+        return wire.VERDICT_HIT
+    if status in _CACHE_MISSES:
+        return wire.VERDICT_MISS
+    return wire.VERDICT_UNKNOWN
+
+
+class _ReadContext:
+    """Where this process's reads go and which batch they serve."""
+
+    def __init__(self) -> None:
+        self.source: wire.Source | None = None
+        self.channel: Channel | None = None
+        self.batch = -1
+
+    def target(self) -> Channel:
+        channel, current = self.channel, sender()
+        if channel is None or channel.owner is not current:  # first read, or `configure()` chose another agent
+            self.channel = channel = current.channel(self.source or source_from_environment())
+        return channel
+
+    def _forget(self) -> None:  # in a forked child: the parent's channel is not ours
+        self.channel, self.batch = None, -1
+
+
+_context = _ReadContext()
+os.register_at_fork(after_in_child=_context._forget)
+
+
+def bind_worker(source: wire.Source) -> None:
+    """Send this process's reads as `source` (job, rank, gpu and loader worker id)."""
+    _context.source = source
+    _context.channel = sender().channel(source)
+
+
+def bound_source() -> wire.Source | None:
+    return _context.source
+
+
+def set_batch(batch: int) -> None:
+    """The batch index the following reads serve (-1: unknown)."""
+    _context.batch = batch
+
+
+def current_batch() -> int:
+    return _context.batch
+
+
+def record_read(
+    location: str, offset: int, nbytes: int, start_ns: int, end_ns: int, verdict: int = wire.VERDICT_UNKNOWN
+) -> None:
+    """Record one read that already happened."""
+    try:
+        _context.target().read((_context.batch, read_key(location, offset), nbytes, start_ns, end_ns, verdict))
+    except Exception:  # never into the reader; the event is lost
+        return
+
+
+class ReadSpan:
+    """Time one read of your own reader: `with ReadSpan(url, offset) as span: ...; span.bytes = n`.
+
+    Set `span.bytes` (and `span.verdict` when the reader learns it) inside the block. A read that
+    raises is recorded too, with the bytes set so far: a 30 s timeout is a stall worth seeing.
+    As a decorator, `ReadSpan.wrap(fn)` records calls `fn(location, offset=0, ...)` returning a sized result.
+    """
+
+    __slots__ = ("_start", "bytes", "location", "offset", "verdict")
+
+    def __init__(self, location: str, offset: int = 0) -> None:
+        self.location = location
+        self.offset = offset
+        self.bytes = 0
+        self.verdict = wire.VERDICT_UNKNOWN
+        self._start = 0
+
+    def __enter__(self) -> ReadSpan:
+        self._start = time.monotonic_ns()
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, error: BaseException | None, traceback: TracebackType | None
+    ) -> None:
+        record_read(self.location, self.offset, self.bytes, self._start, time.monotonic_ns(), self.verdict)
+
+    @staticmethod
+    def wrap(reader: Callable[P, R]) -> Callable[P, R]:
+        @functools.wraps(reader)
+        def recorded(*args: P.args, **kwargs: P.kwargs) -> R:
+            location = str(args[0]) if args else str(kwargs.get("location", ""))
+            offset = kwargs.get("offset", args[1] if len(args) > 1 else 0)
+            with ReadSpan(location, offset if isinstance(offset, int) else 0) as span:
+                result = reader(*args, **kwargs)
+                span.bytes = len(result)
+            return result
+
+        return recorded
+
+
+class RecordedFile:
+    """A binary file whose read(), readinto() and read1() calls are recorded, one event each.
+
+    Tracks its own position instead of calling tell(), which would cost a system call per read.
+    Everything else is the wrapped file's.
+    """
+
+    def __init__(self, raw: IO[bytes], path: str) -> None:
+        self._file = raw
+        self._path = path
+        self._position = raw.tell() if raw.seekable() else 0
+
+    def read(self, size: int = -1) -> bytes:
+        start, offset = time.monotonic_ns(), self._position
+        data = self._file.read(size)
+        self._position += len(data)
+        record_read(self._path, offset, len(data), start, time.monotonic_ns())
+        return data
+
+    def read1(self, size: int = -1) -> bytes:
+        start, offset = time.monotonic_ns(), self._position
+        data = self._file.read1(size)  # type: ignore[attr-defined]
+        self._position += len(data)
+        record_read(self._path, offset, len(data), start, time.monotonic_ns())
+        return data  # type: ignore[no-any-return]
+
+    def readinto(self, buffer: Any) -> int:
+        start, offset = time.monotonic_ns(), self._position
+        count: int = self._file.readinto(buffer)  # type: ignore[attr-defined]
+        self._position += count or 0
+        record_read(self._path, offset, count or 0, start, time.monotonic_ns())
+        return count
+
+    def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
+        self._position = self._file.seek(offset, whence)
+        return self._position
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._file, name)
+
+    def __enter__(self) -> RecordedFile:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._file.close()
+
+
+def open_recorded(path: str | os.PathLike[str], buffering: int = -1) -> RecordedFile:
+    """`open(path, "rb")` with every read recorded."""
+    name = os.fspath(path)
+    return RecordedFile(open(name, "rb", buffering=buffering), name)  # closed by the wrapper
+
+
+def http_get(url: str, offset: int = 0, length: int | None = None, timeout: float = 60.0) -> bytes:
+    """GET a URL (a byte range when offset/length are given), recording the read and its
+    `X-Cache-Status` verdict. HTTP errors raise as urllib raises them, after being recorded."""
+    request = urllib.request.Request(url)
+    if offset or length is not None:
+        end = "" if length is None else str(offset + length - 1)
+        request.add_header("Range", f"bytes={offset}-{end}")
+    with ReadSpan(url, offset) as span, urllib.request.urlopen(request, timeout=timeout) as response:
+        span.verdict = verdict_from_cache_status(response.headers.get("X-Cache-Status"))
+        data: bytes = response.read()
+        span.bytes = len(data)
+    return data

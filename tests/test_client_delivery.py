@@ -1,0 +1,276 @@
+"""The client against a real receiver on a real socket: steps, drops, a missing agent, a restart."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+from prometheus_client import CollectorRegistry
+from prometheus_client.exposition import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from stallwatch.batch import Batch
+from stallwatch.client import ReadSpan, http_get, monitor, transport, wire
+from stallwatch.client.identity import source_from_environment
+from stallwatch.exporters.events import EventsCollector
+from stallwatch.keys import read_key
+
+
+def samples(collector: EventsCollector) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    registry = CollectorRegistry()
+    registry.register(collector)
+    text = generate_latest(registry).decode()
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text) for s in family.samples
+    }
+
+
+def wait_for(condition: Callable[[], bool], seconds: float = 15.0) -> bool:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.02)
+    return condition()
+
+
+class Received:
+    def __init__(self) -> None:
+        self.batches: list[Batch] = []
+
+    def __call__(self, batch: Batch) -> None:
+        self.batches.append(batch)
+
+    def rows(self, kind: str) -> int:
+        return sum(len(b) for b in self.batches if b.kind == kind)
+
+
+@pytest.fixture
+def socket_path(tmp_path: Path) -> Iterator[str]:
+    path = str(tmp_path / "run" / "events.sock")
+    transport.configure(path)
+    yield path
+    transport.sender().close()
+
+
+@pytest.fixture
+def agent(socket_path: str) -> Iterator[tuple[EventsCollector, Received]]:
+    received = Received()
+    collector = EventsCollector(socket_path, sink=received)
+    yield collector, received
+    collector.close()
+
+
+def test_each_step_times_the_wait_and_the_work_after_it(agent: tuple[EventsCollector, Received]) -> None:
+    collector, received = agent
+
+    def slow_loader() -> Iterator[int]:
+        for item in range(3):
+            time.sleep(0.02)
+            yield item
+
+    for _ in monitor(slow_loader(), job="steps", rank=2, gpu=1):
+        time.sleep(0.01)
+    assert wait_for(lambda: received.rows("step") == 3)
+    (batch,) = [b for b in received.batches if b.kind == "step"]
+    columns = batch.columns
+    assert list(columns["batch"]) == [0, 1, 2]
+    assert list(columns["rank"]) == [2, 2, 2] and list(columns["gpu"]) == [1, 1, 1]
+    waits = columns["wait_end_ns"] - columns["wait_start_ns"]
+    computes = columns["compute_end_ns"] - columns["wait_end_ns"]
+    assert (waits >= 20_000_000).all() and (computes >= 10_000_000).all()
+    assert (columns["wait_start_ns"][1:] == columns["compute_end_ns"][:-1]).all()  # no gap, no overlap
+    metrics = samples(collector)
+    assert metrics[("stallwatch_loader_wait_seconds_count", (("job", "steps"), ("rank", "2")))] == 3
+    assert metrics[("stallwatch_loader_wait_seconds_sum", (("job", "steps"), ("rank", "2")))] >= 0.06
+
+
+def test_break_and_exceptions_end_the_step_that_was_running(agent: tuple[EventsCollector, Received]) -> None:
+    _, received = agent
+    for index in monitor(range(100), job="brk", rank=0):
+        if index == 4:
+            break
+    with pytest.raises(RuntimeError):
+        for index in monitor(range(100), job="exc", rank=0):
+            if index == 2:
+                raise RuntimeError("training failed")
+    assert wait_for(lambda: received.rows("step") == 5 + 3)
+
+
+def test_reads_carry_bytes_times_and_verdict(agent: tuple[EventsCollector, Received]) -> None:
+    collector, received = agent
+    with ReadSpan("http://spoke:8080/shards/0001.tar?sig=1", 4096) as span:
+        span.bytes, span.verdict = 1234, wire.VERDICT_MISS
+    with pytest.raises(OSError), ReadSpan("/data/missing.bin"):
+        raise OSError("no such file")
+    transport.sender().flush_all()
+    assert wait_for(lambda: received.rows("read") == 2)
+    columns = received.batches[-1].columns
+    assert list(columns["bytes"]) == [1234, 0]
+    assert list(columns["verdict"]) == [wire.VERDICT_MISS, wire.VERDICT_UNKNOWN]
+    job = source_from_environment()
+    labels = (("job", job.job), ("rank", str(job.rank)))
+    assert samples(collector)[("stallwatch_dataset_reads_total", (*labels[:1], *labels[1:], ("verdict", "miss")))] == 1
+
+
+def test_without_an_agent_the_client_neither_blocks_nor_raises_and_counts(socket_path: str) -> None:
+    finished = threading.Event()
+
+    def train() -> None:
+        for _ in monitor(range(5 * wire.MAX_EVENTS), job="alone", rank=0):
+            pass
+        finished.set()
+
+    thread = threading.Thread(target=train, daemon=True)
+    thread.start()
+    thread.join(timeout=60)
+    assert finished.is_set()
+    channel = transport.sender().channel(wire.Source("alone", 0, -1, -1))
+    assert channel.dropped_total == 5 * wire.MAX_EVENTS
+
+
+def test_a_full_agent_queue_drops_instead_of_blocking(socket_path: str) -> None:
+    Path(socket_path).parent.mkdir(parents=True)
+    stuck = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)  # an agent that never reads
+    stuck.bind(socket_path)
+    try:
+        events = 40 * wire.MAX_EVENTS  # far more datagrams than the kernel queues for one socket
+        finished = threading.Event()
+
+        def train() -> None:
+            for _ in monitor(range(events), job="stuck", rank=0):
+                pass
+            finished.set()
+
+        thread = threading.Thread(target=train, daemon=True)
+        thread.start()
+        thread.join(timeout=60)
+        assert finished.is_set()
+        channel = transport.sender().channel(wire.Source("stuck", 0, -1, -1))
+        assert 0 < channel.dropped_total < events
+    finally:
+        stuck.close()
+
+
+def test_after_an_agent_restart_the_client_delivers_again_and_reports_its_drops(socket_path: str) -> None:
+    first = EventsCollector(socket_path)
+    for _ in monitor(range(10), job="restart", rank=0):
+        pass
+    first.close()
+    for _ in monitor(range(7), job="restart", rank=0):  # nobody listening: dropped and counted
+        pass
+    received = Received()
+    second = EventsCollector(socket_path, sink=received)
+    try:
+        def one_more_step_arrives() -> bool:  # the client retries a missing agent after a pause
+            for _ in monitor(range(1), job="restart", rank=0):
+                pass
+            return received.rows("step") > 0
+
+        assert wait_for(one_more_step_arrives, seconds=20)
+        labels = (("job", "restart"), ("rank", "0"))
+        assert samples(second)[("stallwatch_client_dropped_events_total", labels)] >= 7
+    finally:
+        second.close()
+
+
+def test_a_flood_beyond_the_queue_limit_is_dropped_and_counted(socket_path: str) -> None:
+    in_sink, release = threading.Event(), threading.Event()
+
+    def slow_correlator(batch: Batch) -> None:
+        in_sink.set()
+        release.wait(timeout=30)
+
+    collector = EventsCollector(socket_path, queue_limit=1, sink=slow_correlator)
+    try:
+        def batch(events: int) -> bytes:
+            now = time.monotonic_ns()
+            return wire.encode(wire.Source("flood", 0), [(0, now - 3, now - 2, now - 1)] * events, [], events, 0, 0,
+                               now, time.time_ns())
+
+        collector._enqueue(batch(1))  # the receive thread's entry point, called here to control the timing
+        assert in_sink.wait(timeout=30)  # the processing thread is busy with the first batch
+        collector._enqueue(batch(1))  # queued: the queue was empty
+        collector._enqueue(batch(3))  # over the limit of 1 queued event: dropped whole
+        metrics = samples(collector)
+        assert metrics[("stallwatch_receiver_batches_total", (("result", "queue_full"),))] == 1
+        assert metrics[("stallwatch_receiver_dropped_events_total", (("reason", "queue_full"),))] == 3
+    finally:
+        release.set()
+        collector.close()
+
+
+def test_bad_batches_are_counted_by_reason_and_the_receiver_goes_on(agent: tuple[EventsCollector, Received]) -> None:
+    collector, received = agent
+    sender = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    path = transport.sender().path
+    sender.sendto(b"\x07" + bytes(60), path)
+    sender.sendto(b"\x01\x00", path)
+    sender.close()
+    for _ in monitor(range(2), job="after", rank=0):
+        pass
+    assert wait_for(lambda: received.rows("step") == 2)
+    metrics = samples(collector)
+    assert metrics[("stallwatch_receiver_batches_total", (("result", "bad_version"),))] == 1
+    assert metrics[("stallwatch_receiver_batches_total", (("result", "truncated"),))] == 1
+    assert metrics[("stallwatch_receiver_batches_total", (("result", "accepted"),))] == 1
+
+
+def test_an_unbindable_socket_leaves_the_agent_running_and_says_so(tmp_path: Path) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    collector = EventsCollector(str(blocker / "events.sock"))
+    try:
+        assert samples(collector)[("stallwatch_receiver_up", ())] == 0
+    finally:
+        collector.close()
+
+
+@pytest.mark.parametrize(("env", "expected"), [
+    ({}, wire.Source("unknown", 0, -1)),
+    ({"STALLWATCH_JOB": "a", "TORCHELASTIC_RUN_ID": "b", "RANK": "5", "LOCAL_RANK": "1"}, wire.Source("a", 5, 1)),
+    ({"TORCHELASTIC_RUN_ID": "b", "RANK": "3", "LOCAL_RANK": "1", "CUDA_VISIBLE_DEVICES": "4,6"},
+     wire.Source("b", 3, 6)),
+    ({"SLURM_JOB_ID": "991", "SLURM_PROCID": "9", "SLURM_LOCALID": "0", "CUDA_VISIBLE_DEVICES": "GPU-1f2a"},
+     wire.Source("991", 9, -1)),
+    ({"STALLWATCH_JOB": "tab\there" + "x" * 200, "RANK": "junk"}, wire.Source("tab_here" + "x" * 120, 0, -1)),
+])
+def test_identity_comes_from_the_launchers_environment(env: dict[str, str], expected: wire.Source) -> None:
+    assert source_from_environment(env=env) == expected
+
+
+def test_http_get_records_the_spokes_cache_verdict(agent: tuple[EventsCollector, Received]) -> None:
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    class Spoke(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            body = b"x" * 100
+            self.send_response(200)
+            self.send_header("X-Cache-Status", "HIT" if "cached" in self.path else "MISS")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Spoke)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        base = f"http://127.0.0.1:{server.server_address[1]}"
+        assert http_get(f"{base}/cached/a.bin") == b"x" * 100
+        http_get(f"{base}/cold/b.bin", offset=100, length=100)
+    finally:
+        server.shutdown()
+        server.server_close()
+    transport.sender().flush_all()
+    _, received = agent
+    assert wait_for(lambda: received.rows("read") == 2)
+    columns = received.batches[-1].columns
+    assert list(columns["verdict"]) == [wire.VERDICT_HIT, wire.VERDICT_MISS]
+    assert list(columns["key"]) == [read_key("/cached/a.bin", 0), read_key("/cold/b.bin", 100)]

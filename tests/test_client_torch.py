@@ -1,0 +1,214 @@
+"""A real PyTorch DataLoader with four workers, through the real client, into the agent."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from prometheus_client.parser import text_string_to_metric_families
+from torch.utils.data import DataLoader, Dataset
+
+from stallwatch.batch import Batch
+from stallwatch.client import RecordedFile, transport
+from stallwatch.client.torch import instrument
+from stallwatch.exporters.events import EventsCollector
+from stallwatch.keys import read_key
+
+pytestmark = pytest.mark.slow
+READ_DELAY = 0.002
+CHUNK = 1024
+
+
+class SlowFile:
+    """A real file whose every read first waits READ_DELAY: storage slower than this machine's disk."""
+
+    def __init__(self, path: Path) -> None:
+        self._file = path.open("rb")
+
+    def read(self, size: int = -1) -> bytes:
+        time.sleep(READ_DELAY)
+        return self._file.read(size)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._file, name)
+
+
+class FileDataset(Dataset[torch.Tensor]):
+    """Reads each file in CHUNK-sized reads, each slowed by READ_DELAY; returns the sample's index."""
+
+    def __init__(self, paths: list[Path], slow_every: int = 0) -> None:
+        self.paths = paths
+        self.slow_every = slow_every
+
+    def __len__(self) -> int:
+        return len(self.paths)
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        if self.slow_every and index % self.slow_every == 0:
+            time.sleep(0.03)  # a straggler, so that batches finish out of order
+        with RecordedFile(SlowFile(self.paths[index]), str(self.paths[index])) as file:  # type: ignore[arg-type]
+            while file.read(CHUNK):
+                pass
+        return torch.tensor(index)
+
+
+def read_offsets(size: int) -> list[int]:
+    return [*range(0, size, CHUNK), size]  # the chunks with data, then the empty read that ends the loop
+
+
+def reads_per_file(size: int) -> int:
+    return len(read_offsets(size))
+
+
+@pytest.fixture
+def files(tmp_path: Path) -> list[Path]:
+    paths = []
+    for index in range(32):
+        path = tmp_path / "data" / f"sample-{index:03d}.bin"
+        path.parent.mkdir(exist_ok=True)
+        path.write_bytes(os.urandom(500 + 311 * index))
+        paths.append(path)
+    return paths
+
+
+def start_agent(socket_path: Path, log: Path) -> tuple[subprocess.Popen[bytes], str]:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    command = [sys.executable, "-m", "stallwatch", "agent", "--web.listen-address", "127.0.0.1:0",
+               "--events.socket", str(socket_path), "--no-collector.gpu"]
+    process = subprocess.Popen(command, stderr=log.open("wb"), env=env)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and process.poll() is None:
+        found = re.search(r"listening on (http://\S+?/metrics)", log.read_text())
+        if found:
+            return process, found.group(1)
+        time.sleep(0.05)
+    process.kill()
+    raise AssertionError(f"agent did not start: {log.read_text()}")
+
+
+def scrape(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    with urllib.request.urlopen(url, timeout=10) as response:
+        text = response.read().decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def wait_for(condition: Callable[[], bool], seconds: float = 30.0) -> bool:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.1)
+    return condition()
+
+
+@pytest.fixture
+def agent(tmp_path: Path) -> Iterator[str]:
+    socket_path = tmp_path / "run" / "events.sock"
+    process, url = start_agent(socket_path, tmp_path / "agent.log")
+    transport.configure(str(socket_path))
+    try:
+        yield url
+    finally:
+        transport.sender().close()
+        process.terminate()
+        process.wait(timeout=30)
+
+
+def test_loader_waits_and_worker_reads_reach_the_agent_per_rank(agent: str, files: list[Path]) -> None:
+    measured: dict[int, dict[str, float]] = {}
+    for rank, epochs in ((0, 1), (1, 2)):
+        loader = instrument(DataLoader(FileDataset(files), batch_size=4, num_workers=4), job="e2e", rank=rank)
+        steps, waited, computed = 0, 0.0, 0.0
+        for _ in range(epochs):
+            batches = iter(loader)
+            while True:
+                before = time.monotonic()
+                try:
+                    next(batches)
+                except StopIteration:
+                    break
+                waited += time.monotonic() - before
+                time.sleep(0.005)
+                computed += 0.005
+                steps += 1
+        measured[rank] = {
+            "steps": steps, "waited": waited, "computed": computed,
+            "reads": epochs * sum(reads_per_file(p.stat().st_size) for p in files),
+            "bytes": epochs * sum(p.stat().st_size for p in files),
+        }
+
+    def labels(rank: int, **extra: str) -> tuple[tuple[str, str], ...]:
+        return tuple(sorted({"job": "e2e", "rank": str(rank), **extra}.items()))
+
+    def everything_arrived() -> bool:
+        metrics = scrape(agent)
+        return all(
+            metrics.get(("stallwatch_loader_wait_seconds_count", labels(rank))) == m["steps"]
+            and metrics.get(("stallwatch_dataset_reads_total", labels(rank, verdict="unknown"))) == m["reads"]
+            for rank, m in measured.items()
+        )
+
+    assert wait_for(everything_arrived), scrape(agent)
+    metrics = scrape(agent)
+    for rank, m in measured.items():
+        assert m["steps"] == 8 * (rank + 1)
+        assert metrics[("stallwatch_step_compute_seconds_count", labels(rank))] == m["steps"]
+        assert metrics[("stallwatch_dataset_read_bytes_total", labels(rank))] == m["bytes"]
+        assert metrics[("stallwatch_dataset_read_duration_seconds_count", labels(rank))] == m["reads"]
+        # The client's wait lies inside the test's own timing of next(); the reads include their delay.
+        wait_sum = metrics[("stallwatch_loader_wait_seconds_sum", labels(rank))]
+        assert 0.5 * m["waited"] <= wait_sum <= m["waited"]
+        assert metrics[("stallwatch_step_compute_seconds_sum", labels(rank))] >= m["computed"]
+        assert metrics[("stallwatch_dataset_read_duration_seconds_sum", labels(rank))] >= m["reads"] * READ_DELAY
+        assert metrics[("stallwatch_client_dropped_events_total", labels(rank))] == 0
+    assert not any(name == "stallwatch_receiver_batches_total" and dict(label)["result"] != "accepted"
+                   for name, label in metrics)
+
+
+def test_every_read_is_tagged_with_the_batch_it_served_even_out_of_order(tmp_path: Path, files: list[Path]) -> None:
+    socket_path = tmp_path / "events.sock"
+    received: list[Batch] = []
+    collector = EventsCollector(str(socket_path), sink=received.append)
+    transport.configure(str(socket_path))
+    try:
+        loader = instrument(
+            DataLoader(FileDataset(files, slow_every=5), batch_size=4, num_workers=4, in_order=False,
+                       persistent_workers=True),
+            job="tags", rank=0,
+        )
+        served: list[list[int]] = []  # sample indices of each batch, in the order the loop got them
+        for _ in range(2):
+            served += [batch.tolist() for batch in loader]
+        expected_reads = 2 * sum(reads_per_file(p.stat().st_size) for p in files)
+
+        def rows(kind: str) -> int:
+            return sum(len(b) for b in received if b.kind == kind)
+
+        assert wait_for(lambda: rows("read") == expected_reads and rows("step") == len(served)), (rows("read"),)
+    finally:
+        transport.sender().close()
+        collector.close()
+    steps = [b.columns for b in received if b.kind == "step"]
+    step_batches = [int(k) for columns in steps for k in columns["batch"]]
+    assert sorted(step_batches) == list(range(16)), "one number per batch of the run, across both epochs"
+    keys_by_batch: dict[int, set[int]] = {}
+    workers = set()
+    for columns in (b.columns for b in received if b.kind == "read"):
+        for batch, key, worker in zip(columns["batch"], columns["key"], columns["worker"], strict=True):
+            keys_by_batch.setdefault(int(batch), set()).add(int(key))
+            workers.add(int(worker))
+    assert workers == {0, 1, 2, 3}
+    for number, indices in zip(step_batches, served, strict=True):
+        file_keys = {read_key(str(files[i]), offset)
+                     for i in indices for offset in read_offsets(files[i].stat().st_size)}
+        assert keys_by_batch[number] == file_keys
