@@ -1,0 +1,146 @@
+"""Real Prometheus and Alertmanager on loopback, with a webhook receiver that collects what they send.
+
+The demo starts these when Debian's `prometheus` and `prometheus-alertmanager` are installed, and the
+live tests use the same runners. Each server gets its own working directory and a free port.
+"""
+
+from __future__ import annotations
+
+import json
+import queue
+import shutil
+import subprocess
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Sequence
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from stallwatch.demo.spoke import free_port
+
+
+def find_binary(name: str) -> str | None:
+    return shutil.which(name) or next(
+        (str(p) for p in (Path("/usr/sbin") / name, Path("/usr/bin") / name) if p.exists()), None
+    )
+
+
+def wait_for(what: str, check: Callable[[], bool], timeout: float, process: subprocess.Popen[bytes] | None = None,
+             log: Path | None = None) -> None:
+    """Poll `check` until it holds; fail with the process's log when it does not in time or the process dies."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if check():
+                return
+        except (OSError, urllib.error.URLError, ValueError):
+            pass
+        if process is not None and process.poll() is not None:
+            break
+        time.sleep(0.2)
+    raise RuntimeError(f"timed out waiting for {what}" + (f":\n{log.read_text()[-3000:]}" if log else ""))
+
+
+def http_ok(url: str) -> bool:
+    with urllib.request.urlopen(url, timeout=2) as reply:
+        return bool(reply.status == 200)
+
+
+class Webhook:
+    """An Alertmanager webhook receiver: every notification lands in `received` (and `on_alert`)."""
+
+    def __init__(self, on_alert: Callable[[dict[str, Any]], None] | None = None) -> None:
+        self.received: queue.Queue[dict[str, Any]] = queue.Queue()
+        received, callback = self.received, on_alert
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:  # noqa: N802 - http.server's name
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                received.put(body)
+                if callback is not None:
+                    callback(body)
+                self.send_response(200)
+                self.end_headers()
+
+            def log_message(self, format: str, *args: object) -> None:  # noqa: A002
+                pass
+
+        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._server.daemon_threads = True
+        threading.Thread(target=self._server.serve_forever, name="webhook", daemon=True).start()
+        self.url = f"http://127.0.0.1:{self._server.server_address[1]}/"
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+
+
+class Server:
+    """A started process with its URL and log; `close()` stops it."""
+
+    def __init__(self, command: Sequence[str], url: str, log: Path, ready_path: str) -> None:
+        self.url = url
+        self.log = log
+        with log.open("wb") as sink:
+            self.process = subprocess.Popen(list(command), stdout=sink, stderr=subprocess.STDOUT)
+        try:
+            wait_for(command[0], lambda: http_ok(url + ready_path), 60, self.process, log)
+        except RuntimeError:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+
+
+def start_alertmanager(binary: str, workdir: Path, webhook_url: str, group_wait: str = "1s") -> Server:
+    workdir.mkdir(parents=True, exist_ok=True)
+    (workdir / "alertmanager.yml").write_text(yaml.safe_dump({
+        "route": {"receiver": "hook", "group_by": ["alertname", "instance"], "group_wait": group_wait,
+                  "group_interval": "1s", "repeat_interval": "1h"},
+        "receivers": [{"name": "hook", "webhook_configs": [{"url": webhook_url, "send_resolved": False}]}],
+    }))
+    port = free_port()
+    return Server([binary, f"--config.file={workdir / 'alertmanager.yml'}", f"--storage.path={workdir / 'data'}",
+                   f"--web.listen-address=127.0.0.1:{port}", "--cluster.listen-address="],
+                  f"http://127.0.0.1:{port}", workdir / "alertmanager.log", "/-/ready")
+
+
+def start_prometheus(binary: str, workdir: Path, targets: Sequence[str], rule_files: Sequence[Path],
+                     alertmanager: str | None = None, interval_seconds: int = 1,
+                     job: str = "stallwatch") -> Server:
+    """Scrape `targets` as `job` (honouring the agents' own `job` label: the training job's name)."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    config: dict[str, Any] = {
+        "global": {"scrape_interval": f"{interval_seconds}s", "evaluation_interval": f"{interval_seconds}s"},
+        "rule_files": [str(p) for p in rule_files],
+        "scrape_configs": [{"job_name": job, "honor_labels": True, "static_configs": [{"targets": list(targets)}]}],
+    }
+    if alertmanager is not None:
+        config["alerting"] = {"alertmanagers": [{"static_configs": [{"targets": [alertmanager.split("//")[1]]}]}]}
+    (workdir / "prometheus.yml").write_text(yaml.safe_dump(config))
+    port = free_port()
+    return Server([binary, f"--config.file={workdir / 'prometheus.yml'}", f"--storage.tsdb.path={workdir / 'tsdb'}",
+                   f"--web.listen-address=127.0.0.1:{port}"], f"http://127.0.0.1:{port}", workdir / "prometheus.log",
+                  "/-/ready")
+
+
+def query(prometheus: str, expr: str) -> dict[str, Any]:
+    url = f"{prometheus}/api/v1/query?" + urllib.parse.urlencode({"query": expr})
+    try:
+        with urllib.request.urlopen(url, timeout=10) as reply:
+            result: dict[str, Any] = json.loads(reply.read())
+    except urllib.error.HTTPError as error:  # a bad expression answers 400 with the error in the body
+        result = json.loads(error.read())
+    return result
