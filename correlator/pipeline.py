@@ -1,0 +1,88 @@
+"""The correlator as a streamz pipeline whose elements are columnar batches.
+
+    source ──map(window)──> flatten ──map(correlate)──> sinks (metrics, recorder, ...)
+      Batch | Watermark | Flush      WindowInput            WindowResult
+
+streamz carries micro-batches, never single events: each element is a whole `Batch` (thousands of
+events), a `Watermark` (the agent's clock says windows up to here may close) or `Flush` (end of an
+offline file). Windows are event-time windows of our own (windows.py); streamz's `timed_window`
+would window by arrival time. The pipeline is single-threaded: feed it from one thread
+(service.py queues batches from the agent's many threads).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+from streamz import Stream
+
+from stallwatch.batch import Batch
+from stallwatch.correlator.correlate import CorrelatorSettings, WindowCorrelator, _ns
+from stallwatch.correlator.results import WindowResult
+from stallwatch.correlator.windows import EventTimeWindows, MalformedBatchError, WindowInput, validate
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Watermark:
+    ns: int
+
+
+@dataclass(frozen=True)
+class Flush:
+    pass
+
+
+Element = Batch | Watermark | Flush
+
+
+class Correlator:
+    """Feed `Batch`es (and `Watermark`s or a final `Flush`); every closed window goes to `listeners`.
+
+    With `event_time_watermark` (offline files) the newest event time, less the lateness, closes
+    windows; without it (the agent) only `Watermark` elements from the agent's clock do, so one
+    event stamped in the future cannot close windows early.
+    """
+
+    def __init__(self, settings: CorrelatorSettings | None = None, *,
+                 listeners: Iterable[Callable[[WindowResult], None]] = (), event_time_watermark: bool = True) -> None:
+        self.settings = settings or CorrelatorSettings()
+        s = self.settings
+        self.windows = EventTimeWindows(_ns(s.window_s), _ns(s.lateness_s), _ns(s.lookback_s), _ns(s.retention_s))
+        self.correlate = WindowCorrelator(self.settings)
+        self.malformed: Counter[str] = Counter()  # events dropped with their batch, by kind
+        self._event_time_watermark = event_time_watermark
+        self.source = Stream()
+        results = self.source.map(self._close_windows).flatten().map(self.correlate)
+        for listener in listeners:
+            results.sink(listener)
+
+    def emit(self, element: Element) -> None:
+        self.source.emit(element)
+
+    def _close_windows(self, element: Element) -> list[WindowInput]:
+        if isinstance(element, Flush):
+            return self.windows.flush()
+        if isinstance(element, Watermark):
+            return self.windows.advance(element.ns)
+        try:
+            columns = validate(element)
+        except MalformedBatchError as error:
+            self.malformed[element.kind] += len(element) if element.columns else 0
+            log.warning("correlator: dropped a batch: %s", error)
+            return []
+        self.windows.add(element.kind, columns)
+        newest = self.windows.newest_event_ns
+        if self._event_time_watermark and newest is not None:
+            return self.windows.advance(newest - _ns(self.settings.lateness_s))
+        return []
+
+    def run(self, batches: Iterable[Batch]) -> None:
+        """Offline: every batch, then a flush."""
+        for batch in batches:
+            self.emit(batch)
+        self.emit(Flush())
