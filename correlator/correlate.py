@@ -37,7 +37,7 @@ class CorrelatorSettings:
     warmup: WarmupSettings = field(default_factory=WarmupSettings)
 
 
-def _ns(seconds: float) -> int:
+def seconds_to_ns(seconds: float) -> int:
     return round(seconds * 1e9)
 
 
@@ -72,7 +72,7 @@ class WindowCorrelator:
                         ("job", "rank", "gpu", "batch", "wait_start_ns", "wait_end_ns", "compute_end_ns")))
         reads = Reads(raw["job"].astype(np.int64), raw["rank"].astype(np.int64), raw["batch"],
                       raw["start_ns"], raw["end_ns"], miss)
-        attribution = attribute(steps, reads, _ns(s.stall_threshold_s))
+        attribution = attribute(steps, reads, seconds_to_ns(s.stall_threshold_s))
         gpu = window.context["gpu_util"]
         idle = gpu_idle_in_stalls(steps, attribution, gpu["ts_ns"], gpu["period_ns"], gpu["gpu"].astype(np.int64),
                                   gpu["util"] <= s.gpu_idle_threshold)
@@ -99,8 +99,9 @@ class WindowCorrelator:
         unknown = np.flatnonzero(verdict == Verdict.UNKNOWN)
         spoke = window.context["spoke_request"]
         if unknown.size and spoke["key"].size:
+            tolerance = seconds_to_ns(self.settings.spoke_join_tolerance_s)
             verdict[unknown] = join_spoke(reads["key"][unknown], reads["end_ns"][unknown], spoke["key"],
-                                          spoke["end_ns"], spoke["verdict"], _ns(self.settings.spoke_join_tolerance_s))
+                                          spoke["end_ns"], spoke["verdict"], tolerance)
         duration = reads["end_ns"] - reads["start_ns"]
         in_window = (reads["end_ns"] >= window.start_ns) & (reads["end_ns"] < window.end_ns)
         self.latency.learn(duration[in_window])

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from streamz import Stream
 
 from stallwatch.batch import Batch
-from stallwatch.correlator.correlate import CorrelatorSettings, WindowCorrelator, _ns
+from stallwatch.correlator.correlate import CorrelatorSettings, WindowCorrelator, seconds_to_ns
 from stallwatch.correlator.results import WindowResult
 from stallwatch.correlator.windows import EventTimeWindows, MalformedBatchError, WindowInput, validate
 
@@ -40,6 +40,11 @@ class Flush:
 Element = Batch | Watermark | Flush
 
 
+def event_count(batch: Batch) -> int:
+    """Events in a batch that may be malformed: its longest column, 0 if it has none."""
+    return max((getattr(column, "size", 0) for column in batch.columns.values()), default=0)
+
+
 class Correlator:
     """Feed `Batch`es (and `Watermark`s or a final `Flush`); every closed window goes to `listeners`.
 
@@ -52,7 +57,9 @@ class Correlator:
                  listeners: Iterable[Callable[[WindowResult], None]] = (), event_time_watermark: bool = True) -> None:
         self.settings = settings or CorrelatorSettings()
         s = self.settings
-        self.windows = EventTimeWindows(_ns(s.window_s), _ns(s.lateness_s), _ns(s.lookback_s), _ns(s.retention_s))
+        self.windows = EventTimeWindows(window_ns=seconds_to_ns(s.window_s), lateness_ns=seconds_to_ns(s.lateness_s),
+                                        lookback_ns=seconds_to_ns(s.lookback_s),
+                                        retention_ns=seconds_to_ns(s.retention_s))
         self.correlate = WindowCorrelator(self.settings)
         self.malformed: Counter[str] = Counter()  # events dropped with their batch, by kind
         self._event_time_watermark = event_time_watermark
@@ -72,13 +79,13 @@ class Correlator:
         try:
             columns = validate(element)
         except MalformedBatchError as error:
-            self.malformed[element.kind] += len(element) if element.columns else 0
+            self.malformed[element.kind] += event_count(element)
             log.warning("correlator: dropped a batch: %s", error)
             return []
         self.windows.add(element.kind, columns)
         newest = self.windows.newest_event_ns
         if self._event_time_watermark and newest is not None:
-            return self.windows.advance(newest - _ns(self.settings.lateness_s))
+            return self.windows.advance(newest - seconds_to_ns(self.settings.lateness_s))
         return []
 
     def run(self, batches: Iterable[Batch]) -> None:

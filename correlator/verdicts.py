@@ -32,7 +32,7 @@ def join_spoke(
     verdict = np.full(read_key.size, Verdict.UNKNOWN, dtype=np.int8)
     if read_key.size == 0 or spoke_key.size == 0:
         return verdict
-    keys, rank = np.unique(np.concatenate((spoke_key, read_key)), return_inverse=True)
+    _, rank = np.unique(np.concatenate((spoke_key, read_key)), return_inverse=True)
     spoke_rank, read_rank = rank[: spoke_key.size].astype(np.int64), rank[spoke_key.size:].astype(np.int64)
     # Time in µs relative to the earliest stamp keeps (key rank, time) packable in one int64.
     base = int(min(spoke_end.min(), read_end.min()))

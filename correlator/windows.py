@@ -16,13 +16,14 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
 from stallwatch.batch import Batch
 
-Columns = dict[str, npt.NDArray[np.generic]]
+Columns = dict[str, npt.NDArray[Any]]
 
 # The contract of stallwatch/batch.py: each kind's columns and dtypes, and which column is its time.
 SCHEMAS: Mapping[str, Mapping[str, type[np.generic]]] = {

@@ -12,10 +12,11 @@ from prometheus_client.core import Metric
 from prometheus_client.registry import CollectorRegistry
 
 from stallwatch import __version__, catalogue
-from stallwatch.batch import discard
+from stallwatch.batch import BatchSink, discard
+from stallwatch.correlator.service import CorrelatorService
 
 # Importing a collector module registers it by name.
-from stallwatch.exporters import gpu, host  # noqa: F401
+from stallwatch.exporters import correlator, gpu, host  # noqa: F401
 from stallwatch.exporters.collector import Collector, CollectorContext, ScrapeCollector, registered
 from stallwatch.exporters.config import ConfigError, log_level, parse, parse_listen_address
 from stallwatch.exporters.web import MetricsServer
@@ -42,10 +43,17 @@ def main(argv: Sequence[str]) -> int:
         format="ts=%(asctime)s level=%(levelname)s logger=%(name)s msg=%(message)r",
         stream=sys.stderr,
     )
-    context = CollectorContext(options=options, sink=discard)
     collectors: dict[str, Collector] = {}
+    sink: BatchSink = discard
+    if options.collector_correlator:
+        # Built first: every other collector's batches flow into its thread-safe input.
+        service = specs["correlator"].factory(CollectorContext(options=options, sink=discard))
+        assert isinstance(service, CorrelatorService)
+        collectors["correlator"] = service
+        sink = service.submit
+    context = CollectorContext(options=options, sink=sink)
     for name, spec in specs.items():
-        if getattr(options, f"collector_{name}"):
+        if name not in collectors and getattr(options, f"collector_{name}"):
             collectors[name] = spec.factory(context)
     log.info("collectors enabled: %s", ", ".join(collectors) or "none")
     scrape = ScrapeCollector(collectors)

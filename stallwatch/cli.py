@@ -9,6 +9,7 @@ USAGE = """usage: stallwatch COMMAND [ARGS]
 
 commands:
   agent      run the node agent that serves /metrics (stallwatch agent --help)
+  correlate  run the correlator over a recorded event file (stallwatch correlate --help)
   generate   write the generated artifacts: docs/metrics.md (stallwatch generate --help)
 """
 
@@ -19,13 +20,21 @@ def _agent(argv: Sequence[str]) -> int:
     return main(argv)
 
 
+def _correlate(argv: Sequence[str]) -> int:
+    from stallwatch.correlator.offline import main
+
+    return main(argv)
+
+
 def _generate(argv: Sequence[str]) -> int:
     from stallwatch.generate import main
 
     return main(argv)
 
 
-COMMANDS: dict[str, Callable[[Sequence[str]], int]] = {"agent": _agent, "generate": _generate}
+COMMANDS: dict[str, Callable[[Sequence[str]], int]] = {
+    "agent": _agent, "correlate": _correlate, "generate": _generate,
+}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
