@@ -129,26 +129,27 @@ def attribute(steps: Steps, reads: Reads, threshold_ns: int) -> Attribution:
 
 def gpu_idle_in_stalls(
     steps: Steps, attribution: Attribution, sample_ts: I64, sample_period: I64, sample_gpu: I64,
-    sample_idle: npt.NDArray[np.bool_],
+    sample_util: npt.NDArray[np.floating],
 ) -> F64:
-    """Per step, ns of its GPU's idle samples inside its stall, split like the stall (shape (steps, 4)).
+    """Per step, ns its GPU idled during its stall, split like the stall (shape (steps, 4)).
 
-    A sample covers (ts - period, ts]; idle samples are clipped to the stall. The idle time of one
-    stall is shared among causes in proportion to the stall's split.
+    A utilization sample covers (ts - period, ts] and says how much of it was idle: (1 - util) x
+    period. Samples are coarser than stalls (about 1/6 s from the driver), so a sample's idle time is
+    placed in the stall first: a stall gets min(overlap, idle time) from each sample it overlaps. A
+    stall's idle time is shared among causes in proportion to the stall's split.
     """
     n = len(steps)
     out = np.zeros((n, len(CAUSES)), dtype=np.float64)
     stalled = np.flatnonzero(attribution.stalled & (steps.gpu >= 0))
-    idle = np.flatnonzero(sample_idle)
-    if stalled.size == 0 or idle.size == 0:
+    if stalled.size == 0 or sample_ts.size == 0:
         return out
-    begin = sample_ts[idle] - sample_period[idle]
+    begin = sample_ts - sample_period
     step_of, sample_of = overlap_join(steps.gpu[stalled], steps.wait_start[stalled], steps.wait_end[stalled],
-                                      sample_gpu[idle], begin, sample_ts[idle])
+                                      sample_gpu, begin, sample_ts)
     s = stalled[step_of]
-    overlap = (np.minimum(sample_ts[idle][sample_of], steps.wait_end[s])
-               - np.maximum(begin[sample_of], steps.wait_start[s]))
-    idle_ns = np.bincount(step_of, weights=np.maximum(overlap, 0), minlength=stalled.size)
+    overlap = np.minimum(sample_ts[sample_of], steps.wait_end[s]) - np.maximum(begin[sample_of], steps.wait_start[s])
+    idle_time = (1.0 - np.clip(sample_util[sample_of], 0.0, 1.0)) * sample_period[sample_of]
+    idle_ns = np.bincount(step_of, weights=np.clip(np.minimum(overlap, idle_time), 0, None), minlength=stalled.size)
     share = attribution.cause_ns[stalled] / np.maximum(attribution.wait_ns[stalled], 1)[:, None]
     out[stalled] = share * idle_ns[:, None]
     return out

@@ -30,7 +30,6 @@ class CorrelatorSettings:
     lookback_s: float = 5.0  # how far before a stall a batch's reads are looked for
     retention_s: float = 60.0  # the longest stall whose reads and GPU samples are still at hand
     spoke_join_tolerance_s: float = 1.0
-    gpu_idle_threshold: float = 0.05
     cache_capacity_bytes: int | None = None
     whatif_sample_rate: float = 0.1
     whatif_max_keys: int = 4096
@@ -75,11 +74,11 @@ class WindowCorrelator:
         attribution = attribute(steps, reads, seconds_to_ns(s.stall_threshold_s))
         gpu = window.context["gpu_util"]
         idle = gpu_idle_in_stalls(steps, attribution, gpu["ts_ns"], gpu["period_ns"], gpu["gpu"].astype(np.int64),
-                                  gpu["util"] <= s.gpu_idle_threshold)
+                                  gpu["util"])
 
         ranks = self._ranks(steps, attribution.wait_ns, attribution.compute_ns, attribution.cause_ns)
         gpus = self._gpus(steps, idle)
-        jobs = self._jobs(window, steps, reads, in_window, raw["bytes"], idle)
+        jobs = self._jobs(window, steps, attribution.stalled, reads, in_window, raw["bytes"], idle)
         order = np.argsort(raw["end_ns"][in_window], kind="stable")
         self.whatif.feed(raw["key"][in_window][order], raw["bytes"][in_window][order])
         whatif: dict[float, float] = {}
@@ -129,8 +128,8 @@ class WindowCorrelator:
                         axis=1) / 1e9
         return tuple(GpuRow(int(k[0]), int(k[1]), tuple(map(float, s))) for k, s in zip(keys, sums, strict=True))
 
-    def _jobs(self, window: WindowInput, steps: Steps, reads: Reads, in_window: np.ndarray, sizes: np.ndarray,
-              idle: np.ndarray) -> tuple[JobRow, ...]:
+    def _jobs(self, window: WindowInput, steps: Steps, stalled: np.ndarray, reads: Reads, in_window: np.ndarray,
+              sizes: np.ndarray, idle: np.ndarray) -> tuple[JobRow, ...]:
         read_jobs = reads.job[in_window]
         for job, first in self._earliest(steps, reads, in_window).items():
             self._first_seen[job] = min(self._first_seen.get(job, first), first)
@@ -145,10 +144,14 @@ class WindowCorrelator:
                 steps=int(mine.sum()),
                 ranks=int(np.unique(steps.rank[mine]).size) or self._known_ranks(job),
                 step_seconds=step_seconds[mine],
+                step_quarter=np.clip((steps.compute_end[mine] - window.start_ns) * 4
+                                     // (window.end_ns - window.start_ns), 0, 3),
                 reads=int(read_mine.sum()),
                 hits=int((read_mine & ~misses).sum()),
                 hub_bytes=int(sizes[in_window][misses].sum()),
                 stall_idle_gpu_seconds=float(idle_per_step[mine].sum()),
+                stall_start_ns=steps.wait_start[mine & stalled],
+                stall_end_ns=steps.wait_end[mine & stalled],
             )
             state = self.warmup.update(job, window.start_ns, window.end_ns, seen, self._first_seen[job],
                                        complete=not window.final)

@@ -3,12 +3,15 @@
 Per closed window a job is
 - `cold` while most of its reads miss (hit ratio below `cold_hit_ratio`): the spoke is still filling,
   or, if it never leaves, the working set does not fit (thrash);
-- `steady` when nearly all reads hit (`steady_hit_ratio`) and its step times are stable within the
-  window (median absolute deviation / median at most `max_dispersion`), and, once a steady pace is
-  known, it keeps at least `min_pace` of it;
+- `steady` when nearly all reads hit (`steady_hit_ratio`) and its step time is stable within the
+  window: the mean step time of each quarter of the window stays within `max_dispersion` of the
+  window's (quarters, not single steps, so a periodic pattern such as alternating workers is still
+  steady), and, once a steady pace is known, it keeps at least `min_pace` of it;
 - `transition` in between.
-Leaving `steady` is a regression (evictions, thrash, hub trouble). A window in which the job, seen
-recently, completed no step at all is a stall in progress: a window of zero pace.
+Leaving `steady` is a regression (evictions, thrash, hub trouble). When it leaves on pace alone (few
+or no steps: a stall in progress, or the job ended) the phase turns `transition` at once but the
+regression is counted only when a later step proves the trainer was waiting through that window;
+a job that simply ended is never counted.
 Until the first steady window the job's idle GPU-seconds during stalls and its hub bytes (bytes of
 reads that missed) add up to the warm-up's cost.
 """
@@ -39,10 +42,13 @@ class JobWindow:
     steps: int
     ranks: int
     step_seconds: npt.NDArray[np.float64]
+    step_quarter: npt.NDArray[np.int64]  # which quarter of the window each step ended in (0..3)
     reads: int
     hits: int
     hub_bytes: int
     stall_idle_gpu_seconds: float
+    stall_start_ns: npt.NDArray[np.int64]  # this window's stalls
+    stall_end_ns: npt.NDArray[np.int64]
 
 
 @dataclass
@@ -57,6 +63,7 @@ class JobWarmup:
     idle_gpu_seconds: float = 0.0
     hub_bytes: int = 0
     regressions: int = 0
+    unconfirmed_until_ns: int | None = None  # end of a window that left steady on pace alone
 
 
 class WarmupTracker:
@@ -75,37 +82,48 @@ class WarmupTracker:
         if seen.steps:
             state.last_step_ns = end_ns
             state.ranks = seen.ranks
-        phase = self._phase(state, seen, complete)
+        if state.unconfirmed_until_ns is not None and seen.steps:
+            until = state.unconfirmed_until_ns
+            if np.any((seen.stall_start_ns < until) & (seen.stall_end_ns >= until)):
+                state.regressions += 1  # a stall covered the quiet window's end: the trainer was waiting
+            state.unconfirmed_until_ns = None
+        phase, on_pace = self._phase(state, seen, complete)
         if state.time_to_steady_s is None:
             state.idle_gpu_seconds += seen.stall_idle_gpu_seconds
             state.hub_bytes += seen.hub_bytes
             if phase == STEADY:
                 state.time_to_steady_s = max(start_ns - state.first_event_ns, 0) / 1e9
         if state.phase == STEADY and phase != STEADY:
-            state.regressions += 1
+            if on_pace:
+                state.unconfirmed_until_ns = end_ns
+            else:
+                state.regressions += 1
         if phase == STEADY and seen.steps and seen.ranks:
             pace = seen.steps / seen.ranks
             state.steady_pace = pace if state.steady_pace is None else 0.8 * state.steady_pace + 0.2 * pace
         state.phase = phase
         return state
 
-    def _phase(self, state: JobWarmup, seen: JobWindow, complete: bool) -> str:
+    def _phase(self, state: JobWarmup, seen: JobWindow, complete: bool) -> tuple[str, bool]:
+        """The window's phase, and whether a fall from steady is on pace alone (to be confirmed)."""
         s = self.settings
         ratio = state.hit_ratio
         if ratio is None or ratio < s.cold_hit_ratio:
-            return COLD
+            return COLD, False
         if ratio < s.steady_hit_ratio:
-            return TRANSITION
+            return TRANSITION, False
         if state.phase == STEADY and state.steady_pace is not None and complete:
             pace = seen.steps / seen.ranks if seen.ranks else 0.0
             if pace < s.min_pace * state.steady_pace:
-                return TRANSITION
+                return TRANSITION, True
         if not seen.steps:
-            return state.phase
-        times = seen.step_seconds
-        median = float(np.median(times))
-        dispersion = float(np.median(np.abs(times - median))) / median if median > 0 else 0.0
-        return STEADY if dispersion <= s.max_dispersion else TRANSITION
+            return state.phase, False
+        counts = np.bincount(seen.step_quarter, minlength=4)
+        sums = np.bincount(seen.step_quarter, weights=seen.step_seconds, minlength=4)
+        means = sums[counts > 0] / counts[counts > 0]
+        overall = float(seen.step_seconds.mean())
+        dispersion = float(means.max() - means.min()) / overall if overall > 0 else 0.0
+        return (STEADY if dispersion <= s.max_dispersion else TRANSITION), False
 
     def expire(self, now_ns: int) -> list[int]:
         """Forget jobs with no step for `expiry_s`; their ids, so their series can go too."""

@@ -64,8 +64,9 @@ class Scenario:
 @dataclass
 class Truth:
     stall_s: dict[tuple[int, int], np.ndarray] = field(default_factory=dict)  # (job, rank) -> per cause
-    warm_at_s: dict[int, float] = field(default_factory=dict)  # first read that hit, per job
+    last_miss_s: dict[int, float] = field(default_factory=dict)  # per job: after it, every read hits
     first_event_s: dict[int, float] = field(default_factory=dict)
+    stalls: dict[tuple[int, int], int] = field(default_factory=dict)  # (job, rank) -> how many
     reads: list[tuple[int, int]] = field(default_factory=list)  # (key, bytes) in spoke order
     end_s: float = 0.0
 
@@ -176,10 +177,10 @@ def generate(scenario: Scenario) -> Generated:
         hit = cache.access(key, spec.item_bytes)
         truth.reads.append((key, spec.item_bytes))
         if hit:
-            truth.warm_at_s.setdefault(spec.job, t)
             end = t + rng.uniform(*scenario.hit_s)
         else:
             end = outage_end(t) + rng.uniform(*scenario.miss_s)
+            truth.last_miss_s[spec.job] = t
         state.segments[k].append((t, end, CAUSES.index("cache_read" if hit else "remote_fetch")))
         skew = state.skews[worker]
         verdict = Verdict.HIT if hit else Verdict.MISS
@@ -202,6 +203,7 @@ def generate(scenario: Scenario) -> Generated:
             total = truth.stall_s.setdefault((spec.job, state.rank), np.zeros(len(CAUSES)))
             if we - ws > 0.001:
                 total += split
+                truth.stalls[(spec.job, state.rank)] = truth.stalls.get((spec.job, state.rank), 0) + 1
         truth.end_s = max(truth.end_s, state.compute_end)
     gpu_rows = _gpu_samples(ranks, scenario.gpu_period_s, truth.end_s)
     batches = _arrange(rng, scenario.max_delay_s, steps, reads, spoke, gpu_rows)
