@@ -64,9 +64,10 @@ class Correlator:
         self.malformed: Counter[str] = Counter()  # events dropped with their batch, by kind
         self._event_time_watermark = event_time_watermark
         self.source = Stream()
-        results = self.source.map(self._close_windows).flatten().map(self.correlate)
+        # streamz holds downstream nodes weakly: keep the chain alive even with no listener.
+        self.results = self.source.map(self._close_windows).flatten().map(self.correlate)
         for listener in listeners:
-            results.sink(listener)
+            self.results.sink(listener)
 
     def emit(self, element: Element) -> None:
         self.source.emit(element)

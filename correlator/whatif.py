@@ -8,6 +8,10 @@ dropped: memory stays bounded whatever the working set. Reuse distances are in b
 hits an LRU cache of C bytes when the distinct bytes used since its last use, itself included, fit
 in C) and land in a log-spaced histogram, so any capacity can be asked after the fact.
 
+Sampling by key assumes no single key carries a large share of all references. Training reads
+satisfy it (each item once per epoch); a few very hot keys make the estimate swing with whether
+they happen to be sampled.
+
 The sampling filter is vectorised; only sampled references (a fraction R of reads, which shrinks
 as the working set grows) take a Python step, each one vectorised over the tracked keys.
 """
@@ -80,7 +84,8 @@ class MissRatioCurve:
             self._hash[slot] = h
         else:
             newer = self._last > self._last[slot]
-            distance = (int(self._size[newer].sum()) + size) / self.sample_rate
+            # Other keys' bytes are a 1/R sample of all others'; the key's own size is known exactly.
+            distance = size + int(self._size[newer].sum()) / self.sample_rate
             self._hist[self._bin(distance)] += weight
         self._size[slot] = size
         self._last[slot] = self._clock
