@@ -21,7 +21,7 @@ import numpy as np
 import numpy.typing as npt
 
 from stallwatch.catalogue import CAUSES
-from stallwatch.correlator.intervals import F64, I64, composite_key, equal_join, overlap_join, union_length
+from stallwatch.correlator.intervals import F64, I64, composite_key, covered_and_subset, equal_join, overlap_join
 
 REMOTE, CACHE, PREPROCESS, OTHER = range(len(CAUSES))
 
@@ -63,11 +63,6 @@ class Attribution:
     cause_ns: I64  # shape (steps, 4); all zero where not stalled
 
 
-def _covered(pair_step: I64, start: I64, end: I64, miss: npt.NDArray[np.bool_], n: int) -> tuple[I64, I64]:
-    """Per step: length covered by any read, and by missed reads, of the given (clipped) pairs."""
-    return union_length(pair_step, start, end, n), union_length(pair_step[miss], start[miss], end[miss], n)
-
-
 def attribute(steps: Steps, reads: Reads, threshold_ns: int) -> Attribution:
     n = len(steps)
     wait = np.maximum(steps.wait_end - steps.wait_start, 0)
@@ -99,7 +94,7 @@ def attribute(steps: Steps, reads: Reads, threshold_ns: int) -> Attribution:
         np.minimum.at(busy_from, step_of, reads.start[read_of])
         start = np.clip(reads.start[read_of], ws[step_of], we[step_of])
         end = np.clip(reads.end[read_of], ws[step_of], we[step_of])
-        tagged_cover, tagged_miss = _covered(step_of, start, end, reads.miss[read_of], m)
+        tagged_cover, tagged_miss = covered_and_subset(step_of, start, end, reads.miss[read_of], m)
     on_path = busy_from != np.iinfo(np.int64).max
     busy = np.where(on_path, we - np.clip(busy_from, ws, we), 0)
 
@@ -114,7 +109,7 @@ def attribute(steps: Steps, reads: Reads, threshold_ns: int) -> Attribution:
         stall_of = which[step_of]
         start = np.clip(reads.start[read_of], ws[stall_of], we[stall_of])
         end = np.clip(reads.end[read_of], ws[stall_of], we[stall_of])
-        overlap_cover, overlap_miss = _covered(stall_of, start, end, reads.miss[read_of], m)
+        overlap_cover, overlap_miss = covered_and_subset(stall_of, start, end, reads.miss[read_of], m)
 
     cover = np.where(on_path, tagged_cover, overlap_cover)
     missed = np.where(on_path, tagged_miss, overlap_miss)

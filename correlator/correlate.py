@@ -13,6 +13,7 @@ import numpy as np
 from stallwatch.batch import Verdict
 from stallwatch.catalogue import CAUSES
 from stallwatch.correlator.attribution import Reads, Steps, attribute, gpu_idle_in_stalls
+from stallwatch.correlator.intervals import composite_key
 from stallwatch.correlator.results import GpuRow, JobRow, RankRow, WindowResult
 from stallwatch.correlator.verdicts import LatencySplit, join_spoke
 from stallwatch.correlator.warmup import JobWindow, WarmupSettings, WarmupTracker
@@ -27,12 +28,12 @@ class CorrelatorSettings:
     window_s: float = 5.0
     lateness_s: float = 5.0
     stall_threshold_s: float = 0.001
-    lookback_s: float = 5.0  # how far before a stall a batch's reads are looked for
+    lookback_s: float = 2.0  # how far before a stall a batch's reads are looked for (> any preprocess time)
     retention_s: float = 60.0  # the longest stall whose reads and GPU samples are still at hand
     spoke_join_tolerance_s: float = 1.0
     cache_capacity_bytes: int | None = None
     whatif_sample_rate: float = 0.1
-    whatif_max_keys: int = 4096
+    whatif_max_keys: int = 1024
     warmup: WarmupSettings = field(default_factory=WarmupSettings)
 
 
@@ -44,9 +45,8 @@ def _group(*columns: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Distinct rows of the given integer columns, and each input row's group index."""
     if columns[0].size == 0:
         return np.zeros((0, len(columns)), dtype=np.int64), np.zeros(0, dtype=np.int64)
-    stacked = np.stack([c.astype(np.int64) for c in columns], axis=1)
-    unique, inverse = np.unique(stacked, axis=0, return_inverse=True)
-    return unique, inverse.reshape(-1)
+    _, first, inverse = np.unique(composite_key(*columns), return_index=True, return_inverse=True)
+    return np.stack([c[first].astype(np.int64) for c in columns], axis=1), inverse.reshape(-1)
 
 
 class WindowCorrelator:

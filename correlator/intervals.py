@@ -40,13 +40,25 @@ def composite_key(*parts: npt.NDArray[np.integer]) -> I64:
 
 
 def equal_join(left_key: I64, right_key: I64) -> tuple[I64, I64]:
-    """All (i, j) with left_key[i] == right_key[j]; j indexes right in its original order."""
-    order = np.argsort(right_key, kind="stable")
-    sorted_keys = right_key[order]
-    lo = np.searchsorted(sorted_keys, left_key, side="left")
-    hi = np.searchsorted(sorted_keys, left_key, side="right")
-    left, position = ragged_pairs(lo, hi)
-    return left, order[position]
+    """All (i, j) with left_key[i] == right_key[j], for left keys that are distinct (e.g. one step
+    per (job, rank, batch)). Only the left side, the small one, is sorted; the right is probed."""
+    if left_key.size == 0 or right_key.size == 0:
+        empty = np.zeros(0, dtype=np.int64)
+        return empty, empty
+    low = int(min(left_key.min(), right_key.min()))
+    span = int(max(left_key.max(), right_key.max())) - low + 1
+    if span <= 4 * (left_key.size + right_key.size):
+        # Dense keys (packed job, rank, batch): a lookup table beats a binary search per probe.
+        table = np.full(span, -1, dtype=np.int64)
+        table[left_key - low] = np.arange(left_key.size)
+        found = table[right_key - low]
+        right = np.flatnonzero(found >= 0)
+        return found[right], right
+    order = np.argsort(left_key)
+    sorted_keys = left_key[order]
+    position = np.minimum(np.searchsorted(sorted_keys, right_key), sorted_keys.size - 1)
+    right = np.flatnonzero(sorted_keys[position] == right_key)
+    return order[position[right]], right
 
 
 def overlap_join(
@@ -72,21 +84,44 @@ def overlap_join(
 
 
 def union_length(group: I64, start: I64, end: I64, n_groups: int) -> I64:
-    """Per group, the length covered by the union of its intervals (each start <= end).
+    """Per group, the length covered by the union of its intervals (each start <= end)."""
+    if group.size == 0:
+        return np.zeros(n_groups, dtype=np.int64)
+    shifted_start, shifted_end = _shift_groups_apart(group, start, end)
+    order = np.argsort(shifted_start)
+    return sorted_union_length(group[order], shifted_start[order], shifted_end[order], n_groups)
 
-    Sorted by (group, start), an interval adds only what lies past the furthest end seen so far in
-    its group; groups are kept apart by restarting that running maximum at each group boundary.
+
+def _shift_groups_apart(group: I64, start: I64, end: I64) -> tuple[I64, I64]:
+    """Offset each group onto its own stretch of one timeline, so (group, start) order is start order."""
+    lowest = int(start.min())
+    width = int((end - lowest).max()) + 1
+    shift = group * width - lowest
+    return start + shift, end + shift
+
+
+def covered_and_subset(group: I64, start: I64, end: I64, subset: npt.NDArray[np.bool_],
+                       n_groups: int) -> tuple[I64, I64]:
+    """Per group, union lengths of all intervals and of the `subset` ones, sorting only once."""
+    if group.size == 0:
+        empty = np.zeros(n_groups, dtype=np.int64)
+        return empty, empty.copy()
+    shifted_start, shifted_end = _shift_groups_apart(group, start, end)
+    order = np.argsort(shifted_start)
+    g, s, e, chosen = group[order], shifted_start[order], shifted_end[order], subset[order]
+    return (sorted_union_length(g, s, e, n_groups),
+            sorted_union_length(g[chosen], s[chosen], e[chosen], n_groups))
+
+
+def sorted_union_length(group: I64, start: I64, end: I64, n_groups: int) -> I64:
+    """`union_length` for intervals already shifted apart by group and sorted by start.
+
+    An interval adds only what lies past the furthest end seen so far; since groups occupy disjoint
+    stretches of the timeline, that running maximum never carries from one group into the next.
     """
     if group.size == 0:
         return np.zeros(n_groups, dtype=np.int64)
-    order = np.lexsort((start, group))
-    g, s, e = group[order], start[order], end[order]
-    # Offset each group onto its own stretch of a shared timeline so one running maximum serves all.
-    lowest = int(s.min())
-    width = int((e - lowest).max()) + 1
-    shift = g * width - lowest
-    s_shifted, e_shifted = s + shift, e + shift
-    reach = np.maximum.accumulate(e_shifted)
+    reach = np.maximum.accumulate(end)
     before = np.concatenate(([np.iinfo(np.int64).min], reach[:-1]))
-    added = np.maximum(e_shifted - np.maximum(s_shifted, before), 0)
-    return np.bincount(g, weights=added, minlength=n_groups).astype(np.int64)
+    added = np.maximum(end - np.maximum(start, before), 0)
+    return np.bincount(group, weights=added, minlength=n_groups).astype(np.int64)

@@ -39,7 +39,7 @@ def _mix(keys: npt.NDArray[np.uint64]) -> npt.NDArray[np.uint64]:
 
 
 class MissRatioCurve:
-    def __init__(self, *, sample_rate: float = 0.1, max_keys: int = 4096) -> None:
+    def __init__(self, *, sample_rate: float = 0.1, max_keys: int = 1024) -> None:
         if not 0 < sample_rate <= 1:
             raise ValueError(f"sample rate must be in (0, 1], got {sample_rate}")
         self._threshold = min(int(sample_rate * _FULL), 2**64 - 1)
@@ -73,7 +73,8 @@ class MissRatioCurve:
             self._reference(h, max(int(size), 1))
 
     def _reference(self, h: int, size: int) -> None:
-        weight = 1.0 / self.sample_rate
+        rate = self._threshold / _FULL
+        weight = 1.0 / rate
         self._total += weight
         self._clock += 1
         slot = self._slot_of.get(h)
@@ -85,7 +86,7 @@ class MissRatioCurve:
         else:
             newer = self._last > self._last[slot]
             # Other keys' bytes are a 1/R sample of all others'; the key's own size is known exactly.
-            distance = size + int(self._size[newer].sum()) / self.sample_rate
+            distance = size + int(self._size[newer].sum()) / rate
             self._hist[self._bin(distance)] += weight
         self._size[slot] = size
         self._last[slot] = self._clock

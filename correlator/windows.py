@@ -37,6 +37,8 @@ SCHEMAS: Mapping[str, Mapping[str, type[np.generic]]] = {
 }
 EVENT_TIME = {"step": "compute_end_ns", "read": "end_ns", "spoke_request": "end_ns", "gpu_util": "ts_ns"}
 CONTEXT_KINDS = ("read", "spoke_request", "gpu_util")
+# When an event began: one that began after a window's end cannot overlap that window's stalls.
+BEGIN = {"read": lambda c: c["start_ns"], "gpu_util": lambda c: c["ts_ns"] - c["period_ns"]}
 
 
 class MalformedBatchError(ValueError):
@@ -173,7 +175,10 @@ class EventTimeWindows:
         for kind in CONTEXT_KINDS:
             chunks = [c for c in self._buffers[kind] if c.high >= horizon]
             columns = _concat(chunks, kind)
-            context[kind] = _select(columns, columns[EVENT_TIME[kind]] >= horizon)
+            keep = columns[EVENT_TIME[kind]] >= horizon
+            if kind in BEGIN:
+                keep &= BEGIN[kind](columns) < end
+            context[kind] = _select(columns, keep)
         self.closed_until = end
         keep_from = end - self.retention_ns
         for kind in CONTEXT_KINDS:
