@@ -15,6 +15,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from stallwatch import catalogue
 from stallwatch.batch import Batch
+from stallwatch.correlator.attribution import Reads, Steps, attribute, gpu_idle_in_stalls
 from stallwatch.correlator.correlate import CorrelatorSettings
 from stallwatch.correlator.eventfile import EventFileError, EventWriter, read_events
 from stallwatch.correlator.intervals import overlap_join, union_length
@@ -51,6 +52,26 @@ def test_overlap_join_matches_brute_force(left: list[tuple[int, int, int]], righ
     expected = {(a, b) for a, (g, s, d) in enumerate(left) for b, (h, t, e) in enumerate(right)
                 if g == h and s < t + e and s + d > t}
     assert set(zip(i.tolist(), j.tolist(), strict=True)) == expected
+
+
+def test_worked_example_of_the_docs() -> None:
+    """docs/attribution.md: a 100 ms wait on batch 5; a miss 10-40 ms, a hit 30-60 ms, busy until 100."""
+    ms = 1_000_000
+
+    def a(*values: int) -> np.ndarray:
+        return np.array(values, dtype=np.int64)
+
+    steps = Steps(job=a(0), rank=a(0), gpu=a(0), batch=a(5), wait_start=a(0), wait_end=a(100 * ms),
+                  compute_end=a(150 * ms))
+    tagged = Reads(job=a(0, 0), rank=a(0, 0), batch=a(5, 5), start=a(10 * ms, 30 * ms), end=a(40 * ms, 60 * ms),
+                   miss=np.array([True, False]))
+    split = attribute(steps, tagged, threshold_ns=ms)
+    assert (split.cause_ns[0] / ms).tolist() == [30, 20, 40, 10]
+    untagged = Reads(tagged.job, tagged.rank, a(-1, -1), tagged.start, tagged.end, tagged.miss)
+    assert (attribute(steps, untagged, threshold_ns=ms).cause_ns[0] / ms).tolist() == [30, 20, 0, 50]
+    idle = gpu_idle_in_stalls(steps, split, sample_ts=a(50 * ms, 100 * ms), sample_period=a(50 * ms, 50 * ms),
+                              sample_gpu=a(0, 0), sample_util=np.zeros(2, np.float32))
+    assert (idle[0] / ms).tolist() == [30, 20, 40, 10]
 
 
 def test_whatif_sampled_and_bounded_stays_within_five_points_of_exact_lru() -> None:
