@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import signal
 import sys
@@ -13,9 +14,11 @@ from prometheus_client.registry import CollectorRegistry
 
 from stallwatch import __version__, catalogue
 from stallwatch.batch import discard
+from stallwatch.correlator.service import CorrelatorService
 
 # Importing a collector module registers it by name.
 from stallwatch.exporters import (  # noqa: F401
+    correlator,
     events,
     gpu,
     host,
@@ -59,10 +62,16 @@ def main(argv: Sequence[str]) -> int:
         print(f"stallwatch agent: error: cannot listen on {options.web_listen_address}: {error.strerror}",
               file=sys.stderr)
         return 2
-    context = CollectorContext(options=options, sink=discard)
     collectors: dict[str, Collector] = {}
+    context = CollectorContext(options=options, sink=discard)
+    if options.collector_correlator:
+        # Built first: every other collector's batches flow into its thread-safe input.
+        service = specs["correlator"].factory(context)
+        assert isinstance(service, CorrelatorService)
+        collectors["correlator"] = service
+        context = dataclasses.replace(context, sink=service.submit)
     for name, spec in specs.items():
-        if getattr(options, f"collector_{name}"):
+        if name not in collectors and getattr(options, f"collector_{name}"):
             collectors[name] = spec.factory(context)
     log.info("collectors enabled: %s", ", ".join(collectors) or "none")
     scrape = ScrapeCollector(collectors)

@@ -34,12 +34,14 @@ class Collector(Protocol):
 class CollectorContext:
     """What the agent hands every collector factory: parsed options and the correlator's input.
 
-    `spokes` turns spoke names into the small ids `spoke_request` batches carry; the correlator reads
-    names back from the same instance.
+    `jobs` and `spokes` turn training-job and spoke names into the small ids batches carry; the agent
+    hands every collector the same two, so the correlator reads names back from what the receiver and
+    the spoke collectors interned.
     """
 
     options: argparse.Namespace
     sink: BatchSink
+    jobs: Interner = field(default_factory=Interner)
     spokes: Interner = field(default_factory=Interner)
 
 

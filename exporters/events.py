@@ -82,14 +82,14 @@ class EventsCollector:
         self,
         socket_path: str,
         queue_limit: int = 200_000,
-        job_limit: int = 64,
+        jobs: Interner | None = None,
         sink: BatchSink = discard,
         clock_ns: Callable[[], int] = time.monotonic_ns,
         wall_clock_ns: Callable[[], int] = time.time_ns,
     ) -> None:
         self._path = socket_path
         self._queue_limit = queue_limit
-        self._jobs = Interner(job_limit)
+        self._jobs = jobs if jobs is not None else Interner()
         self._sink = sink
         self._clock_ns, self._wall_clock_ns = clock_ns, wall_clock_ns
         self._lock = threading.Lock()  # guards the aggregates below, read by collect()
@@ -316,8 +316,8 @@ def _positive(text: str) -> int:
 
 def _from_context(context: CollectorContext) -> EventsCollector:
     options = context.options
-    return EventsCollector(options.events_socket, options.events_queue_limit, options.events_job_limit,
-                           context.sink)
+    context.jobs.limit = options.events_job_limit
+    return EventsCollector(options.events_socket, options.events_queue_limit, context.jobs, context.sink)
 
 
 register_collector("events", True, "loader waits, steps and dataset reads sent by training clients",

@@ -61,11 +61,11 @@ class Interner:
     """Label value <-> small int, capped: past `limit` distinct values, new ones fold into one.
 
     This is the agent's cardinality cap for client-supplied names (jobs): `folded` counts what was
-    folded, for the metric that reports it.
+    folded, for the metric that reports it. `limit` may be changed until the first name is interned.
     """
 
     def __init__(self, limit: int = 64) -> None:
-        self._limit = limit
+        self.limit = limit
         self._ids: dict[str, int] = {}
         self._names: list[str] = []
         self._lock = threading.Lock()
@@ -78,7 +78,7 @@ class Interner:
         with self._lock:
             if name in self._ids:
                 return self._ids[name]
-            if len(self._names) >= self._limit:
+            if len(self._names) >= self.limit:
                 self.folded += 1
                 name = OVERFLOW
                 if name in self._ids:

@@ -336,6 +336,11 @@ CORRELATOR_LATE_EVENTS = counter(
     "correlator", "correlator_late_events_total", "", ["kind"],
     "Events that arrived after their window closed (beyond the allowed lateness) and were not attributed.",
 )
+CORRELATOR_DROPPED_EVENTS = counter(
+    "correlator", "correlator_dropped_events_total", "", ["kind", "reason"],
+    "Events the correlator dropped before windowing: reason malformed (the batch broke the contract) "
+    "or backlog (input queue full).",
+)
 
 
 def all_metrics() -> tuple[AnyMetricDef, ...]:

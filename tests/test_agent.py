@@ -43,7 +43,7 @@ def test_serves_gpu_and_host_metrics_that_promtool_accepts(
     assert {labels["gpu"] for labels, _ in metrics[catalogue.GPU_UTILIZATION.name]} == {"0", "1"}
     assert metrics[catalogue.HOST_CPUS.name][0][1] >= 1
     success = {labels["collector"]: v for labels, v in metrics[catalogue.SCRAPE_COLLECTOR_SUCCESS.name]}
-    assert success == {"events": 1.0, "gpu": 1.0, "host": 1.0}
+    assert success == {"correlator": 1.0, "events": 1.0, "gpu": 1.0, "host": 1.0}
     body = requests.get(agent.url, timeout=10).content
     lint = subprocess.run([promtool, "check", "metrics"], input=body, capture_output=True, timeout=60)
     assert lint.returncode == 0 and not lint.stdout.strip() and not lint.stderr.strip(), lint.stdout + lint.stderr

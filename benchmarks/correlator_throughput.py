@@ -1,0 +1,123 @@
+"""Correlator throughput: events per second on one core, vectorised pipeline vs per-event streamz.
+
+Both run in this process, pinned to one core, over the same synthetic node: ranks whose steps wait
+on batches of tagged reads (hits and misses), plus GPU samples. The vectorised pipeline does all of
+its work (windows, verdicts, attribution, GPU idle, warm-up, what-if); the per-event pipeline only
+the attribution. Both attributions are compared before any figure is printed.
+
+    python benchmarks/correlator_throughput.py [--events 3000000] [--naive-events 200000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+import numpy as np
+
+from stallwatch.batch import Batch, Verdict
+from stallwatch.catalogue import CAUSES
+from stallwatch.correlator.correlate import CorrelatorSettings
+from stallwatch.correlator.pipeline import Correlator
+from stallwatch.correlator.reference import NaiveAttributor
+from stallwatch.correlator.results import WindowResult
+
+READS_PER_BATCH = 64  # e.g. images of 1 MiB: 8 ranks x 10 steps/s x 64 = 5,120 reads/s per node
+STEP_NS = 100_000_000
+SLICE_NS = 500_000_000  # batches as the agent receives them: each kind, half a second at a time
+
+
+def synthesise(n_events: int, ranks: int, seed: int) -> list[Batch]:
+    """Steps every 100 ms per rank, each waiting 0-60 ms on a batch of 64 reads, and 10 Hz GPU samples."""
+    rng = np.random.default_rng(seed)
+    steps_per_rank = n_events // (ranks * (READS_PER_BATCH + 1))
+    k = np.tile(np.arange(steps_per_rank), ranks)
+    rank = np.repeat(np.arange(ranks), steps_per_rank)
+    ws = 10**12 + k * STEP_NS + rank * 1_000_000
+    we = ws + rng.integers(0, 60_000_000, k.size)
+    n_reads = k.size * READS_PER_BATCH
+    owner = np.repeat(np.arange(k.size), READS_PER_BATCH)
+    miss = rng.random(n_reads) < 0.05
+    start = we[owner] - rng.integers(1_000_000, 150_000_000, n_reads)
+    duration = np.where(miss, rng.integers(10_000_000, 40_000_000, n_reads), rng.integers(200_000, 3_000_000, n_reads))
+    end = np.minimum(start + duration, we[owner])
+    keys = (rng.integers(0, 200_000, n_reads).astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15))
+    step_columns = {"job": np.zeros(k.size, np.int32), "rank": rank.astype(np.int32), "gpu": rank.astype(np.int16),
+                    "batch": k.astype(np.int64), "wait_start_ns": ws, "wait_end_ns": we,
+                    "compute_end_ns": ws + STEP_NS - 1}
+    read_columns = {"job": np.zeros(n_reads, np.int32), "rank": rank[owner].astype(np.int32),
+                    "worker": (k[owner] % 4).astype(np.int16), "batch": k[owner].astype(np.int64), "key": keys,
+                    "bytes": np.full(n_reads, 1 << 20, np.int64), "start_ns": start, "end_ns": end,
+                    "verdict": np.where(miss, Verdict.MISS, Verdict.HIT).astype(np.int8)}
+    ticks = np.arange(ws.min() + STEP_NS, ws.max() + STEP_NS, STEP_NS)
+    gpu_columns = {"ts_ns": np.repeat(ticks, ranks), "period_ns": np.full(ticks.size * ranks, STEP_NS, np.int64),
+                   "gpu": np.tile(np.arange(ranks), ticks.size).astype(np.int16),
+                   "util": rng.random(ticks.size * ranks).astype(np.float32)}
+    return _interleave({"step": step_columns, "read": read_columns, "gpu_util": gpu_columns})
+
+
+def _interleave(kinds: dict[str, dict[str, np.ndarray]]) -> list[Batch]:
+    """Cut each kind into half-second batches by event time and merge them in time order."""
+    time_column = {"step": "compute_end_ns", "read": "end_ns", "gpu_util": "ts_ns"}
+    pieces = []
+    for kind, columns in kinds.items():
+        times = columns[time_column[kind]]
+        order = np.argsort(times, kind="stable")
+        slices = times[order] // SLICE_NS
+        cuts = np.flatnonzero(np.diff(slices)) + 1
+        for rows, slice_index in zip(np.split(order, cuts), slices[np.r_[0, cuts]], strict=True):
+            batch = Batch(kind, {name: column[rows] for name, column in columns.items()})
+            pieces.append((int(slice_index), kind, batch))
+    pieces.sort(key=lambda piece: (piece[0], piece[1]))
+    return [batch for _, _, batch in pieces]
+
+
+def vectorised(batches: list[Batch]) -> tuple[float, np.ndarray]:
+    totals = np.zeros(len(CAUSES))
+
+    def add(result: WindowResult) -> None:
+        nonlocal totals
+        for row in result.ranks:
+            totals = totals + np.array(row.stall_s)
+
+    correlator = Correlator(CorrelatorSettings(cache_capacity_bytes=64 << 30), listeners=[add])
+    started = time.process_time()
+    correlator.run(batches)
+    return time.process_time() - started, totals
+
+
+def naive(batches: list[Batch]) -> tuple[float, np.ndarray]:
+    attributor = NaiveAttributor(threshold_ns=1_000_000, lookback_ns=5_000_000_000)
+    started = time.process_time()
+    for batch in batches:
+        attributor.source.emit(batch)
+    seconds = time.process_time() - started
+    return seconds, np.array(np.sum(list(attributor.stall_ns.values()), axis=0), dtype=np.float64) / 1e9
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--events", type=int, default=3_000_000)
+    parser.add_argument("--naive-events", type=int, default=200_000)
+    parser.add_argument("--ranks", type=int, default=8)
+    options = parser.parse_args()
+    os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
+    big = synthesise(options.events, options.ranks, seed=1)
+    small = synthesise(options.naive_events, options.ranks, seed=2)
+    n_big, n_small = sum(map(len, big)), sum(map(len, small))
+    _, check_vectorised = vectorised(small)
+    naive_seconds, check_naive = naive(small)
+    if not np.allclose(check_vectorised, check_naive, rtol=1e-9, atol=1e-6):
+        raise SystemExit(f"attributions differ: vectorised {check_vectorised} vs per-event {check_naive}")
+    vector_seconds, _ = vectorised(big)
+    vector_rate, naive_rate = n_big / vector_seconds, n_small / naive_seconds
+    print(f"attribution agrees on {n_small:,} events: " + ", ".join(
+        f"{cause} {seconds:.1f} s" for cause, seconds in zip(CAUSES, check_naive, strict=True)))
+    print(f"vectorised pipeline: {n_big:,} events in {vector_seconds:.2f} s CPU: {vector_rate / 1e6:.2f} M events/s")
+    print(f"per-event streamz:   {n_small:,} events in {naive_seconds:.2f} s CPU: {naive_rate / 1e6:.3f} M events/s")
+    print(f"ratio: {vector_rate / naive_rate:.0f}x")
+
+
+if __name__ == "__main__":
+    main()

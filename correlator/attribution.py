@@ -1,0 +1,150 @@
+"""Split every stall's seconds among `remote_fetch`, `cache_read`, `preprocess` and `other`.
+
+A stall is a loader wait [wait_start, wait_end] longer than the threshold. Each instant of it gets
+one cause, so the causes always sum to the stall:
+
+- Critical path, when the step's batch has tagged reads: the trainer waiting on batch k waits on the
+  worker producing batch k. From the first read of batch k on, that worker is busy with it: an
+  instant covered by a missed read of batch k is `remote_fetch`, else by a hit `cache_read`, else
+  (busy but not reading) `preprocess`. Before the worker started batch k: `other`.
+- Overlap, when it has none: the rank's reads (any worker) overlapping the wait, misses before hits;
+  uncovered instants are `other` (without tags, a busy worker cannot be told from an idle one).
+
+All of it is joins, clips and per-group union lengths on arrays (see intervals.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+
+from stallwatch.catalogue import CAUSES
+from stallwatch.correlator.intervals import F64, I64, composite_key, covered_and_subset, equal_join, overlap_join
+
+REMOTE, CACHE, PREPROCESS, OTHER = range(len(CAUSES))
+
+
+@dataclass(frozen=True)
+class Steps:
+    job: I64
+    rank: I64
+    gpu: I64
+    batch: I64
+    wait_start: I64
+    wait_end: I64
+    compute_end: I64
+
+    def __len__(self) -> int:
+        return int(self.job.size)
+
+
+@dataclass(frozen=True)
+class Reads:
+    job: I64
+    rank: I64
+    batch: I64
+    start: I64
+    end: I64
+    miss: npt.NDArray[np.bool_]  # resolved verdict: True for a miss (went to the hub)
+
+    def __len__(self) -> int:
+        return int(self.job.size)
+
+
+@dataclass(frozen=True)
+class Attribution:
+    """Per step: the wait, the compute, and the stall's split (ns, columns in CAUSES order)."""
+
+    wait_ns: I64
+    compute_ns: I64
+    stalled: npt.NDArray[np.bool_]
+    cause_ns: I64  # shape (steps, 4); all zero where not stalled
+
+
+def attribute(steps: Steps, reads: Reads, threshold_ns: int) -> Attribution:
+    n = len(steps)
+    wait = np.maximum(steps.wait_end - steps.wait_start, 0)
+    compute = np.maximum(steps.compute_end - steps.wait_end, 0)
+    stalled = wait > threshold_ns
+    causes = np.zeros((n, len(CAUSES)), dtype=np.int64)
+    stall_index = np.flatnonzero(stalled)
+    if stall_index.size == 0:
+        return Attribution(wait, compute, stalled, causes)
+    ws, we = steps.wait_start[stall_index], steps.wait_end[stall_index]
+    m = stall_index.size
+    # One packing for both sides so equal (job, rank) gets equal keys.
+    owner_all = composite_key(np.concatenate((steps.job[stall_index], reads.job)),
+                              np.concatenate((steps.rank[stall_index], reads.rank)))
+    owner_steps, owner_reads = owner_all[:m], owner_all[m:]
+
+    # Critical path: reads of the awaited batch, joined on (job, rank, batch).
+    tagged_steps = steps.batch[stall_index] >= 0
+    busy_from = np.full(m, np.iinfo(np.int64).max, dtype=np.int64)
+    tagged_cover = np.zeros(m, dtype=np.int64)
+    tagged_miss = np.zeros(m, dtype=np.int64)
+    if len(reads):
+        # +1 keeps the untagged batch -1 packable; untagged rows get keys that join nothing.
+        key_all = composite_key(owner_all, np.concatenate((steps.batch[stall_index], reads.batch)) + 1)
+        key_steps, key_reads = key_all[:m], key_all[m:]
+        key_reads = np.where(reads.batch >= 0, key_reads, -1)
+        key_steps = np.where(tagged_steps, key_steps, -2)
+        step_of, read_of = equal_join(key_steps, key_reads)
+        np.minimum.at(busy_from, step_of, reads.start[read_of])
+        start = np.clip(reads.start[read_of], ws[step_of], we[step_of])
+        end = np.clip(reads.end[read_of], ws[step_of], we[step_of])
+        tagged_cover, tagged_miss = covered_and_subset(step_of, start, end, reads.miss[read_of], m)
+    on_path = busy_from != np.iinfo(np.int64).max
+    busy = np.where(on_path, we - np.clip(busy_from, ws, we), 0)
+
+    # Overlap fallback for stalls with no read of their batch.
+    fallback = ~on_path
+    overlap_cover = np.zeros(m, dtype=np.int64)
+    overlap_miss = np.zeros(m, dtype=np.int64)
+    if len(reads) and fallback.any():
+        which = np.flatnonzero(fallback)
+        step_of, read_of = overlap_join(owner_steps[which], ws[which], we[which],
+                                        owner_reads, reads.start, reads.end)
+        stall_of = which[step_of]
+        start = np.clip(reads.start[read_of], ws[stall_of], we[stall_of])
+        end = np.clip(reads.end[read_of], ws[stall_of], we[stall_of])
+        overlap_cover, overlap_miss = covered_and_subset(stall_of, start, end, reads.miss[read_of], m)
+
+    cover = np.where(on_path, tagged_cover, overlap_cover)
+    missed = np.where(on_path, tagged_miss, overlap_miss)
+    split = causes[stall_index]
+    split[:, REMOTE] = missed
+    split[:, CACHE] = cover - missed
+    split[:, PREPROCESS] = np.where(on_path, np.maximum(busy - cover, 0), 0)
+    split[:, OTHER] = (we - ws) - split[:, :OTHER].sum(axis=1)
+    causes[stall_index] = split
+    return Attribution(wait, compute, stalled, causes)
+
+
+def gpu_idle_in_stalls(
+    steps: Steps, attribution: Attribution, sample_ts: I64, sample_period: I64, sample_gpu: I64,
+    sample_util: npt.NDArray[np.floating],
+) -> F64:
+    """Per step, ns its GPU idled during its stall, split like the stall (shape (steps, 4)).
+
+    A utilization sample covers (ts - period, ts] and says how much of it was idle: (1 - util) x
+    period. Samples are coarser than stalls (about 1/6 s from the driver), so a sample's idle time is
+    placed in the stall first: a stall gets min(overlap, idle time) from each sample it overlaps. A
+    stall's idle time is shared among causes in proportion to the stall's split.
+    """
+    n = len(steps)
+    out = np.zeros((n, len(CAUSES)), dtype=np.float64)
+    stalled = np.flatnonzero(attribution.stalled & (steps.gpu >= 0))
+    if stalled.size == 0 or sample_ts.size == 0:
+        return out
+    begin = sample_ts - sample_period
+    step_of, sample_of = overlap_join(steps.gpu[stalled], steps.wait_start[stalled], steps.wait_end[stalled],
+                                      sample_gpu, begin, sample_ts)
+    s = stalled[step_of]
+    overlap = np.minimum(sample_ts[sample_of], steps.wait_end[s]) - np.maximum(begin[sample_of], steps.wait_start[s])
+    idle_time = (1.0 - np.clip(sample_util[sample_of], 0.0, 1.0)) * sample_period[sample_of]
+    idle_ns = np.bincount(step_of, weights=np.clip(np.minimum(overlap, idle_time), 0, None), minlength=stalled.size)
+    share = attribution.cause_ns[stalled] / np.maximum(attribution.wait_ns[stalled], 1)[:, None]
+    out[stalled] = share * idle_ns[:, None]
+    return out

@@ -1,0 +1,175 @@
+"""One closed window in, its results out: verdicts, attribution, GPU idle, warm-up, what-if.
+
+The learnt parts (latency split, warm-up state, miss-ratio curve) live here across windows; all the
+per-event work is array work. The only Python loops run per job or per rank, never per event.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from stallwatch.batch import Verdict
+from stallwatch.catalogue import CAUSES
+from stallwatch.correlator.attribution import Reads, Steps, attribute, gpu_idle_in_stalls
+from stallwatch.correlator.intervals import composite_key
+from stallwatch.correlator.results import GpuRow, JobRow, RankRow, WindowResult
+from stallwatch.correlator.verdicts import LatencySplit, join_spoke
+from stallwatch.correlator.warmup import JobWindow, WarmupSettings, WarmupTracker
+from stallwatch.correlator.whatif import MissRatioCurve
+from stallwatch.correlator.windows import WindowInput
+
+WHATIF_FACTORS = (0.5, 1.0, 2.0, 4.0)
+
+
+@dataclass(frozen=True)
+class CorrelatorSettings:
+    window_s: float = 5.0
+    lateness_s: float = 5.0
+    stall_threshold_s: float = 0.001
+    lookback_s: float = 2.0  # how far before a stall a batch's reads are looked for (> any preprocess time)
+    retention_s: float = 60.0  # the longest stall whose reads and GPU samples are still at hand
+    spoke_join_tolerance_s: float = 1.0
+    cache_capacity_bytes: int | None = None
+    whatif_sample_rate: float = 0.1
+    whatif_max_keys: int = 1024
+    warmup: WarmupSettings = field(default_factory=WarmupSettings)
+
+
+def seconds_to_ns(seconds: float) -> int:
+    return round(seconds * 1e9)
+
+
+def _group(*columns: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Distinct rows of the given integer columns, and each input row's group index."""
+    if columns[0].size == 0:
+        return np.zeros((0, len(columns)), dtype=np.int64), np.zeros(0, dtype=np.int64)
+    _, first, inverse = np.unique(composite_key(*columns), return_index=True, return_inverse=True)
+    return np.stack([c[first].astype(np.int64) for c in columns], axis=1), inverse.reshape(-1)
+
+
+class WindowCorrelator:
+    def __init__(self, settings: CorrelatorSettings | None = None) -> None:
+        self.settings = settings or CorrelatorSettings()
+        s = self.settings
+        self.latency = LatencySplit()
+        self.warmup = WarmupTracker(s.warmup)
+        self.whatif = MissRatioCurve(sample_rate=s.whatif_sample_rate, max_keys=s.whatif_max_keys)
+        self.cache_capacity_bytes = s.cache_capacity_bytes
+        self._first_seen: dict[int, int] = {}
+
+    def __call__(self, window: WindowInput) -> WindowResult:
+        s = self.settings
+        start, end = window.start_ns, window.end_ns
+        raw = window.context["read"]
+        verdict = self._verdicts(raw, window)
+        in_window = (raw["end_ns"] >= start) & (raw["end_ns"] < end)
+        miss = verdict == Verdict.MISS
+        st = window.steps
+        steps = Steps(*(st[name].astype(np.int64) for name in
+                        ("job", "rank", "gpu", "batch", "wait_start_ns", "wait_end_ns", "compute_end_ns")))
+        reads = Reads(raw["job"].astype(np.int64), raw["rank"].astype(np.int64), raw["batch"],
+                      raw["start_ns"], raw["end_ns"], miss)
+        attribution = attribute(steps, reads, seconds_to_ns(s.stall_threshold_s))
+        gpu = window.context["gpu_util"]
+        idle = gpu_idle_in_stalls(steps, attribution, gpu["ts_ns"], gpu["period_ns"], gpu["gpu"].astype(np.int64),
+                                  gpu["util"])
+
+        ranks = self._ranks(steps, attribution.wait_ns, attribution.compute_ns, attribution.cause_ns)
+        gpus = self._gpus(steps, idle)
+        jobs = self._jobs(window, steps, attribution.stalled, reads, in_window, raw["bytes"], idle)
+        order = np.argsort(raw["end_ns"][in_window], kind="stable")
+        self.whatif.feed(raw["key"][in_window][order], raw["bytes"][in_window][order])
+        whatif: dict[float, float] = {}
+        if self.cache_capacity_bytes:
+            for factor in WHATIF_FACTORS:
+                ratio = self.whatif.hit_ratio(factor * self.cache_capacity_bytes)
+                if ratio is not None:
+                    whatif[factor] = ratio
+        retired = tuple(self.warmup.expire(end))
+        for job in retired:
+            self._first_seen.pop(job, None)
+        return WindowResult(start, end, ranks, gpus, jobs, whatif, retired)
+
+    def _verdicts(self, reads: dict[str, np.ndarray], window: WindowInput) -> np.ndarray:
+        """Each read's verdict: its own, else the spoke's, else the learnt latency split's."""
+        verdict = reads["verdict"].astype(np.int8, copy=True)
+        unknown = np.flatnonzero(verdict == Verdict.UNKNOWN)
+        spoke = window.context["spoke_request"]
+        if unknown.size and spoke["key"].size:
+            tolerance = seconds_to_ns(self.settings.spoke_join_tolerance_s)
+            verdict[unknown] = join_spoke(reads["key"][unknown], reads["end_ns"][unknown], spoke["key"],
+                                          spoke["end_ns"], spoke["verdict"], tolerance)
+        duration = reads["end_ns"] - reads["start_ns"]
+        in_window = (reads["end_ns"] >= window.start_ns) & (reads["end_ns"] < window.end_ns)
+        self.latency.learn(duration[in_window])
+        unknown = np.flatnonzero(verdict == Verdict.UNKNOWN)
+        verdict[unknown] = self.latency.classify(duration[unknown])
+        return verdict
+
+    @staticmethod
+    def _ranks(steps: Steps, wait: np.ndarray, compute: np.ndarray, causes: np.ndarray) -> tuple[RankRow, ...]:
+        keys, group = _group(steps.job, steps.rank)
+        n = len(keys)
+        waits = np.bincount(group, weights=wait, minlength=n) / 1e9
+        computes = np.bincount(group, weights=compute, minlength=n) / 1e9
+        counts = np.bincount(group, minlength=n)
+        stalls = np.stack([np.bincount(group, weights=causes[:, c], minlength=n) for c in range(len(CAUSES))],
+                          axis=1) / 1e9
+        return tuple(RankRow(int(k[0]), int(k[1]), int(c), float(w), float(p), tuple(map(float, s)))
+                     for k, c, w, p, s in zip(keys, counts, waits, computes, stalls, strict=True))
+
+    @staticmethod
+    def _gpus(steps: Steps, idle: np.ndarray) -> tuple[GpuRow, ...]:
+        has = np.flatnonzero((steps.gpu >= 0) & (idle.sum(axis=1) > 0))
+        keys, group = _group(steps.job[has], steps.gpu[has])
+        sums = np.stack([np.bincount(group, weights=idle[has, c], minlength=len(keys)) for c in range(len(CAUSES))],
+                        axis=1) / 1e9
+        return tuple(GpuRow(int(k[0]), int(k[1]), tuple(map(float, s))) for k, s in zip(keys, sums, strict=True))
+
+    def _jobs(self, window: WindowInput, steps: Steps, stalled: np.ndarray, reads: Reads, in_window: np.ndarray,
+              sizes: np.ndarray, idle: np.ndarray) -> tuple[JobRow, ...]:
+        read_jobs = reads.job[in_window]
+        for job, first in self._earliest(steps, reads, in_window).items():
+            self._first_seen[job] = min(self._first_seen.get(job, first), first)
+        step_seconds = (steps.compute_end - steps.wait_start) / 1e9
+        idle_per_step = idle.sum(axis=1) / 1e9
+        rows = []
+        for job in sorted(set(self._first_seen) | set(self.warmup.jobs)):
+            mine = steps.job == job
+            read_mine = read_jobs == job
+            misses = reads.miss[in_window] & read_mine
+            seen = JobWindow(
+                steps=int(mine.sum()),
+                ranks=int(np.unique(steps.rank[mine]).size) or self._known_ranks(job),
+                step_seconds=step_seconds[mine],
+                step_quarter=np.clip((steps.compute_end[mine] - window.start_ns) * 4
+                                     // (window.end_ns - window.start_ns), 0, 3),
+                reads=int(read_mine.sum()),
+                hits=int((read_mine & ~misses).sum()),
+                hub_bytes=int(sizes[in_window][misses].sum()),
+                stall_idle_gpu_seconds=float(idle_per_step[mine].sum()),
+                stall_start_ns=steps.wait_start[mine & stalled],
+                stall_end_ns=steps.wait_end[mine & stalled],
+            )
+            state = self.warmup.update(job, window.start_ns, window.end_ns, seen, self._first_seen[job],
+                                       complete=not window.final)
+            rows.append(JobRow(job, state.phase, state.hit_ratio, seen.reads, seen.hub_bytes,
+                               state.time_to_steady_s, state.idle_gpu_seconds, state.hub_bytes, state.regressions))
+        return tuple(rows)
+
+    def _known_ranks(self, job: int) -> int:
+        state = self.warmup.jobs.get(job)
+        return state.ranks if state is not None else 0
+
+    @staticmethod
+    def _earliest(steps: Steps, reads: Reads, in_window: np.ndarray) -> dict[int, int]:
+        jobs = np.concatenate((steps.job, reads.job[in_window]))
+        times = np.concatenate((steps.wait_start, reads.start[in_window]))
+        if jobs.size == 0:
+            return {}
+        unique, group = np.unique(jobs, return_inverse=True)
+        earliest = np.full(unique.size, np.iinfo(np.int64).max, dtype=np.int64)
+        np.minimum.at(earliest, group, times)
+        return {int(j): int(t) for j, t in zip(unique, earliest, strict=True)}

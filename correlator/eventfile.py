@@ -1,0 +1,74 @@
+"""The recorded event file that `stallwatch correlate FILE` replays: a sequence of Batch records.
+
+Format (version 1): the line `stallwatch-events 1\n`, then records. A record is one line of JSON,
+`{"kind": "read", "rows": 3, "columns": [["job", "<i4"], ["key", "<u8"], ...]}`, followed by the raw
+bytes of each column in that order (NumPy dtype strings, so byte order is explicit). Appending a
+batch is a write of its header and columns: the agent can tee its stream to a file as it runs.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import BinaryIO
+
+import numpy as np
+
+from stallwatch.batch import Batch
+
+MAGIC = b"stallwatch-events 1\n"
+
+
+class EventFileError(ValueError):
+    """A file that is not a stallwatch event file, or is damaged; the message says where."""
+
+
+class EventWriter:
+    """Appends batches to an event file; safe to call from several threads."""
+
+    def __init__(self, path: str | Path) -> None:
+        self._file = Path(path).open("wb")  # noqa: SIM115 (closed by close())
+        self._file.write(MAGIC)
+        self._lock = threading.Lock()
+
+    def write(self, batch: Batch) -> None:
+        columns = {name: np.ascontiguousarray(column) for name, column in batch.columns.items()}
+        header = {"kind": batch.kind, "rows": len(batch),
+                  "columns": [[name, column.dtype.str] for name, column in columns.items()]}
+        with self._lock:
+            self._file.write(json.dumps(header).encode() + b"\n")
+            for column in columns.values():
+                self._file.write(column.tobytes())
+            self._file.flush()
+
+    def close(self) -> None:
+        with self._lock:
+            self._file.close()
+
+
+def _read_exact(stream: BinaryIO, size: int, where: str) -> bytes:
+    data = stream.read(size)
+    if len(data) != size:
+        raise EventFileError(f"{where}: truncated (wanted {size} bytes, file ends after {len(data)})")
+    return data
+
+
+def read_events(path: str | Path) -> Iterator[Batch]:
+    with Path(path).open("rb") as stream:
+        if stream.read(len(MAGIC)) != MAGIC:
+            raise EventFileError(f"{path}: not a stallwatch event file (no {MAGIC.strip().decode()!r} header)")
+        record = 0
+        while line := stream.readline():
+            record += 1
+            where = f"{path}: record {record}"
+            try:
+                header = json.loads(line)
+                kind, rows = str(header["kind"]), int(header["rows"])
+                layout = [(str(name), np.dtype(dtype)) for name, dtype in header["columns"]]
+            except (ValueError, KeyError, TypeError) as error:
+                raise EventFileError(f"{where}: bad header: {error}") from error
+            columns = {name: np.frombuffer(_read_exact(stream, rows * dtype.itemsize, where), dtype=dtype)
+                       for name, dtype in layout}
+            yield Batch(kind, columns)

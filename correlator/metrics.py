@@ -1,0 +1,99 @@
+"""Window results folded into the correlator's metrics (catalogue, `correlator` section)."""
+
+from __future__ import annotations
+
+import threading
+from collections import defaultdict
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+from prometheus_client.core import Metric
+
+from stallwatch import catalogue
+from stallwatch.catalogue import CAUSES, PHASES
+from stallwatch.correlator.results import Names, WindowResult
+
+
+class CorrelatorMetrics:
+    """Thread-safe: `observe` runs on the pipeline's thread, `collect` on the scrape's."""
+
+    def __init__(self, job_name: Names = str, spoke_name: str = "default") -> None:
+        self._job_name = job_name
+        self._spoke = spoke_name
+        self._lock = threading.Lock()
+        self._stall: dict[tuple[str, ...], float] = defaultdict(float)
+        self._compute: dict[tuple[str, ...], float] = defaultdict(float)
+        self._ratio: dict[tuple[str, ...], float] = {}
+        self._gpu_idle: dict[tuple[str, ...], float] = defaultdict(float)
+        self._phase: dict[str, str] = {}
+        self._time_to_steady: dict[str, float] = {}
+        self._warmup_idle: dict[str, float] = {}
+        self._warmup_bytes: dict[str, float] = {}
+        self._regressions: dict[str, float] = {}
+        self._whatif: dict[float, float] = {}
+        self._windows = 0
+        self._late: dict[str, int] = {}
+        self._dropped: dict[tuple[str, str], int] = {}
+
+    def observe(self, result: WindowResult) -> None:
+        name = self._job_name
+        with self._lock:
+            self._windows += 1
+            for r in result.ranks:
+                labels = (name(r.job), str(r.rank))
+                self._compute[labels] += r.compute_s
+                self._ratio[labels] = r.input_bound_ratio
+                for cause, seconds in zip(CAUSES, r.stall_s, strict=True):
+                    self._stall[(*labels, cause)] += seconds
+            for g in result.gpus:
+                for cause, seconds in zip(CAUSES, g.idle_s, strict=True):
+                    self._gpu_idle[(name(g.job), str(g.gpu), cause)] += seconds
+            for j in result.jobs:
+                job = name(j.job)
+                self._phase[job] = j.phase
+                if j.time_to_steady_s is not None:
+                    self._time_to_steady[job] = j.time_to_steady_s
+                self._warmup_idle[job] = j.warmup_idle_gpu_s
+                self._warmup_bytes[job] = j.warmup_hub_bytes
+                self._regressions[job] = j.regressions
+            self._whatif.update(result.whatif)
+            for job in map(name, result.retired_jobs):
+                self._forget(job)
+
+    def _forget(self, job: str) -> None:
+        """A retired job's series go, so a node's series stay bounded by its live jobs."""
+        for table in (self._stall, self._compute, self._ratio, self._gpu_idle):
+            for labels in [labels for labels in table if labels[0] == job]:
+                del table[labels]
+        for per_job in (self._phase, self._time_to_steady, self._warmup_idle, self._warmup_bytes,
+                        self._regressions):
+            per_job.pop(job, None)
+
+    def set_losses(self, late: Mapping[str, int], dropped: Mapping[tuple[str, str], int]) -> None:
+        with self._lock:
+            self._late, self._dropped = dict(late), dict(dropped)
+
+    def collect(self) -> Iterator[Metric]:
+        c = catalogue
+        with self._lock:
+            tables: list[tuple[Any, Mapping[tuple[str, ...], float]]] = [
+                (c.STALL_SECONDS.family(), self._stall),
+                (c.COMPUTE_SECONDS.family(), self._compute),
+                (c.INPUT_BOUND_RATIO.family(), self._ratio),
+                (c.GPU_STALL_IDLE_SECONDS.family(), self._gpu_idle),
+                (c.WARMUP_TIME_TO_STEADY.family(), {(j,): v for j, v in self._time_to_steady.items()}),
+                (c.WARMUP_IDLE_GPU_SECONDS.family(), {(j,): v for j, v in self._warmup_idle.items()}),
+                (c.WARMUP_HUB_BYTES.family(), {(j,): v for j, v in self._warmup_bytes.items()}),
+                (c.WARMUP_REGRESSIONS.family(), {(j,): v for j, v in self._regressions.items()}),
+                (c.CACHE_WHATIF_HIT_RATIO.family(), {(self._spoke, f"{f:g}"): v for f, v in self._whatif.items()}),
+                (c.CORRELATOR_WINDOWS.family(), {(): self._windows}),
+                (c.CORRELATOR_LATE_EVENTS.family(), {(k,): v for k, v in self._late.items()}),
+                (c.CORRELATOR_DROPPED_EVENTS.family(), {k: v for k, v in self._dropped.items()}),
+                (c.WARMUP_PHASE.family(), {(j, p): float(p == phase) for j, phase in self._phase.items()
+                                           for p in PHASES}),
+            ]
+            for family, values in tables:
+                for labels, value in sorted(values.items()):
+                    family.add_metric(list(labels), float(value))
+        for family, _ in tables:
+            yield family

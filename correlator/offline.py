@@ -1,0 +1,50 @@
+"""`stallwatch correlate FILE`: the agent's correlator pipeline over a recorded event file.
+
+Writes one JSON line per closed window (to stdout, or `--record PATH`), then a per-rank summary of
+stall seconds by cause on stderr. The file is what `stallwatch agent --correlator.record-events`
+writes (format in eventfile.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections import defaultdict
+from collections.abc import Sequence
+
+from stallwatch.catalogue import CAUSES
+from stallwatch.correlator.eventfile import EventFileError, read_events
+from stallwatch.correlator.pipeline import Correlator
+from stallwatch.correlator.recorder import WindowRecorder
+from stallwatch.correlator.results import WindowResult
+from stallwatch.exporters.correlator import add_settings_arguments, settings_from
+
+
+def main(argv: Sequence[str]) -> int:
+    parser = argparse.ArgumentParser(prog="stallwatch correlate", description=__doc__.splitlines()[0])
+    parser.add_argument("file", metavar="FILE", help="event file recorded by the agent")
+    add_settings_arguments(parser.add_argument_group("correlator"), "")
+    options = parser.parse_args(argv)
+    recorder = WindowRecorder(options.correlator_record or sys.stdout)
+    totals: dict[tuple[int, int], list[float]] = defaultdict(lambda: [0.0] * len(CAUSES))
+
+    def summarise(result: WindowResult) -> None:
+        for row in result.ranks:
+            totals[(row.job, row.rank)] = [a + b for a, b in zip(totals[(row.job, row.rank)], row.stall_s,
+                                                                 strict=True)]
+
+    correlator = Correlator(settings_from(options), listeners=[recorder.write, summarise])
+    try:
+        correlator.run(read_events(options.file))
+    except (OSError, EventFileError) as error:
+        print(f"stallwatch correlate: error: {error}", file=sys.stderr)
+        return 1
+    finally:
+        recorder.close()
+    for (job, rank), seconds in sorted(totals.items()):
+        split = ", ".join(f"{cause} {value:.3f}" for cause, value in zip(CAUSES, seconds, strict=True))
+        print(f"job {job} rank {rank}: stall s: {split}", file=sys.stderr)
+    late = dict(correlator.windows.late)
+    if late or correlator.malformed:
+        print(f"late events: {late}; malformed: {dict(correlator.malformed)}", file=sys.stderr)
+    return 0

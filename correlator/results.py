@@ -1,0 +1,82 @@
+"""What one closed window yields: per rank, per GPU, per job, and the cache what-if."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from stallwatch.catalogue import CAUSES
+
+Names = Callable[[int], str]
+
+
+@dataclass(frozen=True)
+class RankRow:
+    job: int
+    rank: int
+    steps: int
+    wait_s: float
+    compute_s: float
+    stall_s: tuple[float, ...]  # CAUSES order
+
+    @property
+    def input_bound_ratio(self) -> float:
+        total = self.wait_s + self.compute_s
+        return self.wait_s / total if total > 0 else 0.0
+
+
+@dataclass(frozen=True)
+class GpuRow:
+    job: int
+    gpu: int
+    idle_s: tuple[float, ...]  # CAUSES order
+
+
+@dataclass(frozen=True)
+class JobRow:
+    job: int
+    phase: str
+    hit_ratio: float | None
+    reads: int
+    hub_bytes: int
+    time_to_steady_s: float | None
+    warmup_idle_gpu_s: float
+    warmup_hub_bytes: int
+    regressions: int
+
+
+@dataclass(frozen=True)
+class WindowResult:
+    start_ns: int
+    end_ns: int
+    ranks: tuple[RankRow, ...]
+    gpus: tuple[GpuRow, ...]
+    jobs: tuple[JobRow, ...]
+    whatif: dict[float, float] = field(default_factory=dict)  # capacity factor -> hit ratio
+    retired_jobs: tuple[int, ...] = ()
+
+    def record(self, job_name: Names) -> dict[str, Any]:
+        """The window as one JSON-ready row (what the recorder writes)."""
+        return {
+            "start_s": self.start_ns / 1e9,
+            "end_s": self.end_ns / 1e9,
+            "ranks": [
+                {"job": job_name(r.job), "rank": r.rank, "steps": r.steps, "wait_s": r.wait_s,
+                 "compute_s": r.compute_s, "input_bound_ratio": r.input_bound_ratio,
+                 "stall_s": dict(zip(CAUSES, r.stall_s, strict=True))}
+                for r in self.ranks
+            ],
+            "gpus": [
+                {"job": job_name(g.job), "gpu": g.gpu, "idle_s": dict(zip(CAUSES, g.idle_s, strict=True))}
+                for g in self.gpus
+            ],
+            "jobs": [
+                {"job": job_name(j.job), "phase": j.phase, "hit_ratio": j.hit_ratio, "reads": j.reads,
+                 "hub_bytes": j.hub_bytes, "time_to_steady_s": j.time_to_steady_s,
+                 "warmup_idle_gpu_s": j.warmup_idle_gpu_s, "warmup_hub_bytes": j.warmup_hub_bytes,
+                 "regressions": j.regressions}
+                for j in self.jobs
+            ],
+            "whatif_hit_ratio": {str(factor): ratio for factor, ratio in self.whatif.items()},
+        }

@@ -1,0 +1,110 @@
+"""The correlator inside the agent: a thread-safe input, one pipeline thread, metrics and recorders.
+
+Collectors call `submit(batch)` from their own threads (GPU poll, event receiver, spoke tailers). It
+only appends to a queue under a lock, so no collector ever waits on the correlator; past
+`max_backlog_events` queued events a batch is dropped and counted. One thread drains the queue into
+the streamz pipeline every `tick_s` and then advances the watermark by the agent's clock (the same
+monotonic clock the events carry), so windows close on time even when the node falls silent.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+
+from prometheus_client.core import Metric
+
+from stallwatch.batch import Batch
+from stallwatch.correlator.correlate import CorrelatorSettings, seconds_to_ns
+from stallwatch.correlator.eventfile import EventWriter
+from stallwatch.correlator.metrics import CorrelatorMetrics
+from stallwatch.correlator.pipeline import Correlator, Watermark, event_count
+from stallwatch.correlator.recorder import WindowRecorder
+from stallwatch.correlator.results import Names
+
+log = logging.getLogger(__name__)
+
+
+class CorrelatorService:
+    def __init__(
+        self,
+        settings: CorrelatorSettings | None = None,
+        *,
+        job_name: Names = str,
+        spoke_name: str = "default",
+        record_path: str | Path | None = None,
+        events_path: str | Path | None = None,
+        clock_ns: Callable[[], int] = time.monotonic_ns,
+        tick_s: float = 0.25,
+        max_backlog_events: int = 2_000_000,
+        start: bool = True,
+    ) -> None:
+        self.settings = settings or CorrelatorSettings()
+        self.metrics = CorrelatorMetrics(job_name, spoke_name)
+        self._recorder = WindowRecorder(record_path, job_name) if record_path else None
+        self._events = EventWriter(events_path) if events_path else None
+        listeners = [self.metrics.observe] + ([self._recorder.write] if self._recorder else [])
+        self.correlator = Correlator(self.settings, listeners=listeners, event_time_watermark=False)
+        self._clock_ns = clock_ns
+        self._tick_s = tick_s
+        self._max_backlog = max_backlog_events
+        self._lock = threading.Lock()
+        self._queue: list[Batch] = []
+        self._queued_events = 0
+        self._dropped: Counter[tuple[str, str]] = Counter()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        if start:
+            self._thread = threading.Thread(target=self._run, name="stallwatch-correlator", daemon=True)
+            self._thread.start()
+
+    def submit(self, batch: Batch) -> None:
+        """The agent's batch sink: never blocks beyond a list append, never raises."""
+        rows = event_count(batch)
+        with self._lock:
+            if self._queued_events + rows > self._max_backlog:
+                self._dropped[(batch.kind, "backlog")] += rows
+                return
+            self._queue.append(batch)
+            self._queued_events += rows
+
+    def drain(self) -> None:
+        """Feed what is queued into the pipeline, then close the windows the clock has passed."""
+        with self._lock:
+            queue, self._queue, self._queued_events = self._queue, [], 0
+        for batch in queue:
+            if self._events is not None:
+                self._events.write(batch)
+            self.correlator.emit(batch)
+        self.correlator.emit(Watermark(self._clock_ns() - seconds_to_ns(self.settings.lateness_s)))
+        dropped = self._dropped_snapshot()
+        self.metrics.set_losses(self.correlator.windows.late, dropped)
+
+    def _dropped_snapshot(self) -> dict[tuple[str, str], int]:
+        with self._lock:
+            dropped = dict(self._dropped)
+        for kind, events in self.correlator.malformed.items():
+            dropped[(kind, "malformed")] = events
+        return dropped
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._tick_s):
+            try:
+                self.drain()
+            except Exception:  # a bug here must not stop the thread: metrics would freeze
+                log.exception("correlator: a drain failed")
+
+    def collect(self) -> list[Metric]:
+        return list(self.metrics.collect())
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        for closer in (self._recorder, self._events):
+            if closer is not None:
+                closer.close()

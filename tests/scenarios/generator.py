@@ -1,0 +1,292 @@
+"""Event streams with known causes: a small discrete-event simulation of training nodes.
+
+Each rank runs a trainer and a DataLoader-like pool of workers (round-robin batches, a prefetch
+window of `prefetch` batches per worker, dispatch of batch k + prefetch·workers when batch k is
+consumed). A worker reads its batch's items one after another through one shared LRU spoke (hits
+take `hit_s`, misses `miss_s`, misses during a hub outage wait for its end), then preprocesses.
+The trainer waits for batch k, then computes. GPUs are busy exactly while their rank computes.
+
+Because the simulation knows what the awaited worker did at every instant of every wait, each stall
+comes with its true split among the causes; the generator also records when each job's cache
+became warm and the exact LRU hit ratio at other capacities. Output: the `Batch`es an agent would
+see (`step`, `read`, `spoke_request`, `gpu_util`), in arrival order with bounded delays.
+"""
+
+from __future__ import annotations
+
+import heapq
+import random
+from collections import OrderedDict, defaultdict, deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from stallwatch.batch import Batch, Verdict
+from stallwatch.catalogue import CAUSES
+
+NS = 1_000_000_000
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    job: int
+    steps: int
+    ranks: int = 1
+    workers: int = 4
+    prefetch: int = 2
+    reads_per_batch: int = 4
+    item_bytes: int = 1 << 20
+    dataset_items: int = 400
+    new_item_fraction: float = 0.0  # reads of never-seen items (a streaming dataset): always misses
+    compute_s: float = 0.05
+    preprocess_s: float = 0.01
+    first_gpu: int = 0
+    tagged: bool = True
+    verdicts: str = "read"  # where the verdict is known: "read" (header), "spoke" (log) or "latency"
+    clock_skew_s: float = 0.0  # each worker's clock is off by a fixed amount within ±this
+    start_s: float = 0.0
+
+
+@dataclass(frozen=True)
+class Scenario:
+    jobs: Sequence[JobSpec]
+    cache_bytes: int
+    hit_s: tuple[float, float] = (0.002, 0.004)
+    miss_s: tuple[float, float] = (0.040, 0.080)
+    outages: Sequence[tuple[float, float]] = ()
+    prewarm: bool = False  # the spoke already holds every dataset item
+    max_delay_s: float = 0.5  # events reach the agent up to this late (out of order)
+    gpu_period_s: float = 0.1
+    seed: int = 0
+
+
+@dataclass
+class Truth:
+    stall_s: dict[tuple[int, int], np.ndarray] = field(default_factory=dict)  # (job, rank) -> per cause
+    last_miss_s: dict[int, float] = field(default_factory=dict)  # per job: after it, every read hits
+    first_event_s: dict[int, float] = field(default_factory=dict)
+    stalls: dict[tuple[int, int], int] = field(default_factory=dict)  # (job, rank) -> how many
+    reads: list[tuple[int, int]] = field(default_factory=list)  # (key, bytes) in spoke order
+    end_s: float = 0.0
+
+    def stall_by_job(self, job: int) -> np.ndarray:
+        return sum((v for (j, _), v in self.stall_s.items() if j == job), np.zeros(len(CAUSES)))
+
+
+@dataclass
+class Generated:
+    batches: list[Batch]
+    truth: Truth
+
+
+class _Lru:
+    def __init__(self, capacity: int) -> None:
+        self.capacity, self.used = capacity, 0
+        self.items: OrderedDict[int, int] = OrderedDict()
+
+    def access(self, key: int, size: int) -> bool:
+        if key in self.items:
+            self.items.move_to_end(key)
+            return True
+        self.items[key] = size
+        self.used += size
+        while self.used > self.capacity and self.items:
+            _, evicted = self.items.popitem(last=False)
+            self.used -= evicted
+        return False
+
+
+def exact_lru_hit_ratio(reads: Sequence[tuple[int, int]], capacity: float) -> float:
+    cache = _Lru(int(capacity))
+    hits = sum(cache.access(key, size) for key, size in reads)
+    return hits / len(reads) if reads else 0.0
+
+
+def _key(job: int, item: int) -> int:
+    return (job * 1_000_003 + item) * 0x9E3779B97F4A7C15 % 2**64
+
+
+@dataclass
+class _Rank:
+    spec: JobSpec
+    rank: int
+    gpu: int
+    order: list[int]
+    skews: list[float]
+    ready: dict[int, float] = field(default_factory=dict)
+    queues: list[deque[tuple[float, int]]] = field(default_factory=list)  # per worker: (dispatched at, batch)
+    busy: list[bool] = field(default_factory=list)
+    segments: dict[int, list[tuple[float, float, int]]] = field(default_factory=dict)  # batch -> (s, e, cause)
+    next_step: int = 0
+    compute_end: float = 0.0
+    steps: list[tuple[int, float, float, float]] = field(default_factory=list)  # batch, ws, we, ce
+
+
+def generate(scenario: Scenario) -> Generated:
+    rng = random.Random(scenario.seed)
+    cache = _Lru(scenario.cache_bytes)
+    truth = Truth()
+    reads: list[tuple] = []
+    spoke: list[tuple] = []
+    heap: list[tuple[float, int, int, int, int]] = []  # (time, seq, rank index, batch, read index)
+    seq = 0
+    ranks: list[_Rank] = []
+    new_items = 10_000_000
+    for spec in scenario.jobs:
+        if scenario.prewarm:
+            for item in range(spec.dataset_items):
+                cache.access(_key(spec.job, item), spec.item_bytes)
+        for r in range(spec.ranks):
+            n_items = spec.steps * spec.reads_per_batch
+            order: list[int] = []
+            while len(order) < n_items:
+                epoch = list(range(spec.dataset_items))
+                rng.shuffle(epoch)
+                order += epoch
+            order = [new_items + i if rng.random() < spec.new_item_fraction else item
+                     for i, item in enumerate(order[:n_items])]
+            skews = [rng.uniform(-spec.clock_skew_s, spec.clock_skew_s) for _ in range(spec.workers)]
+            state = _Rank(spec, r, spec.first_gpu + r, order, skews, queues=[deque() for _ in range(spec.workers)],
+                          busy=[False] * spec.workers, compute_end=spec.start_s)
+            ranks.append(state)
+            for k in range(min(spec.prefetch * spec.workers, spec.steps)):
+                seq = _dispatch(state, len(ranks) - 1, k, spec.start_s, heap, seq)
+            truth.first_event_s[spec.job] = spec.start_s
+
+    def outage_end(t: float) -> float:
+        return max((end for start, end in scenario.outages if start <= t < end), default=t)
+
+    while heap:
+        t, _, index, k, i = heapq.heappop(heap)
+        state = ranks[index]
+        spec = state.spec
+        worker = k % spec.workers
+        if i == spec.reads_per_batch:  # the batch's reads are done: preprocess, then it is ready
+            done = t + spec.preprocess_s
+            state.segments[k].append((t, done, CAUSES.index("preprocess")))
+            state.busy[worker] = False
+            state.ready[k] = done
+            seq = _advance_trainer(state, index, heap, seq)
+            seq = _start_next(state, index, worker, done, heap, seq)
+            continue
+        if i == 0:
+            state.segments[k] = []
+        item = state.order[k * spec.reads_per_batch + i]
+        key = _key(spec.job, item)
+        hit = cache.access(key, spec.item_bytes)
+        truth.reads.append((key, spec.item_bytes))
+        if hit:
+            end = t + rng.uniform(*scenario.hit_s)
+        else:
+            end = outage_end(t) + rng.uniform(*scenario.miss_s)
+            truth.last_miss_s[spec.job] = t
+        state.segments[k].append((t, end, CAUSES.index("cache_read" if hit else "remote_fetch")))
+        skew = state.skews[worker]
+        verdict = Verdict.HIT if hit else Verdict.MISS
+        reads.append((spec.job, state.rank, worker, k if spec.tagged else -1, key, spec.item_bytes, t + skew,
+                      end + skew, verdict if spec.verdicts == "read" else Verdict.UNKNOWN))
+        if spec.verdicts == "spoke":
+            spoke.append((0, key, spec.item_bytes, end, end - t, -1 if hit else end - t, verdict))
+        heapq.heappush(heap, (end, seq, index, k, i + 1))
+        seq += 1
+
+    steps: list[tuple] = []
+    for state in ranks:
+        spec = state.spec
+        for k, ws, we, ce in state.steps:
+            steps.append((spec.job, state.rank, state.gpu, k, ws, we, ce))
+            split = np.zeros(len(CAUSES))
+            for s, e, cause in state.segments[k]:
+                split[cause] += max(0.0, min(e, we) - max(s, ws))
+            split[CAUSES.index("other")] += (we - ws) - split.sum()
+            total = truth.stall_s.setdefault((spec.job, state.rank), np.zeros(len(CAUSES)))
+            if we - ws > 0.001:
+                total += split
+                truth.stalls[(spec.job, state.rank)] = truth.stalls.get((spec.job, state.rank), 0) + 1
+        truth.end_s = max(truth.end_s, state.compute_end)
+    gpu_rows = _gpu_samples(ranks, scenario.gpu_period_s, truth.end_s)
+    batches = _arrange(rng, scenario.max_delay_s, steps, reads, spoke, gpu_rows)
+    return Generated(batches, truth)
+
+
+def _advance_trainer(state: _Rank, index: int, heap: list, seq: int) -> int:
+    """Consume every batch that is ready, in order; each consumed batch dispatches a new one."""
+    spec = state.spec
+    while state.next_step < spec.steps and state.next_step in state.ready:
+        k = state.next_step
+        ws = state.compute_end
+        we = max(ws, state.ready.pop(k))
+        ce = we + spec.compute_s
+        state.steps.append((k, ws, we, ce))
+        state.compute_end = ce
+        state.next_step += 1
+        following = k + spec.prefetch * spec.workers
+        if following < spec.steps:  # consuming batch k sends the index of a new one
+            seq = _dispatch(state, index, following, we, heap, seq)
+    return seq
+
+
+def _dispatch(state: _Rank, index: int, batch: int, at: float, heap: list, seq: int) -> int:
+    """Send a batch index to its worker (round-robin); an idle worker starts on it at once."""
+    worker = batch % state.spec.workers
+    state.queues[worker].append((at, batch))
+    return _start_next(state, index, worker, at, heap, seq)
+
+
+def _start_next(state: _Rank, index: int, worker: int, free_at: float, heap: list, seq: int) -> int:
+    """A free worker takes its oldest dispatched batch, once both it and the index are there."""
+    if state.busy[worker] or not state.queues[worker]:
+        return seq
+    dispatched, batch = state.queues[worker].popleft()
+    state.busy[worker] = True
+    heapq.heappush(heap, (max(free_at, dispatched), seq, index, batch, 0))
+    return seq + 1
+
+
+def _gpu_samples(ranks: list[_Rank], period: float, end: float) -> list[tuple]:
+    rows = []
+    for state in ranks:
+        busy = np.array([(we, ce) for _, _, we, ce in state.steps]) if state.steps else np.zeros((0, 2))
+        ticks = np.arange(state.spec.start_s + period, end + period, period)
+        starts = np.maximum(ticks - period, 0.0)
+        for begin, tick in zip(starts, ticks, strict=True):
+            lo, hi = np.searchsorted(busy[:, 1], begin), np.searchsorted(busy[:, 0], tick)
+            covered = np.clip(np.minimum(busy[lo:hi, 1], tick) - np.maximum(busy[lo:hi, 0], begin), 0, None).sum()
+            rows.append((tick, period, state.gpu, covered / period))
+    return rows
+
+
+_KINDS = {
+    "step": (("job", np.int32), ("rank", np.int32), ("gpu", np.int16), ("batch", np.int64),
+             ("wait_start_ns", "t"), ("wait_end_ns", "t"), ("compute_end_ns", "t")),
+    "read": (("job", np.int32), ("rank", np.int32), ("worker", np.int16), ("batch", np.int64),
+             ("key", np.uint64), ("bytes", np.int64), ("start_ns", "t"), ("end_ns", "t"), ("verdict", np.int8)),
+    "spoke_request": (("spoke", np.int32), ("key", np.uint64), ("bytes", np.int64), ("end_ns", "t"),
+                      ("duration_ns", "d"), ("upstream_ns", "d"), ("verdict", np.int8)),
+    "gpu_util": (("ts_ns", "t"), ("period_ns", "d"), ("gpu", np.int16), ("util", np.float32)),
+}
+_TIME_COLUMN = {"step": 6, "read": 7, "spoke_request": 3, "gpu_util": 0}
+BASE_NS = 10**12  # monotonic clocks do not start at zero
+
+
+def _arrange(rng: random.Random, max_delay: float, steps: list, reads: list, spoke: list, gpu: list) -> list[Batch]:
+    """Rows -> batches of 100 ms of arrival time per kind, every row delayed by up to `max_delay`."""
+    slices: dict[tuple[int, str], list[tuple]] = defaultdict(list)
+    for kind, rows in (("step", steps), ("read", reads), ("spoke_request", spoke), ("gpu_util", gpu)):
+        for row in rows:
+            arrival = row[_TIME_COLUMN[kind]] + rng.uniform(0, max_delay)
+            slices[(int(arrival * 10), kind)].append(row)
+    batches = []
+    for (_, kind), rows in sorted(slices.items()):
+        columns = {}
+        for position, (name, dtype) in enumerate(_KINDS[kind]):
+            values = [row[position] for row in rows]
+            if dtype == "t":
+                columns[name] = (np.array(values) * NS).round().astype(np.int64) + BASE_NS
+            elif dtype == "d":
+                columns[name] = np.where(np.array(values) < 0, -1, (np.array(values) * NS).round()).astype(np.int64)
+            else:
+                columns[name] = np.array(values, dtype=dtype)
+        batches.append(Batch(kind, columns))
+    return batches

@@ -1,0 +1,230 @@
+"""The correlator's parts against brute force, and its edges: lateness, bad input, files, threads."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from prometheus_client import CollectorRegistry, generate_latest
+
+from stallwatch import catalogue
+from stallwatch.batch import Batch
+from stallwatch.correlator.attribution import Reads, Steps, attribute, gpu_idle_in_stalls
+from stallwatch.correlator.correlate import CorrelatorSettings
+from stallwatch.correlator.eventfile import EventFileError, EventWriter, read_events
+from stallwatch.correlator.intervals import overlap_join, union_length
+from stallwatch.correlator.pipeline import Correlator
+from stallwatch.correlator.results import WindowResult
+from stallwatch.correlator.service import CorrelatorService
+from stallwatch.correlator.verdicts import LatencySplit
+from stallwatch.correlator.whatif import MissRatioCurve
+from tests.scenarios.generator import BASE_NS, JobSpec, Scenario, exact_lru_hit_ratio, generate
+
+ROOT = Path(__file__).resolve().parent.parent
+intervals = st.lists(st.tuples(st.integers(0, 3), st.integers(0, 1000), st.integers(0, 300)), max_size=40)
+
+
+@settings(max_examples=60, deadline=None)
+@given(rows=intervals)
+def test_union_length_matches_brute_force(rows: list[tuple[int, int, int]]) -> None:
+    group = np.array([g for g, _, _ in rows], dtype=np.int64)
+    start = np.array([s for _, s, _ in rows], dtype=np.int64)
+    end = start + np.array([d for _, _, d in rows], dtype=np.int64)
+    expected = [len({t for g, s, d in rows if g == k for t in range(s, s + d)}) for k in range(4)]
+    assert union_length(group, start, end, 4).tolist() == expected
+
+
+@settings(max_examples=60, deadline=None)
+@given(left=intervals, right=intervals)
+def test_overlap_join_matches_brute_force(left: list[tuple[int, int, int]], right: list[tuple[int, int, int]]) -> None:
+    def columns(rows: list[tuple[int, int, int]]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        g = np.array([r[0] for r in rows], dtype=np.int64)
+        s = np.array([r[1] for r in rows], dtype=np.int64)
+        return g, s, s + np.array([r[2] for r in rows], dtype=np.int64)
+
+    i, j = overlap_join(*columns(left), *columns(right))
+    expected = {(a, b) for a, (g, s, d) in enumerate(left) for b, (h, t, e) in enumerate(right)
+                if g == h and s < t + e and s + d > t}
+    assert set(zip(i.tolist(), j.tolist(), strict=True)) == expected
+
+
+def test_worked_example_of_the_docs() -> None:
+    """docs/attribution.md: a 100 ms wait on batch 5; a miss 10-40 ms, a hit 30-60 ms, busy until 100."""
+    ms = 1_000_000
+
+    def a(*values: int) -> np.ndarray:
+        return np.array(values, dtype=np.int64)
+
+    steps = Steps(job=a(0), rank=a(0), gpu=a(0), batch=a(5), wait_start=a(0), wait_end=a(100 * ms),
+                  compute_end=a(150 * ms))
+    tagged = Reads(job=a(0, 0), rank=a(0, 0), batch=a(5, 5), start=a(10 * ms, 30 * ms), end=a(40 * ms, 60 * ms),
+                   miss=np.array([True, False]))
+    split = attribute(steps, tagged, threshold_ns=ms)
+    assert (split.cause_ns[0] / ms).tolist() == [30, 20, 40, 10]
+    untagged = Reads(tagged.job, tagged.rank, a(-1, -1), tagged.start, tagged.end, tagged.miss)
+    assert (attribute(steps, untagged, threshold_ns=ms).cause_ns[0] / ms).tolist() == [30, 20, 0, 50]
+    idle = gpu_idle_in_stalls(steps, split, sample_ts=a(50 * ms, 100 * ms), sample_period=a(50 * ms, 50 * ms),
+                              sample_gpu=a(0, 0), sample_util=np.zeros(2, np.float32))
+    assert (idle[0] / ms).tolist() == [30, 20, 40, 10]
+
+
+def test_whatif_sampled_and_bounded_stays_within_five_points_of_exact_lru() -> None:
+    """Three jobs' shuffled epochs over datasets of 2,000, 6,000 and 12,000 items of mixed sizes,
+    interleaved at random: sampled at 5 % and capped at 512 keys."""
+    rng = np.random.default_rng(7)
+    streams = []
+    for offset, items, epochs in ((0, 2_000, 12), (10_000, 6_000, 4), (20_000, 12_000, 2)):
+        streams.append(np.concatenate([offset + rng.permutation(items) for _ in range(epochs)]))
+    owner = rng.permutation(np.repeat(np.arange(3), [s.size for s in streams]))
+    keys = np.empty(owner.size, dtype=np.int64)
+    for job, stream in enumerate(streams):
+        keys[owner == job] = stream
+    sizes = rng.choice(np.array([64, 256, 1024]) << 10, size=32_000)
+    reads = [(int(k) * 0x9E3779B97F4A7C15 % 2**64, int(sizes[k])) for k in keys]
+    curve = MissRatioCurve(sample_rate=0.05, max_keys=512)
+    key_column = np.array([k for k, _ in reads], dtype=np.uint64)
+    size_column = np.array([s for _, s in reads], dtype=np.int64)
+    for chunk in range(0, len(reads), 10_000):
+        curve.feed(key_column[chunk:chunk + 10_000], size_column[chunk:chunk + 10_000])
+    assert curve.sample_rate < 0.05  # the cap lowered the rate
+    capacity = 2 << 30
+    for factor in (0.5, 1.0, 2.0, 4.0):
+        estimate = curve.hit_ratio(factor * capacity)
+        assert estimate is not None
+        assert abs(estimate - exact_lru_hit_ratio(reads, factor * capacity)) <= 0.05
+
+
+def test_latency_split_finds_two_clusters_and_refuses_one() -> None:
+    rng = np.random.default_rng(3)
+    split = LatencySplit()
+    split.learn(rng.uniform(1e6, 3e6, 5000).astype(np.int64))  # all hits, 1-3 ms: one cluster
+    assert split.threshold_ns == split.fallback_threshold_ns
+    split.learn(rng.uniform(60e6, 90e6, 3000).astype(np.int64))  # misses, 60-90 ms
+    assert 3e6 < split.threshold_ns < 60e6
+
+
+def _steps(job: int, wait_start_s: list[float], wait_s: float, compute_s: float) -> Batch:
+    ws = (np.array(wait_start_s) * 1e9).astype(np.int64) + BASE_NS
+    n = ws.size
+    return Batch("step", {"job": np.full(n, job, np.int32), "rank": np.zeros(n, np.int32),
+                          "gpu": np.zeros(n, np.int16),
+                          "batch": np.arange(n, dtype=np.int64), "wait_start_ns": ws,
+                          "wait_end_ns": ws + int(wait_s * 1e9),
+                          "compute_end_ns": ws + int((wait_s + compute_s) * 1e9)})
+
+
+def test_late_events_beyond_the_lateness_are_counted_not_attributed() -> None:
+    windows: list[WindowResult] = []
+    correlator = Correlator(CorrelatorSettings(window_s=1.0, lateness_s=0.5), listeners=[windows.append])
+    correlator.emit(_steps(0, [0.1, 0.3], 0.05, 0.05))
+    correlator.emit(_steps(0, [3.0], 0.05, 0.05))  # the watermark passes 2.5 s: windows [0,1) and [1,2) close
+    correlator.emit(_steps(0, [0.5, 2.1], 0.05, 0.05))  # 0.5 s is late; 2.1 s is within the lateness
+    correlator.emit(Batch("gpu_util", {"ts_ns": np.array([BASE_NS], np.int64), "period_ns": np.array([1], np.int64),
+                                       "gpu": np.zeros(1, np.int16), "util": np.zeros(1, np.float32)}))
+    correlator.run([])
+    assert correlator.windows.late == {"step": 1, "gpu_util": 1}
+    steps = {(w.start_ns - BASE_NS) // 10**9: sum(r.steps for r in w.ranks) for w in windows}
+    assert steps == {0: 2, 2: 1, 3: 1}  # [1, 2) held no event at all: skipped, not published
+
+
+def test_malformed_batches_are_counted_and_the_pipeline_goes_on() -> None:
+    correlator = Correlator()
+    correlator.emit(Batch("step", {"job": np.zeros(3, np.int32)}))
+    correlator.emit(Batch("nonsense", {"x": np.zeros(2)}))
+    good = _steps(0, [0.0], 0.1, 0.1)
+    uneven = dict(good.columns, rank=np.zeros(5, np.int32))
+    correlator.emit(Batch("step", uneven))
+    correlator.emit(good)
+    assert correlator.malformed == {"step": 8, "nonsense": 2}
+    assert sum(len(chunk.columns["job"]) for chunk in correlator.windows._buffers["step"]) == 1
+
+
+def _scenario_batches() -> list[Batch]:
+    return generate(Scenario([JobSpec(0, steps=300, preprocess_s=0.05)], cache_bytes=1 << 30, seed=5)).batches
+
+
+def test_event_file_round_trip_and_damage(tmp_path: Path) -> None:
+    path = tmp_path / "events.bin"
+    batches = _scenario_batches()
+    writer = EventWriter(path)
+    for batch in batches:
+        writer.write(batch)
+    writer.close()
+    again = list(read_events(path))
+    assert [b.kind for b in again] == [b.kind for b in batches]
+    for a, b in zip(again, batches, strict=True):
+        for name in b.columns:
+            np.testing.assert_array_equal(a.columns[name], b.columns[name])
+    path.write_bytes(path.read_bytes()[:-3])
+    with pytest.raises(EventFileError, match="truncated"):
+        list(read_events(path))
+    (tmp_path / "other").write_text("hello\n")
+    with pytest.raises(EventFileError, match="not a stallwatch event file"):
+        list(read_events(tmp_path / "other"))
+
+
+def test_stallwatch_correlate_replays_a_recorded_file_like_the_live_pipeline(tmp_path: Path) -> None:
+    path = tmp_path / "events.bin"
+    batches = _scenario_batches()
+    writer = EventWriter(path)
+    for batch in batches:
+        writer.write(batch)
+    writer.close()
+    live: list[WindowResult] = []
+    Correlator(listeners=[live.append]).run(batches)
+    done = subprocess.run([sys.executable, "-m", "stallwatch", "correlate", str(path)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120, check=True)
+    rows = [line for line in done.stdout.splitlines() if line]
+    assert len(rows) == len(live)
+    assert "job 0 rank 0: stall s: remote_fetch" in done.stderr
+    bad = subprocess.run([sys.executable, "-m", "stallwatch", "correlate", str(tmp_path / "missing")], cwd=ROOT,
+                         capture_output=True, text=True, timeout=60, check=False)
+    assert bad.returncode == 1 and "error" in bad.stderr
+
+
+def test_service_takes_batches_from_many_threads_and_serves_catalogue_metrics(tmp_path: Path) -> None:
+    batches = _scenario_batches()
+    newest = max(int(b.columns[{"step": "compute_end_ns", "read": "end_ns", "spoke_request": "end_ns",
+                                 "gpu_util": "ts_ns"}[b.kind]].max()) for b in batches)
+    service = CorrelatorService(CorrelatorSettings(cache_capacity_bytes=1 << 30), record_path=tmp_path / "w.jsonl",
+                                clock_ns=lambda: newest + 10 * 10**9, start=False)
+    threads = [threading.Thread(target=lambda part=part: [service.submit(b) for b in part])
+               for part in (batches[0::3], batches[1::3], batches[2::3])]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    # Batches from three threads arrive out of order: the lateness absorbs it, as in the agent.
+    service.drain()
+    service.close()
+    registry = CollectorRegistry()
+    registry.register(service)
+    text = generate_latest(registry).decode()
+    names = {line.split("{")[0].split(" ")[0] for line in text.splitlines() if not line.startswith("#")}
+    published = set(catalogue.family_names(catalogue.by_subsystem("correlator")))
+    assert names <= {n + suffix for n in published for suffix in ("", "_created")} | published
+    assert 'stallwatch_stall_seconds_total{cause="remote_fetch",job="0",rank="0"}' in text
+    assert 'stallwatch_cache_whatif_hit_ratio{capacity_factor="2",spoke="default"}' in text
+    assert 'stallwatch_warmup_phase{job="0",phase="steady"} 1.0' in text
+    assert len((tmp_path / "w.jsonl").read_text().splitlines()) >= 3
+
+
+def test_service_drops_and_counts_past_its_backlog() -> None:
+    service = CorrelatorService(max_backlog_events=10, start=False)
+    service.submit(_steps(0, [0.0] * 8, 0.1, 0.1))
+    service.submit(_steps(0, [0.0] * 8, 0.1, 0.1))
+    service.drain()
+    text = generate_latest(_registry(service)).decode()
+    assert 'stallwatch_correlator_dropped_events_total{kind="step",reason="backlog"} 8.0' in text
+
+
+def _registry(service: CorrelatorService) -> CollectorRegistry:
+    registry = CollectorRegistry()
+    registry.register(service)
+    return registry
