@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed
 
 test: $(STAMP) system-deps helm-tools lint typecheck pytest
 
-demo: $(STAMP)
+demo: $(STAMP) system-deps
 	$(PY) -m stallwatch demo
 
 $(STAMP): pyproject.toml

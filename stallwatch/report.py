@@ -30,7 +30,7 @@ import numpy.typing as npt
 from stallwatch import catalogue as c
 
 FloatArray = npt.NDArray[np.float64]
-RATE_WINDOW = "15s"
+RATE_WINDOW_SECONDS = 15.0
 
 
 @dataclass
@@ -109,27 +109,97 @@ def _phases_from(series: list[tuple[dict[str, str], Series]]) -> list[tuple[floa
     return spans
 
 
+def counter_rates(prometheus: Prometheus, counter: str, group: str, start: float, end: float, step: float,
+                  window: float) -> dict[str, Series]:
+    """Per-second rates of the counter summed by `group`, over `window` seconds, on a grid of `step`.
+
+    Computed here from the raw series rather than with PromQL's rate(): a counter born during the run
+    (the first misses of a cold cache, the first stall of a job) starts at its first value, which
+    rate() cannot see, and that first value is exactly the warm-up this report is about.
+    """
+    grid = np.arange(start, end + step / 2, step)
+    totals: dict[str, FloatArray] = {}
+    for labels, series in prometheus.range(counter, start, end, step):
+        values = series.v
+        steps = np.diff(values, prepend=values[0] if series.t[0] <= start + 2 * step else 0.0)
+        steps = np.where(steps < 0, values, steps)  # a reset: the counter restarted from zero
+        increments = np.zeros(grid.size)
+        np.add.at(increments, np.clip(np.searchsorted(grid, series.t - step / 2), 0, grid.size - 1), steps)
+        key = labels.get(group, "") if group else ""
+        totals[key] = totals.get(key, np.zeros(grid.size)) + increments
+    width = max(1, round(window / step))
+    kernel = np.ones(width)
+    return {key: Series(grid, np.convolve(inc, kernel)[: grid.size] / (width * step)) for key, inc in totals.items()}
+
+
 def run_from_prometheus(url: str, start: float, end: float) -> Run:
     prometheus = Prometheus(url)
     step = max(1.0, (end - start) / 400)
-    rate = RATE_WINDOW
-    requests = f"sum(rate({c.SPOKE_REQUESTS.name}[{rate}]))"
+    window = max(RATE_WINDOW_SECONDS, 5 * step)
+
+    def rates(counter: str, group: str = "") -> dict[str, Series]:
+        return counter_rates(prometheus, counter, group, start, end, step, window)
+
     run = Run(start, end)
-    run.gpu_utilization = _one(prometheus.range(f"avg(avg_over_time({c.GPU_UTILIZATION.name}[{rate}]))",
-                                                start, end, step))
-    run.steps_per_second = _one(prometheus.range(f"sum(rate({c.STEP_COMPUTE.name}_count[{rate}]))", start, end, step))
-    run.hit_ratio = _one(prometheus.range(
-        f'sum(rate({c.SPOKE_REQUESTS.name}{{result="hit"}}[{rate}])) / {requests}', start, end, step))
-    run.hub_bytes_per_second = _one(prometheus.range(
-        f'sum(rate({c.SPOKE_BYTES.name}{{source="hub"}}[{rate}]))', start, end, step))
-    for labels, series in prometheus.range(f"sum by (cause) (rate({c.STALL_SECONDS.name}[{rate}]))", start, end, step):
-        run.stall_by_cause[labels["cause"]] = series
+    run.gpu_utilization = _one(prometheus.range(
+        f"avg(avg_over_time({c.GPU_UTILIZATION.name}[{window:.0f}s]))", start, end, step))
+    run.steps_per_second = rates(f"{c.STEP_COMPUTE.name}_count").get("", Series.empty())
+    by_result = rates(c.SPOKE_REQUESTS.name, "result")
+    if by_result:
+        grid = next(iter(by_result.values())).t
+        total = np.sum([series.v for series in by_result.values()], axis=0)
+        hits = by_result["hit"].v if "hit" in by_result else np.zeros_like(total)
+        run.hit_ratio = Series(grid, np.divide(hits, total, out=np.full_like(total, np.nan), where=total > 0))
+    run.hub_bytes_per_second = rates(c.SPOKE_BYTES.name, "source").get("hub", Series.empty())
+    run.stall_by_cause = rates(c.STALL_SECONDS.name, "cause")
     run.phases = _phases_from(prometheus.range(f"max by (phase) ({c.WARMUP_PHASE.name})", start, end, step))
+    if run.phases and run.phases[0][2] == "cold":  # the first window is published only once it closes
+        run.phases[0] = (start, *run.phases[0][1:])
     run.time_to_steady_seconds = _scalar(prometheus.instant(f"max({c.WARMUP_TIME_TO_STEADY.name})", end))
     run.warmup_idle_gpu_seconds = _scalar(prometheus.instant(f"max({c.WARMUP_IDLE_GPU_SECONDS.name})", end))
     run.warmup_hub_bytes = _scalar(prometheus.instant(f"max({c.WARMUP_HUB_BYTES.name})", end))
     for labels, value in prometheus.instant(f"max by (capacity_factor) ({c.CACHE_WHATIF_HIT_RATIO.name})", end):
         run.whatif[labels["capacity_factor"]] = value
+    return run
+
+
+# --- from the correlator's recorded windows -------------------------------------------------------------
+def run_from_windows(path: Path, job: str | None = None) -> Run:
+    """A run from `--correlator.record` rows: one per closed window, times on the node's monotonic clock."""
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    if not rows:
+        raise ValueError(f"{path}: no windows recorded")
+    t = np.array([(row["start_s"] + row["end_s"]) / 2 for row in rows])
+    length = np.array([row["end_s"] - row["start_s"] for row in rows])
+
+    def total(key: str, pick: Any) -> FloatArray:
+        return np.array([sum(pick(item) for item in row[key] if job is None or item["job"] == job) for row in rows],
+                        dtype=np.float64)
+
+    compute = total("ranks", lambda r: r["compute_s"])
+    ranks = np.maximum(np.array([len(row["ranks"]) for row in rows], dtype=np.float64), 1)
+    reads = total("jobs", lambda j: j["reads"])
+    hits = total("jobs", lambda j: j["reads"] * j["hit_ratio"])
+    run = Run(start=float(rows[0]["start_s"]), end=float(rows[-1]["end_s"]))
+    run.gpu_utilization = Series(t, compute / length / ranks)  # the emulated GPU is busy while its rank computes
+    run.steps_per_second = Series(t, total("ranks", lambda r: r["steps"]) / length)
+    run.hit_ratio = Series(t, np.divide(hits, reads, out=np.full_like(hits, np.nan), where=reads > 0))
+    run.hub_bytes_per_second = Series(t, total("jobs", lambda j: j["hub_bytes"]) / length)
+    for cause in c.CAUSES:
+        run.stall_by_cause[cause] = Series(t, total("ranks", lambda r, k=cause: r["stall_s"][k]) / length)
+    for row in rows:
+        for item in row["jobs"]:
+            if job is None or item["job"] == job:
+                if run.phases and run.phases[-1][2] == item["phase"]:
+                    run.phases[-1] = (run.phases[-1][0], row["end_s"], item["phase"])
+                else:
+                    run.phases.append((row["start_s"], row["end_s"], item["phase"]))
+                if item["time_to_steady_s"] is not None:
+                    run.time_to_steady_seconds = item["time_to_steady_s"]
+                    run.warmup_idle_gpu_seconds = item["warmup_idle_gpu_s"]
+                    run.warmup_hub_bytes = item["warmup_hub_bytes"]
+        if row["whatif_hit_ratio"]:
+            run.whatif = {k: float(v) for k, v in row["whatif_hit_ratio"].items()}
     return run
 
 
@@ -236,6 +306,8 @@ def main(argv: Sequence[str]) -> int:
     parser = argparse.ArgumentParser(prog="stallwatch report", description=__doc__.splitlines()[0])
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--prometheus", metavar="URL", help="read the run from this Prometheus")
+    source.add_argument("--windows", type=Path, metavar="FILE", help="read the run from the correlator's "
+                        "recorded windows (the agent's --correlator.record FILE)")
     parser.add_argument("--start", type=float, help="run start, unix seconds (default: 15 minutes ago)")
     parser.add_argument("--end", type=float, help="run end, unix seconds (default: now)")
     parser.add_argument("--price-per-gb", type=float, default=0.02,
@@ -245,7 +317,8 @@ def main(argv: Sequence[str]) -> int:
     end = options.end or time.time()
     start = options.start or end - 900
     try:
-        run = run_from_prometheus(options.prometheus, start, end)
+        run = (run_from_windows(options.windows) if options.windows
+               else run_from_prometheus(options.prometheus, start, end))
     except (OSError, RuntimeError, ValueError) as error:
         print(f"stallwatch report: error: {error}", file=sys.stderr)
         return 1

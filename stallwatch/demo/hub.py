@@ -20,12 +20,16 @@ from urllib.parse import parse_qs, urlsplit
 CHUNK = 64 * 1024
 
 
+def shard_name(index: int) -> str:
+    return f"shard-{index:05d}.bin"
+
+
 def make_dataset(directory: Path, shards: int, shard_bytes: int) -> list[str]:
     """Write `shards` files of deterministic bytes; return their names (sorted)."""
     directory.mkdir(parents=True, exist_ok=True)
     names = []
     for index in range(shards):
-        name = f"shard-{index:05d}.bin"
+        name = shard_name(index)
         path = directory / name
         if not path.exists() or path.stat().st_size != shard_bytes:
             seed = hashlib.sha256(name.encode()).digest()

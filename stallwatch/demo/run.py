@@ -1,0 +1,330 @@
+"""`stallwatch demo`: the whole story on one machine, no GPU and no cloud.
+
+On loopback it starts a hub (a sharded dataset behind an emulated region boundary), a real nginx
+spoke in front of it, the stallwatch agent (with an emulated GPU that is busy exactly while the job
+computes), Prometheus with the generated rules and Alertmanager with a webhook receiver when Debian's
+packages are installed, and an emulated training job: a real PyTorch DataLoader whose workers read
+the shards through the spoke. It shows the job's progress live, runs a cold epoch then warm ones,
+optionally cuts the hub for a while (`--outage`) so a stall alert fires, stops everything it started
+and writes the warm-up report.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from stallwatch import alerts, report
+from stallwatch import catalogue as c
+from stallwatch.demo.hub import Hub, make_dataset
+from stallwatch.demo.spoke import Nginx, spoke_server_block
+from stallwatch.demo.stack import (
+    Server,
+    Webhook,
+    find_binary,
+    query,
+    start_alertmanager,
+    start_prometheus,
+    wait_for,
+)
+
+LISTENING = re.compile(r"listening on (http://\S+?)'")
+PROGRESS = re.compile(r"epoch (\d+) step (\d+)/(\d+)")
+SPOKE_NAME = "demo-spoke"
+ALERT_GRACE_SECONDS = 60.0
+JOB = "demo"
+
+# The generated rules, with windows and `for`s short enough for a run of a few minutes.
+DEMO_THRESHOLDS = alerts.Thresholds(
+    rate_window="30s", gpu_starved_for="10s", input_bound_for="20s", hub_failing_for="10s", warmup_budget="10m",
+    hit_ratio_for="20s", hit_ratio_baseline_window="10m", agent_down_for="30s", collector_failing_for="30s",
+    dropped_events_for="30s", egress_for="1m",
+)
+
+
+@dataclass
+class Settings:
+    duration: float = 180.0
+    shards: int = 160
+    shard_mib: float = 2.0
+    cache_size: int | None = None  # bytes; None: room for the whole dataset
+    rtt_seconds: float = 0.06
+    bandwidth_mbit: float = 200.0
+    step_seconds: float = 0.1
+    workers: int = 4
+    batch_size: int = 2
+    outage: bool = False
+    outage_seconds: float = 30.0
+    window_seconds: float = 5.0
+    price_per_gb: float = 0.02
+    workdir: Path = field(default_factory=lambda: Path("stallwatch-demo"))
+    quiet: bool = False
+
+    @property
+    def dataset_bytes(self) -> int:
+        return int(self.shards * self.shard_mib * 2**20)
+
+    @property
+    def cache_bytes(self) -> int:
+        if self.cache_size is not None:
+            return self.cache_size
+        # With an outage, a cache smaller than the dataset keeps some reads going to the hub in steady
+        # state, so cutting the hub stalls the job; without one, the whole dataset fits.
+        return int(self.dataset_bytes * (0.7 if self.outage else 2.0))
+
+
+@dataclass
+class Outcome:
+    report: Path
+    windows: Path
+    alerts: list[dict[str, Any]]
+    metrics: dict[tuple[str, tuple[tuple[str, str], ...]], float]
+    prometheus: str | None
+    started: float
+    ended: float
+
+
+def scrape(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    with urllib.request.urlopen(url, timeout=5) as reply:
+        text = reply.read().decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def _sum(metrics: dict[tuple[str, tuple[tuple[str, str], ...]], float], name: str, **labels: str) -> float:
+    return sum(v for (n, ls), v in metrics.items() if n == name and all((k, x) in ls for k, x in labels.items()))
+
+
+def status_line(metrics: dict[tuple[str, tuple[tuple[str, str], ...]], float]) -> str:
+    requests = c.SPOKE_REQUESTS.name
+    total = _sum(metrics, requests)
+    hits = _sum(metrics, requests, result="hit")
+    hit = f"{hits / total:4.0%}" if total else "  - "
+    bound = [v for (n, _), v in metrics.items() if n == c.INPUT_BOUND_RATIO.name]
+    phase = next((dict(ls)["phase"] for (n, ls), v in metrics.items() if n == c.WARMUP_PHASE.name and v == 1), "-")
+    return f"hit {hit}  input-bound {max(bound):4.0%}  phase {phase:10}" if bound else f"hit {hit}  phase {phase}"
+
+
+class Demo:
+    def __init__(self, settings: Settings) -> None:
+        self.s = settings
+        self._stack = contextlib.ExitStack()
+        self.alerts: list[dict[str, Any]] = []
+        self.webhook: Webhook | None = None
+
+    def say(self, text: str) -> None:
+        if not self.s.quiet:
+            print(text, flush=True)
+
+    def _on_alert(self, notification: dict[str, Any]) -> None:
+        for alert in notification.get("alerts", []):
+            self.alerts.append(alert)
+            labels = alert.get("labels", {})
+            self.say(f"\n  ALERT received by the webhook: {labels.get('alertname')} ({alert.get('status')}) "
+                     f"{alert.get('annotations', {}).get('description', '')}")
+
+    def _start_agent(self, work: Path, spoke: Nginx) -> tuple[subprocess.Popen[str], str]:
+        command = [
+            sys.executable, "-m", "stallwatch", "agent", "--web.listen-address", "127.0.0.1:0",
+            "--gpu.fake-devices", "1", "--gpu.fake-trace", str(work / "gpu.trace"), "--gpu.interval", "0.5",
+            "--events.socket", str(work / "events.sock"),
+            "--collector.spoke_nginx", "--spoke_nginx.log", str(spoke.access_log), "--spoke_nginx.name", SPOKE_NAME,
+            "--correlator.spoke-name", SPOKE_NAME, "--correlator.cache-capacity", str(self.s.cache_bytes),
+            "--correlator.window", str(self.s.window_seconds), "--correlator.record", str(work / "windows.jsonl"),
+        ]
+        log = (work / "agent.log").open("w")
+        agent = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, text=True)
+        self._stack.callback(_stop, agent)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            match = LISTENING.search((work / "agent.log").read_text())
+            if match:
+                return agent, match.group(1)
+            if agent.poll() is not None:
+                break
+            time.sleep(0.1)
+        raise RuntimeError(f"the agent did not start:\n{(work / 'agent.log').read_text()[-2000:]}")
+
+    def _start_monitoring(self, work: Path, agent_url: str) -> Server | None:
+        prometheus_bin, alertmanager_bin = find_binary("prometheus"), find_binary("prometheus-alertmanager")
+        if prometheus_bin is None:
+            self.say("  (Debian's prometheus is not installed: no Prometheus, alerts or report from it)")
+            return None
+        rules = [work / "recording-rules.yaml", work / "alerting-rules.yaml"]
+        rules[0].write_text(alerts.render_recording_rules(DEMO_THRESHOLDS))
+        rules[1].write_text(alerts.render_alerting_rules(DEMO_THRESHOLDS))
+        alertmanager = None
+        if alertmanager_bin is not None:
+            webhook = self.webhook = Webhook(self._on_alert)
+            self._stack.callback(webhook.close)
+            alertmanager = start_alertmanager(alertmanager_bin, work / "alertmanager", webhook.url)
+            self._stack.callback(alertmanager.close)
+            self.say(f"  alertmanager {alertmanager.url} -> webhook {webhook.url}")
+        target = agent_url.split("//")[1].split("/", maxsplit=1)[0]
+        prometheus = start_prometheus(prometheus_bin, work / "prometheus", [target], rules,
+                                      alertmanager.url if alertmanager else None,
+                                      job=DEMO_THRESHOLDS.agent_scrape_job)
+        self._stack.callback(prometheus.close)
+        self.say(f"  prometheus   {prometheus.url}")
+        # The cold epoch is the story: start the job only once Prometheus sees the agent's zeros.
+        wait_for("the first scrape of the agent",
+                 lambda: bool(query(prometheus.url, "up == 1").get("data", {}).get("result")), 30,
+                 prometheus.process, prometheus.log)
+        return prometheus
+
+    def run(self) -> Outcome:
+        s = self.s
+        with self._stack:
+            work = s.workdir.resolve()
+            if work.exists():
+                shutil.rmtree(work)
+            work.mkdir(parents=True)
+            self.say(f"stallwatch demo in {work}")
+            make_dataset(work / "dataset", s.shards, int(s.shard_mib * 2**20))
+            hub = Hub(work / "dataset", s.rtt_seconds, s.bandwidth_mbit * 1e6 / 8).start()
+            self._stack.callback(hub.close)
+            self.say(f"  hub          {hub.url}  ({s.shards} shards, {s.dataset_bytes / 2**20:.0f} MiB, "
+                     f"RTT {s.rtt_seconds * 1000:.0f} ms, {s.bandwidth_mbit:.0f} Mbit/s)")
+            spoke = Nginx(work / "spoke", spoke_server_block(hub.url), f"{max(1, s.cache_bytes // 2**20)}m")
+            self._stack.callback(spoke.close)
+            self.say(f"  spoke        {spoke.url()}  (nginx proxy_cache, {s.cache_bytes / 2**20:.0f} MiB)")
+            _, agent_url = self._start_agent(work, spoke)
+            self.say(f"  agent        {agent_url}")
+            prometheus = self._start_monitoring(work, agent_url)
+            started = time.time()
+            trainer = subprocess.Popen(
+                [sys.executable, "-m", "stallwatch.demo.trainer", "--spoke", spoke.url(), "--shards", str(s.shards),
+                 "--batch-size", str(s.batch_size), "--workers", str(s.workers), "--step-seconds",
+                 str(s.step_seconds), "--duration", str(s.duration), "--trace", str(work / "gpu.trace"),
+                 "--job", JOB],
+                stdout=subprocess.PIPE, stderr=(work / "trainer.log").open("w"), text=True,
+                env=dict(os.environ, STALLWATCH_SOCKET=str(work / "events.sock")),
+            )
+            self._stack.callback(_stop, trainer)
+            self._follow(trainer, agent_url, hub, started)
+            ended = time.time()
+            time.sleep(s.window_seconds + 2)  # let the correlator close the last window
+            if s.outage and self.webhook is not None and not self.alerts:
+                self.say("\n  waiting for the stall alert to travel through Prometheus and Alertmanager")
+                deadline = time.monotonic() + ALERT_GRACE_SECONDS
+                while not self.alerts and time.monotonic() < deadline:
+                    time.sleep(0.5)
+            metrics = scrape(agent_url)
+            self.say(f"\nfinal: {status_line(metrics)}")
+            report_path = work / "report.html"
+            run = (report.run_from_prometheus(prometheus.url, started, ended) if prometheus
+                   else report.run_from_windows(work / "windows.jsonl"))
+            report_path.write_text(report.render_html(run, s.price_per_gb))
+            self.say(f"alerts received: {sorted({a['labels']['alertname'] for a in self.alerts}) or 'none'}")
+            self.say(f"report: {report_path}")
+            return Outcome(report_path, work / "windows.jsonl", list(self.alerts), metrics,
+                           prometheus.url if prometheus else None, started, ended)
+
+    def _follow(self, trainer: subprocess.Popen[str], agent_url: str, hub: Hub, started: float) -> None:
+        """Print a progress bar per epoch with the live hit ratio, input-bound ratio and phase."""
+        s = self.s
+        outage_at = started + s.duration * 0.55 if s.outage else None
+        status = {"line": ""}
+        stop = threading.Event()
+
+        def refresh() -> None:
+            while not stop.wait(1.0):
+                with contextlib.suppress(OSError, ValueError):
+                    status["line"] = status_line(scrape(agent_url))
+
+        threading.Thread(target=refresh, daemon=True).start()
+        assert trainer.stdout is not None
+        epoch_seen = 0
+        try:
+            for line in trainer.stdout:
+                match = PROGRESS.match(line)
+                if not match:
+                    continue
+                epoch, step, steps = (int(g) for g in match.groups())
+                if epoch != epoch_seen and epoch_seen:
+                    self.say("")  # keep the finished epoch's bar on its own line
+                epoch_seen = epoch
+                if outage_at is not None and time.time() >= outage_at:
+                    hub.cut_for(s.outage_seconds)
+                    self.say(f"\n  hub cut for {s.outage_seconds:.0f} s (emulated region-link outage)")
+                    outage_at = None
+                done = int(30 * step / steps)
+                if not s.quiet:
+                    elapsed = time.time() - started
+                    print(f"\r  epoch {epoch:2d} [{'#' * done}{'.' * (30 - done)}] {step:3d}/{steps}  "
+                          f"{status['line']}  {elapsed:5.0f}s", end="", flush=True)
+        finally:
+            stop.set()
+            trainer.wait(timeout=60)
+
+
+def _stop(process: subprocess.Popen[Any]) -> None:
+    if process.poll() is None:
+        process.terminate()
+        try:
+            process.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+def _size(text: str) -> int:
+    match = re.fullmatch(r"(\d+(?:\.\d+)?)\s*([kmg]?)i?b?", text.strip().lower())
+    if not match:
+        raise argparse.ArgumentTypeError(f"not a size such as 150MiB: {text}")
+    return int(float(match.group(1)) * {"": 1, "k": 2**10, "m": 2**20, "g": 2**30}[match.group(2)])
+
+
+def main(argv: Sequence[str]) -> int:
+    parser = argparse.ArgumentParser(prog="stallwatch demo", description=__doc__.splitlines()[0])
+    d = Settings()
+    flags: list[tuple[str, type, Any, str]] = [
+        ("--duration", float, d.duration, "seconds of training"),
+        ("--outage-seconds", float, d.outage_seconds, "how long --outage cuts the hub"),
+        ("--rtt-ms", float, d.rtt_seconds * 1000, "round trip to the hub"),
+        ("--bandwidth-mbit", float, d.bandwidth_mbit, "bandwidth to the hub"),
+        ("--shards", int, d.shards, "dataset shards"),
+        ("--shard-mib", float, d.shard_mib, "size of one shard"),
+        ("--step-seconds", float, d.step_seconds, "emulated compute per step"),
+        ("--workers", int, d.workers, "loader worker processes"),
+        ("--price-per-gb", float, d.price_per_gb, "cross-region transfer price, $/GB"),
+    ]
+    for flag, kind, default, text in flags:
+        parser.add_argument(flag, type=kind, default=default, help=f"{text} (default: %(default)s)")
+    parser.add_argument("--cache-size", type=_size, default=None,
+                        help="spoke capacity, e.g. 150MiB (default: the whole dataset; 70%% of it with --outage)")
+    parser.add_argument("--outage", action="store_true", help="cut the hub mid-run so a stall alert fires")
+    parser.add_argument("--workdir", type=Path, default=None, help="(default: a new temporary folder)")
+    options = parser.parse_args(argv)
+    settings = Settings(
+        duration=options.duration, cache_size=options.cache_size, outage=options.outage,
+        outage_seconds=options.outage_seconds, rtt_seconds=options.rtt_ms / 1000, bandwidth_mbit=options.bandwidth_mbit,
+        shards=options.shards, shard_mib=options.shard_mib, step_seconds=options.step_seconds, workers=options.workers,
+        price_per_gb=options.price_per_gb,
+        workdir=options.workdir or Path(tempfile.mkdtemp(prefix="stallwatch-demo-")),
+    )
+    try:
+        Demo(settings).run()
+    except KeyboardInterrupt:
+        print("\ninterrupted; everything the demo started is stopped", file=sys.stderr)
+        return 130
+    except RuntimeError as error:
+        print(f"stallwatch demo: error: {error}", file=sys.stderr)
+        return 1
+    return 0
+

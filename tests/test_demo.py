@@ -1,0 +1,125 @@
+"""The demo end to end, short: a real hub behind an emulated region boundary, a real nginx spoke, a real
+PyTorch DataLoader job through the real client, the real agent and correlator, a real Prometheus and
+Alertmanager. The run's own metrics must agree with the spoke, the report and ground truth we know.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from stallwatch import catalogue as c
+from stallwatch.demo.run import Demo, Outcome, Settings
+from tests.conftest import ROOT, require_binary
+
+pytestmark = pytest.mark.slow
+ARTIFACTS = ROOT / "test-artifacts"
+# A console line the report itself never writes: our probe reports how many figures decoded, and any error.
+PROBE = """<script>
+window.addEventListener('error', e => console.log('stallwatch-error ' + (e.message || e.target.src)), true);
+window.addEventListener('load', () => {
+  const figures = [...document.images];
+  const drawn = figures.filter(i => i.complete && i.naturalWidth > 0).length;
+  console.log('stallwatch-figures ' + drawn + '/' + figures.length);
+});
+</script>"""
+
+
+@pytest.fixture(scope="module")
+def outcome(tmp_path_factory: pytest.TempPathFactory) -> Outcome:
+    for binary, package in (("nginx", "nginx-light"), ("prometheus", "prometheus"),
+                            ("prometheus-alertmanager", "prometheus-alertmanager")):
+        require_binary(binary, package)
+    settings = Settings(duration=50, shards=48, shard_mib=1, bandwidth_mbit=100, outage=True, outage_seconds=12,
+                        quiet=True, workdir=tmp_path_factory.mktemp("demo"))
+    return Demo(settings).run()
+
+
+def value(outcome: Outcome, name: str, **labels: str) -> float:
+    return sum(v for (n, ls), v in outcome.metrics.items()
+               if n == name and all((k, x) in ls for k, x in labels.items()))
+
+
+def test_the_clients_verdicts_agree_with_the_spokes_log(outcome: Outcome) -> None:
+    # Workers read every shard through nginx and saw its X-Cache-Status; nginx logged the same requests.
+    client_hits = value(outcome, c.DATASET_READS.name, verdict="hit")
+    client_misses = value(outcome, c.DATASET_READS.name, verdict="miss")
+    spoke_hits = value(outcome, c.SPOKE_REQUESTS.name, result="hit")
+    spoke_misses = value(outcome, c.SPOKE_REQUESTS.name, result="miss")
+    assert client_misses >= 48  # the cold epoch misses every shard
+    assert (client_hits, client_misses) == (spoke_hits, spoke_misses)
+    assert value(outcome, c.RECEIVER_DROPPED_EVENTS.name) == 0
+    assert value(outcome, c.CLIENT_DROPPED_EVENTS.name) == 0
+
+
+def test_stalls_are_attributed_to_remote_fetches_and_sum_to_the_stall(outcome: Outcome) -> None:
+    causes = {cause: value(outcome, c.STALL_SECONDS.name, job="demo", cause=cause) for cause in c.CAUSES}
+    total = sum(causes.values())
+    # The cold epoch and the 12 s hub outage dominate the stall time, and both are reads that missed.
+    assert causes["remote_fetch"] > 0.6 * total, causes
+    assert total >= 12 * 0.5, causes
+    waits = value(outcome, c.LOADER_WAIT.name + "_sum", job="demo")
+    assert total <= waits + 1e-6
+    idle = value(outcome, c.GPU_STALL_IDLE_SECONDS.name, job="demo", cause="remote_fetch")
+    assert idle > 0.5 * causes["remote_fetch"]  # the emulated GPU idled through those stalls
+
+
+def test_warmup_is_found_and_the_stall_alert_is_delivered(outcome: Outcome) -> None:
+    steady_after = value(outcome, c.WARMUP_TIME_TO_STEADY.name, job="demo")
+    assert 0 < steady_after < outcome.ended - outcome.started
+    assert value(outcome, c.WARMUP_HUB_BYTES.name, job="demo") >= 48 * 2**20  # the whole dataset crossed once
+    names = {alert["labels"]["alertname"] for alert in outcome.alerts}
+    assert "StallwatchGPUsStarvedByRemoteFetches" in names, outcome.alerts
+    starved = next(a for a in outcome.alerts if a["labels"]["alertname"] == "StallwatchGPUsStarvedByRemoteFetches")
+    assert starved["labels"]["job"] == "demo" and starved["annotations"]["runbook_url"].endswith(
+        "#stallwatchgpusstarvedbyremotefetches")
+
+
+def test_report_numbers_are_the_runs_own(outcome: Outcome) -> None:
+    html = outcome.report.read_text()
+    shown = {key: re.search(rf'id="{key}">([^<]*)<', html).group(1)  # type: ignore[union-attr]
+             for key in ("time-to-steady", "warmup-idle", "warmup-hub-bytes", "warmup-cost")}
+    assert outcome.prometheus is not None  # the report came from Prometheus; the agent's own values:
+    steady = value(outcome, c.WARMUP_TIME_TO_STEADY.name, job="demo")
+    assert shown["time-to-steady"] == f"{steady:,.1f} s"
+    hub = value(outcome, c.WARMUP_HUB_BYTES.name, job="demo")
+    assert shown["warmup-hub-bytes"] == f"{hub / 1e9:,.3f} GB"
+    assert shown["warmup-cost"] == f"${hub / 1e9 * 0.02:,.4f}"
+    assert float(shown["warmup-idle"].removesuffix(" s")) == pytest.approx(
+        value(outcome, c.WARMUP_IDLE_GPU_SECONDS.name, job="demo"), abs=0.06)
+    assert html.count("data:image/png;base64,") == 5 and 'id="whatif"' in html
+
+
+def test_report_renders_in_chromium_with_its_figures(outcome: Outcome, tmp_path: Path) -> None:
+    chromium = shutil.which("chromium") or pytest.fail("chromium not found: `make test` installs Debian's chromium")
+    page = tmp_path / "report.html"
+    page.write_text(outcome.report.read_text().replace("<head>", "<head>" + PROBE, 1))
+    flags = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+             "--disable-component-update", "--disable-sync", "--no-first-run", f"--user-data-dir={tmp_path / 'p'}"]
+    loaded = subprocess.run([chromium, *flags, "--enable-logging=stderr", "--v=0", "--virtual-time-budget=5000",
+                             "--dump-dom", page.as_uri()], capture_output=True, text=True, timeout=120)
+    console = [line for line in loaded.stderr.splitlines() if ":CONSOLE" in line]
+    assert any('"stallwatch-figures 5/5"' in line for line in console), loaded.stderr[-2000:]
+    assert len(console) == 1, console  # nothing but the probe: no error, no warning from the page
+    ARTIFACTS.mkdir(exist_ok=True)
+    shot = ARTIFACTS / "report.png"
+    subprocess.run([chromium, *flags, "--window-size=1100,2400", f"--screenshot={shot}", outcome.report.as_uri()],
+                   capture_output=True, timeout=120, check=True)
+    assert shot.stat().st_size > 50_000  # a page of figures, not a blank one
+
+
+def test_the_chromium_probe_sees_a_broken_figure(tmp_path: Path) -> None:
+    chromium = shutil.which("chromium") or pytest.fail("chromium not found: `make test` installs Debian's chromium")
+    page = tmp_path / "broken.html"
+    page.write_text(f"<html><head>{PROBE}</head><body><img src='data:image/png;base64,AAAA'></body></html>")
+    loaded = subprocess.run([chromium, "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run",
+                             "--disable-background-networking", f"--user-data-dir={tmp_path / 'p'}",
+                             "--enable-logging=stderr", "--v=0", "--virtual-time-budget=3000", "--dump-dom",
+                             page.as_uri()], capture_output=True, text=True, timeout=120)
+    console = [line for line in loaded.stderr.splitlines() if ":CONSOLE" in line]
+    assert any('"stallwatch-figures 0/1"' in line for line in console), console
+    assert any("stallwatch-error" in line for line in console), console
