@@ -22,7 +22,7 @@ import tempfile
 import threading
 import time
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -187,7 +187,9 @@ class Demo:
                  prometheus.process, prometheus.log)
         return prometheus
 
-    def run(self) -> Outcome:
+    def run(self, while_running: Callable[[str | None, str], None] | None = None) -> Outcome:
+        """Run the demo; `while_running(prometheus_url, agent_url)` is called after training, before the
+        servers stop (the tests query the live stack there)."""
         s = self.s
         with self._stack:
             work = s.workdir.resolve()
@@ -226,6 +228,8 @@ class Demo:
                     time.sleep(0.5)
             metrics = scrape(agent_url)
             self.say(f"\nfinal: {status_line(metrics)}")
+            if while_running is not None:
+                while_running(prometheus.url if prometheus else None, agent_url)
             report_path = work / "report.html"
             run = (report.run_from_prometheus(prometheus.url, started, ended) if prometheus
                    else report.run_from_windows(work / "windows.jsonl"))

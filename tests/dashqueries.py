@@ -1,0 +1,34 @@
+"""Every PromQL expression of the generated dashboards, expanded the way Grafana would expand it."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from typing import Any
+
+from stallwatch.dashboards import ARTIFACTS
+from tests.conftest import ROOT
+
+# Grafana's values for a 1 s scrape interval; `All` of a variable is its allValue, `.*`.
+GRAFANA_RANGES = {"__rate_interval": "5s", "__interval": "1s", "__range": "30s"}
+METRIC = re.compile(r"(?<![\w:])stallwatch_\w+")
+
+
+def grafana_expand(expr: str, dashboard: dict[str, Any]) -> str:
+    values = dict(GRAFANA_RANGES)
+    for variable in dashboard["templating"]["list"]:
+        values[variable["name"]] = variable["query"] if variable["type"] == "textbox" else ".*"
+    return re.sub(r"\$\{?(\w+)\}?", lambda m: values[m.group(1)], expr)
+
+
+def dashboard_queries() -> Iterator[tuple[str, str, str, bool]]:
+    """(dashboard path, panel or annotation title, expanded expression, is a panel query)."""
+    for path in ARTIFACTS:
+        dashboard = json.loads((ROOT / path).read_text())
+        for panel in dashboard["panels"]:
+            if panel["type"] != "row":
+                for target in panel["targets"]:
+                    yield path, panel["title"], grafana_expand(target["expr"], dashboard), True
+        for annotation in dashboard["annotations"].get("list", []):
+            yield path, annotation["name"], grafana_expand(annotation["expr"], dashboard), False
