@@ -88,32 +88,36 @@ class Settings:
         return int(self.dataset_bytes * (0.7 if self.outage else 2.0))
 
 
+Metrics = dict[tuple[str, tuple[tuple[str, str], ...]], float]
+
+
 @dataclass
 class Outcome:
     report: Path
     windows: Path
     alerts: list[dict[str, Any]]
-    metrics: dict[tuple[str, tuple[tuple[str, str], ...]], float]
+    metrics: Metrics
     prometheus: str | None
     started: float
     ended: float
 
 
-def scrape(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+def scrape(url: str) -> Metrics:
     with urllib.request.urlopen(url, timeout=5) as reply:
         text = reply.read().decode()
     return {(s.name, tuple(sorted(s.labels.items()))): s.value
             for family in text_string_to_metric_families(text) for s in family.samples}
 
 
-def _sum(metrics: dict[tuple[str, tuple[tuple[str, str], ...]], float], name: str, **labels: str) -> float:
+def _sum(metrics: Metrics, name: str, **labels: str) -> float:
     return sum(v for (n, ls), v in metrics.items() if n == name and all((k, x) in ls for k, x in labels.items()))
 
 
-def status_line(metrics: dict[tuple[str, tuple[tuple[str, str], ...]], float]) -> str:
+def status_line(metrics: Metrics, before: Metrics | None = None) -> str:
+    """Hit ratio since `before` (else since the start), the rank's input-bound ratio and the job's phase."""
     requests = c.SPOKE_REQUESTS.name
-    total = _sum(metrics, requests)
-    hits = _sum(metrics, requests, result="hit")
+    total = _sum(metrics, requests) - (_sum(before, requests) if before else 0)
+    hits = _sum(metrics, requests, result="hit") - (_sum(before, requests, result="hit") if before else 0)
     hit = f"{hits / total:4.0%}" if total else "  - "
     bound = [v for (n, _), v in metrics.items() if n == c.INPUT_BOUND_RATIO.name]
     phase = next((dict(ls)["phase"] for (n, ls), v in metrics.items() if n == c.WARMUP_PHASE.name and v == 1), "-")
@@ -247,9 +251,11 @@ class Demo:
         stop = threading.Event()
 
         def refresh() -> None:
+            recent: list[Metrics] = []  # the last few scrapes: the hit ratio shown is over ~5 s
             while not stop.wait(1.0):
                 with contextlib.suppress(OSError, ValueError):
-                    status["line"] = status_line(scrape(agent_url))
+                    recent = [*recent[-4:], scrape(agent_url)]
+                    status["line"] = status_line(recent[-1], recent[0] if len(recent) > 1 else None)
 
         threading.Thread(target=refresh, daemon=True).start()
         assert trainer.stdout is not None
