@@ -38,6 +38,8 @@ def build_parser(collectors: Mapping[str, CollectorSpec]) -> argparse.ArgumentPa
                         metavar="[HOST]:PORT", help="where /metrics is served (default: %(default)s)")
     parser.add_argument("--web.telemetry-path", dest="web_telemetry_path", default="/metrics", metavar="PATH",
                         help="path of the metrics endpoint (default: %(default)s)")
+    parser.add_argument("--web.config.file", dest="web_config_file", metavar="PATH",
+                        help="TLS and basic auth for every path, in the Prometheus exporter toolkit's format")
     parser.add_argument("--log.level", dest="log_level", default="info",
                         choices=["debug", "info", "warning", "error"], help="(default: %(default)s)")
     enable = parser.add_argument_group("collectors")
