@@ -59,6 +59,8 @@ def _load_file(parser: argparse.ArgumentParser, path: str) -> dict[str, Any]:
         document = yaml.safe_load(Path(path).read_text())
     except OSError as error:
         raise ConfigError(f"{path}: cannot read: {error.strerror}") from error
+    except UnicodeDecodeError as error:
+        raise ConfigError(f"{path}: not UTF-8 text (byte {error.start})") from error
     except yaml.YAMLError as error:
         where = getattr(error, "problem_mark", None)
         line = f" at line {where.line + 1}" if where is not None else ""

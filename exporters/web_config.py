@@ -95,6 +95,8 @@ def load_web_config(path: str) -> WebConfig:
         document = yaml.safe_load(file.read_text())
     except OSError as error:
         raise ConfigError(f"{path}: cannot read: {error.strerror}") from error
+    except UnicodeDecodeError as error:
+        raise ConfigError(f"{path}: not UTF-8 text (byte {error.start})") from error
     except yaml.YAMLError as error:
         raise ConfigError(f"{path}: not valid YAML") from error
     if document is None:
