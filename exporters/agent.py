@@ -64,8 +64,15 @@ def main(argv: Sequence[str]) -> int:
     context = CollectorContext(options=options, sink=discard)
     collectors: dict[str, Collector] = {}
     for name, spec in specs.items():
-        if getattr(options, f"collector_{name}"):
+        if not getattr(options, f"collector_{name}"):
+            continue
+        try:
             collectors[name] = spec.factory(context)
+        except (ConfigError, OSError, ValueError) as error:  # a file named by a flag is missing or malformed
+            print(f"stallwatch agent: error: collector {name}: {error}", file=sys.stderr)
+            ScrapeCollector(collectors).close()
+            server.close()
+            return 2
     log.info("collectors enabled: %s", ", ".join(collectors) or "none")
     scrape = ScrapeCollector(collectors)
     registry.register(scrape)

@@ -109,5 +109,6 @@ class MetricsServer:
         self._thread.start()
 
     def close(self) -> None:
-        self._server.shutdown()
+        if self._thread.is_alive():  # shutdown() waits for serve_forever(), forever if it never ran
+            self._server.shutdown()
         self._server.server_close()
