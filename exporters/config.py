@@ -80,7 +80,11 @@ def _load_file(parser: argparse.ArgumentParser, path: str) -> dict[str, Any]:
         if isinstance(action, argparse.BooleanOptionalAction):
             if not isinstance(value, bool):
                 raise ConfigError(f"{path}: {key} must be true or false, got {value!r}")
-        elif action.type is not None:
+        elif value is None or isinstance(value, list | dict):
+            raise ConfigError(f"{path}: {key} needs one value, got {value!r}")
+        elif action.type is None:
+            value = str(value)
+        else:
             try:
                 value = action.type(str(value))  # type: ignore[operator]
             except (ValueError, argparse.ArgumentTypeError) as error:
