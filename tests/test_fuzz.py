@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from prometheus_client.core import Metric
 
@@ -99,6 +99,8 @@ NGINX_LINES = [line for line in (DATA / "nginx-stallwatch.log").read_text().spli
     st.sampled_from(NGINX_LINES).map(str.encode).flatmap(mutated),
     st.text(max_size=200).map(str.encode),
 ), min_size=1, max_size=8))
+@example(lines=[b"msec:17962331607\trequest_time:0.005\tstatus:200\tbytes:1000\tcache:MISS\tupstream_time:0.005\t"
+                b"upstream_status:200\tslice:-\trange:-\turi:/a.bin"])  # found: ns past int64 broke the batch
 def test_nginx_log_lines(tmp_path: Path, lines: list[bytes]) -> None:
     lines = [line.replace(b"\n", b" ") for line in lines]
     log = tmp_path / f"access-{time.monotonic_ns()}.log"
@@ -118,6 +120,7 @@ def test_nginx_log_lines(tmp_path: Path, lines: list[bytes]) -> None:
     st.sampled_from(sorted(DATA.glob("mountstats-*.txt"))).map(Path.read_bytes).flatmap(mutated),
     st.binary(max_size=300),
 ))
+@example(text=b"device s:/x mounted on /mnt/\x80 with fstype nfs statvers=1.1\n")  # found: not UTF-8
 def test_mountstats(tmp_path: Path, text: bytes) -> None:
     (tmp_path / "self").mkdir(exist_ok=True)
     (tmp_path / "self" / "mountstats").write_bytes(text)
@@ -140,6 +143,8 @@ JUICEFS = load_mapping(*mapping_text("juicefs"))
     st.sampled_from(sorted(DATA.glob("*.prom"))).map(Path.read_bytes).flatmap(mutated),
     st.binary(max_size=300),
 ))
+@example(body=b'# TYPE juicefs_object_request_durations_histogram_seconds histogram\n'
+               b'juicefs_object_request_durations_histogram_seconds_bucket{method="GET",le="x1"} 3\n')  # found
 def test_openmetrics_exposition(body: bytes) -> None:
     collector = OpenMetricsSpokeCollector("http://spoke/metrics", JUICEFS, "fuzz", get=lambda *_: body)
     families = list(collector.collect())
@@ -186,6 +191,8 @@ KEYS = st.one_of(st.sampled_from(KNOWN_KEYS), st.text(max_size=12))
     st.one_of(st.dictionaries(KEYS, JSON, max_size=5), JSON).map(lambda document: yaml.safe_dump(document).encode()),
     st.binary(max_size=80),
 ))
+@example(content=b"web.listen-address: null\n")  # found: a traceback
+@example(content=b"\x80")  # found: not UTF-8
 def test_config_files(tmp_path: Path, content: bytes) -> None:
     path = tmp_path / "agent.yaml"
     path.write_bytes(content)

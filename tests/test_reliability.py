@@ -64,6 +64,7 @@ def test_ten_thousand_jobs_and_ranks_stay_under_the_series_bound(tmp_path: Path)
         samples = parse(generate_latest(registry).decode())
     finally:
         collector.close()
+    print(f"{len(samples)} samples from 10,000 distinct jobs and ranks")
     pairs = {(dict(ls)["job"], dict(ls)["rank"]) for (n, ls) in samples if n == "stallwatch_loader_wait_seconds_count"}
     assert len(pairs) == 65 and ("__other__", "__other__") in pairs  # 64 kept, everything else in one
     per_pair = 3 * (len(c.LATENCY_BUCKETS) + 3) + 3 + 1 + 1  # 3 histograms, reads by verdict, bytes, drops
@@ -141,6 +142,8 @@ def test_training_runs_through_an_agent_crash_and_its_losses_are_counted(
         stop.set()
         thread.join(timeout=10)
         transport.sender().close()
+    print(f"outage {outage:.2f} s: {during_outage} steps during it, longest step {gaps[0] * 1e3:.1f} ms, "
+          f"{channel.dropped_total} events dropped and reported, {steps[0]} steps in all")
     assert not thread.is_alive()
     assert during_outage > 0 and gaps[0] < outage / 2  # training went on through the outage, never blocked
     assert channel.dropped_total > 0 and channel.dropped_unreported == 0
