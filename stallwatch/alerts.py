@@ -328,8 +328,8 @@ def node_alerts(t: Thresholds) -> tuple[AlertRule, ...]:
                         "now (a GPU lost, or the driver gone).",
             runbook="NVML stopped answering for some GPUs (`GpuIsLost`: fell off the bus, XID 79) or for all of "
                     "them (the driver was unloaded or upgraded under the agent). The agent serves everything "
-                    "else; `stallwatch_gpu_nvml_errors_total` says which call failed with which error.\n\n"
-                    "Check: `stallwatch_gpu_up` per GPU, the NVML errors panel of the *GPU node* dashboard, "
+                    f"else; `{c.GPU_NVML_ERRORS.name}` says which call failed with which error.\n\n"
+                    f"Check: `{c.GPU_UP.name}` per GPU, the NVML errors panel of the *GPU node* dashboard, "
                     "`nvidia-smi` and the kernel log on the node.\n\n"
                     "Act: drain the node and reset or replace a lost GPU; after a driver change restart the agent.",
         ),
