@@ -31,6 +31,7 @@ from stallwatch.exporters import (  # noqa: F401
 from stallwatch.exporters.collector import Collector, CollectorContext, ScrapeCollector, registered
 from stallwatch.exporters.config import ConfigError, log_level, parse, parse_listen_address
 from stallwatch.exporters.web import MetricsServer
+from stallwatch.exporters.web_config import WebConfig, load_web_config
 
 log = logging.getLogger("stallwatch.agent")
 
@@ -46,6 +47,7 @@ def main(argv: Sequence[str]) -> int:
     specs = registered()
     try:
         options = parse(argv, specs)
+        web_config = load_web_config(options.web_config_file) if options.web_config_file else WebConfig()
     except ConfigError as error:
         print(f"stallwatch agent: error: {error}", file=sys.stderr)
         return 2
@@ -57,7 +59,7 @@ def main(argv: Sequence[str]) -> int:
     registry = CollectorRegistry()
     host_name, port = parse_listen_address(options.web_listen_address)
     try:  # bind first: a taken port fails before any collector starts a thread
-        server = MetricsServer(registry, host_name, port, options.web_telemetry_path)
+        server = MetricsServer(registry, host_name, port, options.web_telemetry_path, web_config)
     except OSError as error:
         print(f"stallwatch agent: error: cannot listen on {options.web_listen_address}: {error.strerror}",
               file=sys.stderr)
@@ -71,8 +73,15 @@ def main(argv: Sequence[str]) -> int:
         collectors["correlator"] = service
         context = dataclasses.replace(context, sink=service.submit)
     for name, spec in specs.items():
-        if name not in collectors and getattr(options, f"collector_{name}"):
+        if name in collectors or not getattr(options, f"collector_{name}"):
+            continue
+        try:
             collectors[name] = spec.factory(context)
+        except (ConfigError, OSError, ValueError) as error:  # a file named by a flag is missing or malformed
+            print(f"stallwatch agent: error: collector {name}: {error}", file=sys.stderr)
+            ScrapeCollector(collectors).close()
+            server.close()
+            return 2
     log.info("collectors enabled: %s", ", ".join(collectors) or "none")
     scrape = ScrapeCollector(collectors)
     registry.register(scrape)

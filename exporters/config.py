@@ -38,6 +38,8 @@ def build_parser(collectors: Mapping[str, CollectorSpec]) -> argparse.ArgumentPa
                         metavar="[HOST]:PORT", help="where /metrics is served (default: %(default)s)")
     parser.add_argument("--web.telemetry-path", dest="web_telemetry_path", default="/metrics", metavar="PATH",
                         help="path of the metrics endpoint (default: %(default)s)")
+    parser.add_argument("--web.config.file", dest="web_config_file", metavar="PATH",
+                        help="TLS and basic auth for every path, in the Prometheus exporter toolkit's format")
     parser.add_argument("--log.level", dest="log_level", default="info",
                         choices=["debug", "info", "warning", "error"], help="(default: %(default)s)")
     enable = parser.add_argument_group("collectors")
@@ -57,6 +59,8 @@ def _load_file(parser: argparse.ArgumentParser, path: str) -> dict[str, Any]:
         document = yaml.safe_load(Path(path).read_text())
     except OSError as error:
         raise ConfigError(f"{path}: cannot read: {error.strerror}") from error
+    except UnicodeDecodeError as error:
+        raise ConfigError(f"{path}: not UTF-8 text (byte {error.start})") from error
     except yaml.YAMLError as error:
         where = getattr(error, "problem_mark", None)
         line = f" at line {where.line + 1}" if where is not None else ""
@@ -76,7 +80,11 @@ def _load_file(parser: argparse.ArgumentParser, path: str) -> dict[str, Any]:
         if isinstance(action, argparse.BooleanOptionalAction):
             if not isinstance(value, bool):
                 raise ConfigError(f"{path}: {key} must be true or false, got {value!r}")
-        elif action.type is not None:
+        elif value is None or isinstance(value, list | dict):
+            raise ConfigError(f"{path}: {key} needs one value, got {value!r}")
+        elif action.type is None:
+            value = str(value)
+        else:
             try:
                 value = action.type(str(value))  # type: ignore[operator]
             except (ValueError, argparse.ArgumentTypeError) as error:

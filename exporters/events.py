@@ -5,16 +5,25 @@ Two threads keep the socket drained, which matters where the kernel queues only 
 `--events.queue-limit` events; past it whole batches are dropped and counted), the processing thread
 decodes and validates them (`events_decode`), aggregates the histograms and counters with NumPy one
 batch at a time, and hands the records to the correlator as `step` and `read` batches (columns in
-`stallwatch.batch`). Job names are interned with a cap; names past it fold into `__other__`.
+`stallwatch.batch`).
 
-The socket is created with mode 0660 in a directory made 0770 when missing: training processes that
-run as another user need the agent's group.
+Cardinality: clients choose job names and ranks, so both are capped per node. Job names past
+`--events.job-limit` fold into `__other__`; (job, rank) series past `--events.rank-limit` fold into
+the rank `__other__` of their job, so the loader series stay under (rank limit + job limit + 1) label
+pairs whatever clients send; `stallwatch_receiver_folded_label_values_total{label}` counts the folds.
+The correlator still gets every record with its real rank.
+
+Permissions: the socket is the only way in (no network listener); it is created with mode 0660 and,
+with `--events.socket-group`, owned by that group, so only the agent's user and that group's
+training processes can send. A missing directory is created 0750 with the same group: group members
+can reach the socket, nobody else can, and only the agent can create files there.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import grp
 import logging
 import os
 import socket
@@ -31,7 +40,7 @@ import numpy.typing as npt
 from prometheus_client.core import HistogramMetricFamily, Metric
 
 from stallwatch import catalogue
-from stallwatch.batch import Batch, BatchSink, Interner, discard
+from stallwatch.batch import OVERFLOW, Batch, BatchSink, Interner, discard
 from stallwatch.client import wire
 from stallwatch.client.transport import DEFAULT_SOCKET
 from stallwatch.exporters.collector import CollectorContext, register_collector
@@ -83,17 +92,22 @@ class EventsCollector:
         socket_path: str,
         queue_limit: int = 200_000,
         jobs: Interner | None = None,
+        rank_limit: int = 64,
         sink: BatchSink = discard,
+        socket_group: int | None = None,
         clock_ns: Callable[[], int] = time.monotonic_ns,
         wall_clock_ns: Callable[[], int] = time.time_ns,
     ) -> None:
         self._path = socket_path
         self._queue_limit = queue_limit
         self._jobs = jobs if jobs is not None else Interner()
+        self._rank_limit = rank_limit
+        self._ranks_folded = 0
+        self._group = socket_group
         self._sink = sink
         self._clock_ns, self._wall_clock_ns = clock_ns, wall_clock_ns
         self._lock = threading.Lock()  # guards the aggregates below, read by collect()
-        self._series: dict[tuple[int, int], _Series] = {}
+        self._series: dict[tuple[int, str], _Series] = {}  # (job id, rank label)
         self._batches: Counter[str] = Counter()
         self._events: Counter[str] = Counter({"step": 0, "read": 0})
         self._dropped: Counter[str] = Counter()
@@ -114,13 +128,15 @@ class EventsCollector:
     def _bind(self) -> socket.socket | None:
         path = Path(self._path)
         try:
-            path.parent.mkdir(mode=0o770, parents=True, exist_ok=True)
+            if not path.parent.is_dir():
+                path.parent.mkdir(parents=True)
+                self._restrict(path.parent, 0o750)
             if path.is_socket():  # left by an agent that did not exit cleanly
                 path.unlink()
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_RCVBUF)
             sock.bind(str(path))
-            os.chmod(path, 0o660)
+            self._restrict(path, 0o660)
         except OSError as error:
             log.error("events: cannot bind %s: %s; training clients will count their events as dropped",
                       self._path, error)
@@ -129,6 +145,12 @@ class EventsCollector:
         self._inode = os.stat(path).st_ino
         log.info("events: receiving on %s", self._path)
         return sock
+
+    def _restrict(self, path: Path, mode: int) -> None:
+        # chmod, not mkdir's mode: the umask would narrow or (at 0) widen it.
+        if self._group is not None:
+            os.chown(path, -1, self._group)
+        os.chmod(path, mode)
 
     def _receive_forever(self) -> None:
         assert self._socket is not None
@@ -200,7 +222,7 @@ class EventsCollector:
         by_verdict = np.bincount(reads["verdict"].astype(np.int64) + 1, minlength=3)
         read_bytes = int(reads["bytes"].sum())
         with self._lock:
-            series = self._series.setdefault((job, decoded.source.rank), _Series())
+            series = self._series_of(job, decoded.source.rank)
             series.wait.add(wait)
             series.compute.add(compute)
             series.read_duration.add(duration)
@@ -210,6 +232,17 @@ class EventsCollector:
             self._batches["accepted"] += 1
             self._events["step"] += len(steps)
             self._events["read"] += len(reads)
+
+    def _series_of(self, job: int, rank: int) -> _Series:
+        """The series of (job, rank), or of (job, __other__) once the node holds `rank_limit` of them."""
+        key = (job, str(rank))
+        found = self._series.get(key)
+        if found is None:
+            if len(self._series) >= self._rank_limit:
+                self._ranks_folded += 1
+                key = (job, OVERFLOW)
+            found = self._series.setdefault(key, _Series())
+        return found
 
     def _forward(self, accepted: list[tuple[int, Decoded]]) -> None:
         def source_column(values: list[int], sizes: list[int], dtype: type[np.generic]) -> npt.NDArray[np.generic]:
@@ -262,7 +295,7 @@ class EventsCollector:
         folded, up = c.RECEIVER_FOLDED_LABELS.family(), c.RECEIVER_UP.family()
         with self._lock:
             for (job, rank), series in sorted(self._series.items()):
-                labels = [self._jobs.name(job), str(rank)]
+                labels = [self._jobs.name(job), rank]
                 series.wait.add_to(wait, labels)
                 series.compute.add_to(compute, labels)
                 series.read_duration.add_to(read_duration, labels)
@@ -276,7 +309,8 @@ class EventsCollector:
                 events.add_metric([kind], count)
             for reason, count in sorted(self._dropped.items()):
                 dropped.add_metric([reason], count)
-        folded.add_metric(["job"], self._jobs.folded)
+            folded.add_metric(["job"], self._jobs.folded)
+            folded.add_metric(["rank"], self._ranks_folded)
         up.add_metric([], 1.0 if self._socket is not None else 0.0)
         yield from (wait, compute, read_duration, reads, read_bytes, client_dropped, batches, events, dropped,
                     folded, up)
@@ -305,6 +339,12 @@ def _add_arguments(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--events.job-limit", dest="events_job_limit", type=_positive, default=64, metavar="N",
                        help="distinct job names kept as label values; more fold into __other__ "
                        "(default: %(default)s)")
+    group.add_argument("--events.rank-limit", dest="events_rank_limit", type=_positive, default=64, metavar="N",
+                       help="distinct (job, rank) label pairs kept; ranks of more fold into __other__ "
+                       "(default: %(default)s)")
+    group.add_argument("--events.socket-group", dest="events_socket_group", type=_group_id, default=None,
+                       metavar="GROUP", help="group (name or id) that owns the socket and, when the agent creates "
+                       "it, its directory: training processes in it may send (default: the agent's own group)")
 
 
 def _positive(text: str) -> int:
@@ -314,10 +354,20 @@ def _positive(text: str) -> int:
     return value
 
 
+def _group_id(text: str) -> int:
+    if text.isdigit():
+        return int(text)
+    try:
+        return grp.getgrnam(text).gr_gid
+    except KeyError:
+        raise argparse.ArgumentTypeError(f"no group named {text!r}") from None
+
+
 def _from_context(context: CollectorContext) -> EventsCollector:
     options = context.options
     context.jobs.limit = options.events_job_limit
-    return EventsCollector(options.events_socket, options.events_queue_limit, context.jobs, context.sink)
+    return EventsCollector(options.events_socket, options.events_queue_limit, context.jobs,
+                           options.events_rank_limit, context.sink, options.events_socket_group)
 
 
 register_collector("events", True, "loader waits, steps and dataset reads sent by training clients",

@@ -123,7 +123,9 @@ class NfsSpokeCollector:
             "timeouts": c.SPOKE_NFS_READ_MAJOR_TIMEOUTS.family(), "errors": c.SPOKE_NFS_READ_ERRORS.family(),
         }
         try:
-            found = {mount.mount_point: mount for mount in parse_mountstats(self._path.read_text())}
+            # surrogateescape: a mount point is bytes, not necessarily UTF-8 (as os.fsdecode reads paths)
+            text = self._path.read_text(errors="surrogateescape")
+            found = {mount.mount_point: mount for mount in parse_mountstats(text)}
         except OSError as error:
             for spoke in self._mounts:
                 self._count(spoke, "read_error", f"cannot read {self._path}: {error.strerror}")

@@ -120,6 +120,8 @@ def parse_entry(line: str) -> LogEntry:
         status, body_bytes = int(fields["status"]), int(fields["bytes"])
     except ValueError as error:
         raise MalformedLineError("malformed_line", str(error)) from error
+    if not all(0 <= value < 2**63 for value in (end_wall_ns, duration_ns, upstream_ns + 1, body_bytes)):
+        raise MalformedLineError("malformed_line", "a time or size out of range")  # the batch columns are int64
     if result in FROM_CACHE:
         verdict = Verdict.HIT
     elif result in FROM_HUB or upstream_ns >= 0:

@@ -162,7 +162,11 @@ class _HistogramSum:
         if not rule.source.fullmatch(base):
             return
         if suffix == "bucket" and "le" in labels:
-            self.buckets[float(labels["le"]) * rule.scale] += value
+            try:
+                bound = float(labels["le"])
+            except ValueError as error:  # the text parser accepts any label value
+                raise ScrapeError("parse_error", f"{name}: bucket bound le={labels['le']!r}") from error
+            self.buckets[bound * rule.scale] += value
         elif suffix == "sum":
             self.sum += value * rule.scale
 
@@ -222,12 +226,13 @@ class OpenMetricsSpokeCollector:
     def collect(self) -> Iterator[Metric]:
         try:
             families = parse_exposition(self._get(self._url, self._headers, self._timeout))
+            mapped = apply_mapping(self._rules, families, self._spoke)
         except ScrapeError as error:
             if not self._errors[error.reason]:
                 log.warning("spoke %s: %s (counted from now on)", self._spoke, error)
             self._errors[error.reason] += 1
         else:
-            yield from apply_mapping(self._rules, families, self._spoke)
+            yield from mapped
         errors = catalogue.SPOKE_COLLECTOR_ERRORS.family()
         for reason, count in sorted(self._errors.items()):
             errors.add_metric([self._spoke, reason], count)

@@ -315,6 +315,25 @@ def node_alerts(t: Thresholds) -> tuple[AlertRule, ...]:
                     "Act: fix the cause and restart the agent (NVML is initialised once).",
         ),
         AlertRule(
+            name=f"{PREFIX}GPUsUnreachable",
+            # GPUs NVML reported in the last hour against those answering now; the gpu collector itself
+            # keeps succeeding through these faults, so CollectorFailing does not see them. A node without
+            # GPUs reports 0 on both sides and stays quiet.
+            expr=f"{by('instance', 'max', f'max_over_time({selector(c.GPU_DEVICES)}[1h])')} > "
+                 f"({by('instance', 'sum', selector(c.GPU_UP))} or {by('instance', 'max', selector(c.GPU_DEVICES))}"
+                 " * 0)",
+            for_=t.collector_failing_for, severity="critical",
+            summary="GPUs of a node stopped answering NVML.",
+            description="{{ $value }} GPUs answered NVML on {{ $labels.instance }} in the last hour; fewer answer "
+                        "now (a GPU lost, or the driver gone).",
+            runbook="NVML stopped answering for some GPUs (`GpuIsLost`: fell off the bus, XID 79) or for all of "
+                    "them (the driver was unloaded or upgraded under the agent). The agent serves everything "
+                    f"else; `{c.GPU_NVML_ERRORS.name}` says which call failed with which error.\n\n"
+                    f"Check: `{c.GPU_UP.name}` per GPU, the NVML errors panel of the *GPU node* dashboard, "
+                    "`nvidia-smi` and the kernel log on the node.\n\n"
+                    "Act: drain the node and reset or replace a lost GPU; after a driver change restart the agent.",
+        ),
+        AlertRule(
             name=f"{PREFIX}GPUXidErrors",
             expr=by("instance, gpu, xid", "sum", increase(c.GPU_XID_ERRORS, t.xid_window)) + " > 0",
             for_=t.xid_for, severity="critical",

@@ -223,7 +223,8 @@ CLIENT_DROPPED_EVENTS = counter(
 )
 RECEIVER_FOLDED_LABELS = counter(
     "loader", "receiver_folded_label_values_total", "", ["label"],
-    "Distinct job names past the per-node cap, folded into the value __other__.",
+    "Batches whose job name (label=job) or (job, rank) pair (label=rank) was past the per-node cap and was "
+    "folded into the value __other__.",
 )
 RECEIVER_UP = gauge(
     "loader", "receiver_up", "", [],

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-LISTENING = re.compile(r"listening on (http://\S+?)(?:'|$)")
+LISTENING = re.compile(r"listening on (https?://\S+?)(?:'|$)")
 
 
 def require_binary(name: str, package: str) -> str:

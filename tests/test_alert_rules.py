@@ -130,6 +130,18 @@ CASES = (
     Case("StallwatchCollectorFailing", {  # failed twice, recovered
         s(c.SCRAPE_COLLECTOR_SUCCESS, 'collector="gpu"', N1): "1 1 0 0 1x12",
     }, "14m"),
+    Case("StallwatchGPUsUnreachable", {  # GPU 1 lost at minute 5; then the driver goes at minute 20
+        s(c.GPU_DEVICES, N1): "2x30",
+        s(c.GPU_UP, N1, 'gpu="0"'): "1x30",
+        s(c.GPU_UP, N1, 'gpu="1"'): "1x4 0x26",
+    }, "17m", (({"instance": "n1"}, "2 GPUs answered NVML on n1 in the last hour; fewer answer now (a GPU lost, "
+                                    "or the driver gone)."),)),
+    Case("StallwatchGPUsUnreachable", {  # a node without GPUs, and one whose 2 GPUs answer
+        s(c.GPU_DEVICES, N1): "0x30",
+        s(c.GPU_DEVICES, 'instance="n2"'): "2x30",
+        s(c.GPU_UP, 'instance="n2"', 'gpu="0"'): "1x30",
+        s(c.GPU_UP, 'instance="n2"', 'gpu="1"'): "1x30",
+    }, "17m"),
     Case("StallwatchGPUXidErrors", {s(c.GPU_XID_ERRORS, N1, 'gpu="0"', 'xid="79"'): "0 0 0 1x10"}, "12m",
          (({"instance": "n1", "gpu": "0", "xid": "79"}, "GPU 0 on n1 reported critical XID 79 errors: 1 in the "
                                                         "last 10m."),)),

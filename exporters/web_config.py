@@ -1,0 +1,169 @@
+"""`--web.config.file`: TLS and basic auth for /metrics, in the Prometheus exporter toolkit's format.
+
+    tls_server_config:
+      cert_file: server.crt
+      key_file: server.key
+      client_auth_type: RequireAndVerifyClientCert   # optional, default NoClientCert
+      client_ca_file: ca.crt                         # needed to verify client certificates
+      min_version: TLS12                             # optional: TLS10, TLS11, TLS12, TLS13
+    basic_auth_users:
+      prometheus: $2b$12$...                         # bcrypt hashes, as `htpasswd -B` writes them
+
+Relative paths are relative to the file. The file is read and checked once at start: every mistake
+(unknown key, unreadable certificate, malformed hash) is a one-line `ConfigError`. Of the toolkit's
+client_auth_type values, RequestClientCert and RequireAnyClientCert (ask for a certificate without
+verifying it) have no equivalent in Python's ssl module and are refused rather than weakened.
+
+bcrypt is slow by design (~0.2 s a check at cost 12), so a successful (user, password) pair is kept,
+as a SHA-256 digest, in a small cache: Prometheus repeats the same credentials every scrape.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import hmac
+import ssl
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import bcrypt
+import yaml
+
+from stallwatch.exporters.config import ConfigError
+
+_CLIENT_AUTH = {
+    "NoClientCert": ssl.CERT_NONE,
+    "VerifyClientCertIfGiven": ssl.CERT_OPTIONAL,
+    "RequireAndVerifyClientCert": ssl.CERT_REQUIRED,
+}
+_UNSUPPORTED_CLIENT_AUTH = ("RequestClientCert", "RequireAnyClientCert")
+_VERSIONS = {
+    "TLS10": ssl.TLSVersion.TLSv1,
+    "TLS11": ssl.TLSVersion.TLSv1_1,
+    "TLS12": ssl.TLSVersion.TLSv1_2,
+    "TLS13": ssl.TLSVersion.TLSv1_3,
+}
+_TLS_KEYS = {"cert_file", "key_file", "client_auth_type", "client_ca_file", "min_version"}
+_TOP_KEYS = {"tls_server_config", "basic_auth_users"}
+_CACHE_SIZE = 64
+
+
+@dataclass
+class BasicAuth:
+    users: Mapping[str, bytes]
+    _verified: set[bytes] = field(default_factory=set)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def allows(self, authorization: str | None) -> bool:
+        """Whether an `Authorization` header carries a known user and the password of its hash."""
+        if not authorization or not authorization.startswith("Basic "):
+            return False
+        try:
+            user, sep, password = base64.b64decode(authorization[6:], validate=True).decode().partition(":")
+        except (binascii.Error, UnicodeDecodeError):
+            return False
+        hashed = self.users.get(user)
+        if not sep or hashed is None:
+            return False
+        digest = hashlib.sha256(hashed + b"\0" + password.encode()).digest()
+        with self._lock:
+            if any(hmac.compare_digest(digest, known) for known in self._verified):
+                return True
+        if not bcrypt.checkpw(password.encode(), hashed):
+            return False
+        with self._lock:
+            if len(self._verified) >= _CACHE_SIZE:
+                self._verified.clear()
+            self._verified.add(digest)
+        return True
+
+
+@dataclass(frozen=True)
+class WebConfig:
+    tls: ssl.SSLContext | None = None
+    auth: BasicAuth | None = None
+
+
+def load_web_config(path: str) -> WebConfig:
+    file = Path(path)
+    try:
+        document = yaml.safe_load(file.read_text())
+    except OSError as error:
+        raise ConfigError(f"{path}: cannot read: {error.strerror}") from error
+    except UnicodeDecodeError as error:
+        raise ConfigError(f"{path}: not UTF-8 text (byte {error.start})") from error
+    except yaml.YAMLError as error:
+        raise ConfigError(f"{path}: not valid YAML") from error
+    if document is None:
+        return WebConfig()
+    if not isinstance(document, dict):
+        raise ConfigError(f"{path}: expected a mapping with tls_server_config and/or basic_auth_users")
+    unknown = set(map(str, document)) - _TOP_KEYS
+    if unknown:
+        raise ConfigError(f"{path}: unknown key {sorted(unknown)[0]!r} (known: {', '.join(sorted(_TOP_KEYS))})")
+    tls = document.get("tls_server_config")
+    users = document.get("basic_auth_users")
+    return WebConfig(
+        tls=_tls_context(tls, file) if tls is not None else None,
+        auth=_basic_auth(users, path) if users else None,
+    )
+
+
+def _tls_context(section: Any, file: Path) -> ssl.SSLContext:
+    where = f"{file}: tls_server_config"
+    if not isinstance(section, dict):
+        raise ConfigError(f"{where}: expected a mapping")
+    unknown = set(map(str, section)) - _TLS_KEYS
+    if unknown:
+        raise ConfigError(f"{where}: unknown key {sorted(unknown)[0]!r}")
+    if not section.get("cert_file") or not section.get("key_file"):
+        raise ConfigError(f"{where}: cert_file and key_file are both required")
+    client_auth = str(section.get("client_auth_type") or "NoClientCert")
+    if client_auth in _UNSUPPORTED_CLIENT_AUTH:
+        raise ConfigError(f"{where}: client_auth_type {client_auth} (a certificate without verification) is not "
+                          "supported; use VerifyClientCertIfGiven or RequireAndVerifyClientCert")
+    if client_auth not in _CLIENT_AUTH:
+        raise ConfigError(f"{where}: client_auth_type must be one of {', '.join(_CLIENT_AUTH)}")
+    min_version = str(section.get("min_version") or "TLS12")
+    if min_version not in _VERSIONS:
+        raise ConfigError(f"{where}: min_version must be one of {', '.join(_VERSIONS)}")
+
+    def resolve(key: str) -> str:
+        return str(file.parent / str(section[key]))
+
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.minimum_version = _VERSIONS[min_version]
+    try:
+        context.load_cert_chain(resolve("cert_file"), resolve("key_file"))
+    except (OSError, ssl.SSLError) as error:
+        raise ConfigError(f"{where}: cannot load cert_file/key_file: {_reason(error)}") from error
+    context.verify_mode = _CLIENT_AUTH[client_auth]
+    if context.verify_mode != ssl.CERT_NONE:
+        if not section.get("client_ca_file"):
+            raise ConfigError(f"{where}: client_auth_type {client_auth} needs client_ca_file")
+        try:
+            context.load_verify_locations(resolve("client_ca_file"))
+        except (OSError, ssl.SSLError) as error:
+            raise ConfigError(f"{where}: cannot load client_ca_file: {_reason(error)}") from error
+    return context
+
+
+def _basic_auth(section: Any, path: str) -> BasicAuth:
+    if not isinstance(section, dict):
+        raise ConfigError(f"{path}: basic_auth_users: expected a mapping of user names to bcrypt hashes")
+    users: dict[str, bytes] = {}
+    for user, hashed in section.items():
+        text = str(hashed)
+        if not text.startswith(("$2a$", "$2b$", "$2y$")) or len(text) != 60:
+            raise ConfigError(f"{path}: basic_auth_users: the hash of {str(user)!r} is not a bcrypt hash")
+        users[str(user)] = text.encode()
+    return BasicAuth(users)
+
+
+def _reason(error: OSError | ssl.SSLError) -> str:
+    return str(getattr(error, "reason", None) or error.strerror or error)

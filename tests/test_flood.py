@@ -1,0 +1,23 @@
+"""A 10x event flood into a real agent process, a few seconds long (benchmarks/flood.py runs it longer):
+memory bounded, /metrics answering throughout, and sent = accepted + dropped by the agent + dropped by the
+clients, exactly, with the clients' drops also reported to the agent."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+from benchmarks.flood import NOMINAL_RATE, run
+from tests.conftest import AgentProcess
+
+
+def test_a_ten_times_flood_is_accounted_for_exactly(agent_factory: Callable[..., AgentProcess], tmp_path: Path) -> None:
+    socket_path = str(tmp_path / "events.sock")
+    agent = agent_factory("--no-collector.gpu", "--no-collector.host", "--events.socket", socket_path)
+    report = run(agent.url, agent.process.pid, socket_path, rate=10 * NOMINAL_RATE, seconds=3.0)
+    print(report, f"scrape ratio flood/idle {report.scrape_ratio:.2f}")
+    assert report.client.sent >= 10 * NOMINAL_RATE * 3
+    assert report.unaccounted == 0, report
+    assert report.client.unreported == 0 and report.reported_client_dropped == report.client.dropped
+    assert report.accepted > 0 and report.scrapes_during_flood >= 5 and report.scrape_failures == 0
+    assert report.rss_max_mib - report.rss_idle_mib < 64, report  # the queue is capped at 200k events (~8 MiB)

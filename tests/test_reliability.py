@@ -1,0 +1,302 @@
+"""Faults while the agent runs: client label floods, collector flags, an agent crash under training,
+NVML faults seen by the alert rules, and spoke logs and endpoints that vanish and come back."""
+
+from __future__ import annotations
+
+import math
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from collections.abc import Callable
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import pytest
+import yaml
+from prometheus_client import CollectorRegistry
+from prometheus_client.exposition import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from stallwatch import catalogue as c
+from stallwatch.batch import Interner
+from stallwatch.client import monitor, transport, wire
+from stallwatch.exporters.collector import ScrapeCollector
+from stallwatch.exporters.events import EventsCollector
+from stallwatch.exporters.gpu import GpuCollector
+from stallwatch.exporters.host import HostCollector
+from stallwatch.exporters.nvml_fake import FakeGpu, FakeNVML
+from stallwatch.exporters.spoke_nginx import MalformedLineError, NginxSpokeCollector, parse_entry
+from stallwatch.exporters.spoke_openmetrics import OpenMetricsSpokeCollector, load_mapping, mapping_text
+from stallwatch.exporters.web import MetricsServer
+from tests.conftest import ROOT, AgentProcess
+from tests.test_alert_rules import RULE_FILES, Case, promtool_test
+
+Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
+DATA = Path(__file__).parent / "data"
+
+
+def parse(text: str) -> Samples:
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def scrape(url: str) -> Samples:
+    with urllib.request.urlopen(url, timeout=10) as reply:
+        return parse(reply.read().decode())
+
+
+def of(samples: Samples, name: str, **labels: str) -> float:
+    return sum(v for (n, ls), v in samples.items() if n == name and all((k, x) in ls for k, x in labels.items()))
+
+
+# --- a client cannot blow up the series count ----------------------------------------------------
+def test_ten_thousand_jobs_and_ranks_stay_under_the_series_bound(tmp_path: Path) -> None:
+    collector = EventsCollector(str(tmp_path / "events.sock"), jobs=Interner(64), rank_limit=64)
+    try:
+        now = time.monotonic_ns()
+        batches = [wire.encode(wire.Source(f"job-{n}-" + "x" * 100, n), [(0, now - 3, now - 2, now - 1)], [], 1, 0,
+                               0, now, time.time_ns()) for n in range(10_000)]
+        collector.process(batches)
+        registry = CollectorRegistry()
+        registry.register(collector)
+        samples = parse(generate_latest(registry).decode())
+    finally:
+        collector.close()
+    print(f"{len(samples)} samples from 10,000 distinct jobs and ranks")
+    pairs = {(dict(ls)["job"], dict(ls)["rank"]) for (n, ls) in samples if n == "stallwatch_loader_wait_seconds_count"}
+    assert len(pairs) == 65 and ("__other__", "__other__") in pairs  # 64 kept, everything else in one
+    per_pair = 3 * (len(c.LATENCY_BUCKETS) + 3) + 3 + 1 + 1  # 3 histograms, reads by verdict, bytes, drops
+    assert len(samples) <= (64 + 64 + 1) * per_pair + 50, len(samples)
+    assert of(samples, "stallwatch_loader_wait_seconds_count") == 10_000  # folded, not lost
+    assert of(samples, "stallwatch_receiver_folded_label_values_total", label="job") == 10_000 - 64
+    assert of(samples, "stallwatch_receiver_folded_label_values_total", label="rank") == 10_000 - 64
+
+
+# --- collector flags ---------------------------------------------------------------------------------
+@pytest.mark.parametrize(("flags", "message"), [
+    (["--events.queue-limit", "0"], "must be a positive integer"),
+    (["--events.rank-limit", "many"], "invalid"),
+    (["--events.job-limit", "-3"], "must be a positive integer"),
+    (["--spoke_nginx.interval", "soon"], "--spoke_nginx.interval"),
+    (["--spoke_nfs.mount", "nomount"], "expected NAME=/mount/point"),
+    (["--spoke_openmetrics.timeout", "x"], "--spoke_openmetrics.timeout"),
+    (["--collector.spoke_openmetrics", "--spoke_openmetrics.url", "http://127.0.0.1:1/",
+      "--spoke_openmetrics.mapping", "/nonexistent/mapping.yaml"], "collector spoke_openmetrics:"),
+    (["--collector.spoke_qumulo", "--spoke_qumulo.url", "https://127.0.0.1:1/", "--spoke_qumulo.ca-file",
+      "/nonexistent/ca.pem"], "collector spoke_qumulo:"),
+])
+def test_bad_collector_flags_are_one_line_and_exit_2(tmp_path: Path, flags: list[str], message: str) -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "stallwatch", "agent", "--web.listen-address", "127.0.0.1:0", "--no-collector.gpu",
+         "--events.socket", str(tmp_path / "e.sock"), *flags],
+        capture_output=True, text=True, timeout=60, cwd=ROOT,
+    )
+    last = result.stderr.strip().splitlines()[-1]
+    assert result.returncode == 2 and last.startswith("stallwatch agent: error:") and message in last, result.stderr
+    assert "Traceback" not in result.stderr
+
+
+# --- an agent crash while training runs -----------------------------------------------------------
+def test_training_runs_through_an_agent_crash_and_its_losses_are_counted(
+    agent_factory: Callable[..., AgentProcess], tmp_path: Path,
+) -> None:
+    path = str(tmp_path / "events.sock")
+    transport.configure(path)
+    stop, steps, gaps = threading.Event(), [0], [0.0]
+
+    def train() -> None:
+        last = time.perf_counter()
+        for _ in monitor(iter(lambda: 0, 1), job="crash", rank=3):  # endless
+            time.sleep(0.001)
+            now = time.perf_counter()
+            gaps[0], last = max(gaps[0], now - last), now
+            steps[0] += 1
+            if stop.is_set():
+                break
+
+    first = agent_factory("--no-collector.gpu", "--no-collector.host", "--events.socket", path)
+    thread = threading.Thread(target=train, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + 20
+        while of(scrape(first.url), "stallwatch_receiver_events_total") == 0 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        first.process.send_signal(signal.SIGKILL)  # a crash: the stale socket file stays behind
+        first.process.wait(timeout=10)
+        before_outage, outage_started = steps[0], time.perf_counter()
+        time.sleep(1.5)
+        outage = time.perf_counter() - outage_started
+        during_outage = steps[0] - before_outage
+        second = agent_factory("--no-collector.gpu", "--no-collector.host", "--events.socket", path)
+
+        def reported() -> float:
+            return of(scrape(second.url), "stallwatch_client_dropped_events_total", job="crash", rank="3")
+
+        deadline = time.monotonic() + 20  # the client retries an absent agent after a pause
+        channel = transport.sender().channel(wire.Source("crash", 3, -1, -1))
+        while (channel.dropped_unreported or reported() == 0) and time.monotonic() < deadline:
+            time.sleep(0.1)
+    finally:
+        stop.set()
+        thread.join(timeout=10)
+        transport.sender().close()
+    print(f"outage {outage:.2f} s: {during_outage} steps during it, longest step {gaps[0] * 1e3:.1f} ms, "
+          f"{channel.dropped_total} events dropped and reported, {steps[0]} steps in all")
+    assert not thread.is_alive()
+    assert during_outage > 0 and gaps[0] < outage / 2  # training went on through the outage, never blocked
+    assert channel.dropped_total > 0 and channel.dropped_unreported == 0
+    assert reported() == channel.dropped_total  # every lost event counted, and the count reached the agent
+    assert of(scrape(second.url), "stallwatch_receiver_events_total") > 0
+
+
+# --- NVML faults: the agent serves on, the errors say which, the alert fires ----------------------
+def test_nvml_faults_keep_the_agent_serving_and_fire_the_alert(promtool: str, tmp_path: Path) -> None:
+    now = [1_700_000_000.0]
+    nvml = FakeNVML([FakeGpu(), FakeGpu(lost_at=300.0, unsupported=frozenset({"nvmlDeviceGetPowerUsage"}))],
+                    clock=lambda: now[0], pcie_latency=0.0)
+    gpu = GpuCollector(nvml, start=False, clock=lambda: now[0], pcie_interval=0)
+    registry = CollectorRegistry()
+    scrape_collector = ScrapeCollector({"gpu": gpu, "host": HostCollector()})
+    registry.register(scrape_collector)
+    server = MetricsServer(registry, "127.0.0.1", 0)
+    server.start()
+    url = server.url
+    series: dict[str, list[float]] = {}
+    try:
+        for minute in range(30):
+            if minute == 15:
+                nvml.unload_driver()
+            gpu.poll()
+            samples = scrape(url)
+            assert of(samples, "stallwatch_host_cpu_seconds_total") > 0  # the rest of the agent serves on
+            assert of(samples, "stallwatch_scrape_collector_success", collector="gpu") == 1
+            for (name, labels), value in samples.items():
+                if name in (c.GPU_DEVICES.name, c.GPU_UP.name):
+                    key = name + "{" + ", ".join(f'{k}="{v}"' for k, v in labels) + "}"
+                    series.setdefault(key, [float("nan")] * 30)[minute] = value
+            now[0] += 60
+            if minute == 14:
+                final_lost = samples
+        after = scrape(url)
+    finally:
+        server.close()
+        scrape_collector.close()
+    # The errors metric says which: GPU 1 lost, its power unsupported, then the driver gone for everyone.
+    assert of(final_lost, c.GPU_UP.name, gpu="0") == 1 and of(final_lost, c.GPU_UP.name, gpu="1") == 0
+    assert of(final_lost, c.GPU_NVML_ERRORS.name, gpu="1", error="gpu_is_lost") >= 10
+    assert of(final_lost, c.GPU_NVML_ERRORS.name, gpu="1", call="nvmlDeviceGetPowerUsage", error="not_supported") == 1
+    assert of(final_lost, c.GPU_NVML_ERRORS.name, gpu="0") == 0
+    assert of(after, c.GPU_DEVICES.name) == 0
+    assert of(after, c.GPU_NVML_ERRORS.name, call="nvmlInit", error="driver_not_loaded") == 14  # a retry each poll
+    # Fed what the agent emitted, a minute apart, the generated rules fire while GPUs are missing.
+    def values(points: list[float]) -> str:
+        return " ".join("_" if math.isnan(p) else str(int(p)) for p in points)
+
+    inputs = {key.replace("{", '{instance="n1", ' if "=" in key else '{instance="n1"'): values(points)
+              for key, points in series.items()}
+    firing = (({"instance": "n1"}, "2 GPUs answered NVML on n1 in the last hour; fewer answer now (a GPU lost, or "
+                                   "the driver gone)."),)
+    cases = [Case("StallwatchGPUsUnreachable", inputs, "4m"),  # healthy
+             Case("StallwatchGPUsUnreachable", inputs, "16m", firing),  # GPU 1 lost since minute 5
+             Case("StallwatchGPUsUnreachable", inputs, "29m", firing)]  # the driver gone since minute 15
+    tests = tmp_path / "nvml.test.yaml"
+    tests.write_text(yaml.safe_dump({"rule_files": [str(p) for p in RULE_FILES], "evaluation_interval": "1m",
+                                     "tests": [promtool_test(case) for case in cases]}))
+    result = subprocess.run([promtool, "test", "rules", str(tests)], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr + tests.read_text()
+
+
+# --- spoke faults --------------------------------------------------------------------------------
+def _parses(line: str) -> bool:
+    try:
+        parse_entry(line)
+    except MalformedLineError:
+        return False
+    return True
+
+
+NGINX_LINES = [line for line in (DATA / "nginx-stallwatch.log").read_text().splitlines() if _parses(line)]
+
+
+def test_a_deleted_and_recreated_nginx_log_loses_and_repeats_nothing(tmp_path: Path) -> None:
+    log = tmp_path / "access.log"
+    collector = NginxSpokeCollector(str(log), "spoke", from_start=True, rotate_wait=0, interval=0)
+    lines = NGINX_LINES * 3
+    writer = log.open("a")  # nginx holds its log open: lines written after the unlink land in the old file
+    try:
+        writer.write("\n".join(lines[:4]) + "\n")
+        writer.flush()
+        used = [collector.poll()]
+        assert used == [4]
+        writer.write("\n".join(lines[4:6]) + "\n")  # not read yet when the file is deleted
+        writer.flush()
+        log.unlink()
+        writer.write(lines[6] + "\n")  # still written to the deleted file until nginx reopens
+        writer.flush()
+        used.append(collector.poll())  # the path is gone; the old file, still followed, has 3 new lines
+        writer.close()
+        writer = log.open("a")  # `nginx -s reopen`: a new file at the same path
+        writer.write("\n".join(lines[7:10]) + "\n")
+        writer.flush()
+        used += [collector.poll(), collector.poll()]
+        samples = {(s.name, tuple(sorted(s.labels.items()))): s.value for f in collector.collect() for s in f.samples}
+    finally:
+        writer.close()
+        collector.close()
+    assert used == [4, 3, 3, 0]
+    assert of(samples, "stallwatch_spoke_requests_total") == 10
+    assert of(samples, "stallwatch_spoke_collector_errors_total") == 0
+
+
+class _Spoke(BaseHTTPRequestHandler):
+    body = (DATA / "juicefs-1.4.2-gateway.prom").read_bytes()
+    delay = 0.0
+
+    def do_GET(self) -> None:
+        time.sleep(type(self).delay)
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(self.body)))
+        self.end_headers()
+        self.wfile.write(self.body)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+def test_a_slow_then_down_spoke_endpoint_is_counted_and_recovers_without_double_counting() -> None:
+    def start(port: int = 0) -> ThreadingHTTPServer:
+        httpd = ThreadingHTTPServer(("127.0.0.1", port), _Spoke)
+        httpd.daemon_threads = True
+        threading.Thread(target=httpd.serve_forever, daemon=True).start()
+        return httpd
+
+    httpd = start()
+    port = httpd.server_address[1]
+    collector = OpenMetricsSpokeCollector(f"http://127.0.0.1:{port}/metrics", load_mapping(*mapping_text("juicefs")),
+                                          "jfs", timeout=0.3)
+
+    def read() -> Samples:
+        return {(s.name, tuple(sorted(s.labels.items()))): s.value for f in collector.collect() for s in f.samples}
+
+    try:
+        healthy = read()
+        _Spoke.delay = 1.0
+        slow = read()
+        _Spoke.delay = 0.0
+        httpd.shutdown()
+        httpd.server_close()
+        down = read()
+        httpd = start(port)
+        recovered = read()
+    finally:
+        _Spoke.delay = 0.0
+        httpd.shutdown()
+        httpd.server_close()
+    hits = ("stallwatch_spoke_requests_total", (("result", "hit"), ("spoke", "jfs")))
+    assert healthy[hits] == recovered[hits] == 13  # the source's own counter: nothing added twice
+    assert hits not in slow and hits not in down  # no stale value while the endpoint fails
+    assert of(recovered, "stallwatch_spoke_collector_errors_total", reason="timeout") == 1
+    assert of(recovered, "stallwatch_spoke_collector_errors_total", reason="unreachable") == 1
