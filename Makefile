@@ -9,7 +9,7 @@ STAMP := $(VENV)/.installed
 test: $(STAMP) system-deps helm-tools lint typecheck pytest
 
 demo: $(STAMP) system-deps
-	$(PY) -m stallwatch demo
+	$(PY) -m stallwatch demo $(DEMO_ARGS)
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)

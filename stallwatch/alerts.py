@@ -79,6 +79,7 @@ class Thresholds:
 
 Severity = Literal["critical", "warning"]
 PREFIX = "Stallwatch"
+COMPONENT = "stallwatch"  # on every alert, for Alertmanager routes (deploy/alertmanager/alertmanager.yml)
 
 
 @dataclass(frozen=True)
@@ -370,7 +371,7 @@ def _rule_document(rule: RecordingRule | AlertRule, t: Thresholds) -> dict[str, 
         "alert": rule.name,
         "expr": rule.expr,
         "for": rule.for_,
-        "labels": {"severity": rule.severity},
+        "labels": {"severity": rule.severity, "component": COMPONENT},
         "annotations": {
             "summary": rule.summary,
             "description": rule.description,

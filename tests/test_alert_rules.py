@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from stallwatch import catalogue as c
-from stallwatch.alerts import Thresholds, all_alerts, render_alerting_rules
+from stallwatch.alerts import COMPONENT, Thresholds, all_alerts, render_alerting_rules
 from stallwatch.generate import ARTIFACTS
 from tests.conftest import ROOT
 
@@ -155,7 +155,7 @@ def promtool_test(case: Case) -> dict[str, object]:
     alert = ALERTS[case.alert]
     expected = [
         {
-            "exp_labels": {**labels, "severity": alert.severity},
+            "exp_labels": {**labels, "severity": alert.severity, "component": COMPONENT},
             "exp_annotations": {
                 "summary": alert.summary,
                 "description": description,

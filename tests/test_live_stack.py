@@ -99,7 +99,7 @@ def test_generated_rules_and_dashboards_on_a_real_prometheus_and_alertmanager(
     alert = delivered[0]
     assert alert["status"] == "firing"
     assert alert["labels"] == {"alertname": "StallwatchAgentDown", "instance": dead_target, "job": "stallwatch",
-                               "severity": "warning"}
+                               "severity": "warning", "component": "stallwatch"}
     assert alert["annotations"]["runbook_url"] == "docs/runbooks.md#stallwatchagentdown"
     assert alert["annotations"]["description"] == f"The stallwatch agent at {dead_target} has been unreachable for 1s."
     firing = query(prometheus, 'ALERTS{alertname="StallwatchAgentDown", alertstate="firing"}')["data"]["result"]
