@@ -31,6 +31,7 @@ from stallwatch import catalogue
 from stallwatch.batch import Batch, BatchSink, Verdict, discard
 from stallwatch.exporters.collector import CollectorContext, register_collector
 from stallwatch.exporters.logtail import LogTailer
+from stallwatch.exporters.spokes import collector_errors
 from stallwatch.keys import read_key
 
 log = logging.getLogger(__name__)
@@ -213,9 +214,7 @@ class NginxSpokeCollector:
         self.poll()
         c, labels = catalogue, [self._spoke]
         requests, volume = c.SPOKE_REQUESTS.family(), c.SPOKE_BYTES.family()
-        hub_fetch, hub_errors, errors = (
-            c.SPOKE_HUB_FETCH_DURATION.family(), c.SPOKE_HUB_ERRORS.family(), c.SPOKE_COLLECTOR_ERRORS.family()
-        )
+        hub_fetch, hub_errors = c.SPOKE_HUB_FETCH_DURATION.family(), c.SPOKE_HUB_ERRORS.family()
         with self._lock:
             for result, count in sorted(self._requests.items()):
                 requests.add_metric([*labels, result], count)
@@ -224,8 +223,7 @@ class NginxSpokeCollector:
             buckets, total = self._hub_fetch.buckets()
             hub_fetch.add_metric(labels, buckets, total)
             hub_errors.add_metric(labels, self._hub_errors)
-            for reason, count in sorted(self._errors.items()):
-                errors.add_metric([*labels, reason], count)
+            errors = collector_errors(self._spoke, self._errors)
         yield from (requests, volume, hub_fetch, hub_errors, errors)
 
     def close(self) -> None:

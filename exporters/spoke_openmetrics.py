@@ -41,6 +41,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from stallwatch import catalogue
 from stallwatch.exporters.collector import CollectorContext, register_collector
+from stallwatch.exporters.spokes import collector_errors
 
 log = logging.getLogger(__name__)
 
@@ -233,10 +234,7 @@ class OpenMetricsSpokeCollector:
             self._errors[error.reason] += 1
         else:
             yield from mapped
-        errors = catalogue.SPOKE_COLLECTOR_ERRORS.family()
-        for reason, count in sorted(self._errors.items()):
-            errors.add_metric([self._spoke, reason], count)
-        yield errors
+        yield collector_errors(self._spoke, self._errors)
 
     def close(self) -> None:
         pass

@@ -25,7 +25,6 @@ from pathlib import Path
 
 from prometheus_client.core import Metric
 
-from stallwatch import catalogue
 from stallwatch.exporters.collector import CollectorContext, register_collector
 from stallwatch.exporters.spoke_openmetrics import (
     HttpGet,
@@ -37,6 +36,7 @@ from stallwatch.exporters.spoke_openmetrics import (
     mapping_text,
     parse_exposition,
 )
+from stallwatch.exporters.spokes import collector_errors
 
 log = logging.getLogger(__name__)
 
@@ -91,10 +91,7 @@ class QumuloSpokeCollector:
             else:
                 self._failures, self._next_attempt = 0, 0.0
                 yield from apply_mapping(self._rules, families, self._spoke)
-        errors = catalogue.SPOKE_COLLECTOR_ERRORS.family()
-        for reason, count in sorted(self._errors.items()):
-            errors.add_metric([self._spoke, reason], count)
-        yield errors
+        yield collector_errors(self._spoke, self._errors)
 
     def close(self) -> None:
         pass

@@ -25,6 +25,7 @@ from prometheus_client.core import Metric
 
 from stallwatch import catalogue
 from stallwatch.exporters.collector import CollectorContext, register_collector
+from stallwatch.exporters.spokes import collector_errors
 
 log = logging.getLogger(__name__)
 
@@ -69,10 +70,7 @@ class VarnishSpokeCollector:
             self._count("parse_error", error)
         else:
             yield from self._families(values)
-        errors = catalogue.SPOKE_COLLECTOR_ERRORS.family()
-        for reason, count in sorted(self._errors.items()):
-            errors.add_metric([self._spoke, reason], count)
-        yield errors
+        yield collector_errors(self._spoke, self._errors)
 
     def close(self) -> None:
         pass

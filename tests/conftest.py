@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -15,6 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
+from stallwatch.demo.processes import stop_process
 
 ROOT = Path(__file__).resolve().parent.parent
 LISTENING = re.compile(r"listening on (https?://\S+?)(?:'|$)")
@@ -72,13 +73,7 @@ def start_agent(args: list[str], log: Path, timeout: float = 20.0) -> AgentProce
 
 
 def stop_agent(agent: AgentProcess) -> None:
-    if agent.process.poll() is None:
-        agent.process.send_signal(signal.SIGTERM)
-        try:
-            agent.process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            agent.process.kill()
-            agent.process.wait()
+    stop_process(agent.process, timeout=10)
 
 
 @pytest.fixture

@@ -17,7 +17,8 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from stallwatch.demo.spoke import Nginx, free_port, nginx_binary
+from stallwatch.demo.processes import free_port
+from stallwatch.demo.spoke import Nginx, nginx_binary
 from tests.conftest import ROOT, start_agent, stop_agent
 
 NGINX = nginx_binary()

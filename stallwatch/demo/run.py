@@ -32,6 +32,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from stallwatch import alerts, report
 from stallwatch import catalogue as c
 from stallwatch.demo.hub import Hub, make_dataset
+from stallwatch.demo.processes import stop_process
 from stallwatch.demo.spoke import Nginx, spoke_server_block
 from stallwatch.demo.stack import (
     Server,
@@ -85,7 +86,7 @@ class Settings:
             return self.cache_size
         # With an outage, a cache smaller than the dataset keeps some reads going to the hub in steady
         # state, so cutting the hub stalls the job; without one, the whole dataset fits.
-        return int(self.dataset_bytes * (0.7 if self.outage else 2.0))
+        return int(self.dataset_bytes * (0.85 if self.outage else 2.0))
 
 
 Metrics = dict[tuple[str, tuple[tuple[str, str], ...]], float]
@@ -153,7 +154,7 @@ class Demo:
         ]
         log = (work / "agent.log").open("w")
         agent = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, text=True)
-        self._stack.callback(_stop, agent)
+        self._stack.callback(stop_process, agent)
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
             match = LISTENING.search((work / "agent.log").read_text())
@@ -221,7 +222,7 @@ class Demo:
                 stdout=subprocess.PIPE, stderr=(work / "trainer.log").open("w"), text=True,
                 env=dict(os.environ, STALLWATCH_SOCKET=str(work / "events.sock")),
             )
-            self._stack.callback(_stop, trainer)
+            self._stack.callback(stop_process, trainer)
             self._follow(trainer, agent_url, hub, started)
             ended = time.time()
             time.sleep(s.window_seconds + 2)  # let the correlator close the last window
@@ -283,16 +284,6 @@ class Demo:
             trainer.wait(timeout=60)
 
 
-def _stop(process: subprocess.Popen[Any]) -> None:
-    if process.poll() is None:
-        process.terminate()
-        try:
-            process.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-
-
 def _size(text: str) -> int:
     match = re.fullmatch(r"(\d+(?:\.\d+)?)\s*([kmg]?)i?b?", text.strip().lower())
     if not match:
@@ -317,7 +308,7 @@ def main(argv: Sequence[str]) -> int:
     for flag, kind, default, text in flags:
         parser.add_argument(flag, type=kind, default=default, help=f"{text} (default: %(default)s)")
     parser.add_argument("--cache-size", type=_size, default=None,
-                        help="spoke capacity, e.g. 150MiB (default: the whole dataset; 70%% of it with --outage)")
+                        help="spoke capacity, e.g. 150MiB (default: the whole dataset; 85%% of it with --outage)")
     parser.add_argument("--outage", action="store_true", help="cut the hub mid-run so a stall alert fires")
     parser.add_argument("--workdir", type=Path, default=None, help="(default: a new temporary folder)")
     options = parser.parse_args(argv)

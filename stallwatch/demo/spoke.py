@@ -16,18 +16,12 @@ import subprocess
 import time
 from pathlib import Path
 
+from stallwatch.demo.processes import free_port, stop_process
 from stallwatch.exporters.spoke_nginx import LOG_FORMAT
 
 
 def nginx_binary() -> str:
     return shutil.which("nginx") or "/usr/sbin/nginx"
-
-
-def free_port() -> int:
-    """A port nothing listens on now (nginx cannot report a port it picked itself)."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 def spoke_server_block(hub_url: str, timeout_seconds: int = 120) -> str:
@@ -106,10 +100,4 @@ http {{
                         "-g", self._globals, "-s", "reopen"], check=True, capture_output=True, timeout=10)
 
     def close(self) -> None:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGQUIT)
-            try:
-                self.process.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+        stop_process(self.process, signal.SIGQUIT)  # nginx's graceful shutdown

@@ -13,6 +13,7 @@ import subprocess
 import threading
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections.abc import Callable, Sequence
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -21,7 +22,7 @@ from typing import Any
 
 import yaml
 
-from stallwatch.demo.spoke import free_port
+from stallwatch.demo.processes import free_port, stop_process
 
 
 def find_binary(name: str) -> str | None:
@@ -95,13 +96,7 @@ class Server:
             raise
 
     def close(self) -> None:
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+        stop_process(self.process)
 
 
 def start_alertmanager(binary: str, workdir: Path, webhook_url: str, group_wait: str = "1s") -> Server:
