@@ -10,10 +10,12 @@ and measures the agent's CPU share while idle-scraped. Prints ratios measured in
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import statistics
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 import urllib.request
@@ -39,9 +41,10 @@ BARE_SERVER = textwrap.dedent(
 
 
 def start_agent() -> tuple[subprocess.Popen[str], str]:
+    socket_path = os.path.join(tempfile.mkdtemp(prefix="sw-bench-"), "events.sock")
     agent = subprocess.Popen(
         [sys.executable, "-m", "stallwatch", "agent", "--web.listen-address", "127.0.0.1:0",
-         "--gpu.fake-devices", "8", "--gpu.interval", "0.1", "--log.level", "info"],
+         "--gpu.fake-devices", "8", "--gpu.interval", "0.1", "--events.socket", socket_path],
         stderr=subprocess.PIPE, text=True,
     )
     assert agent.stderr is not None
