@@ -9,7 +9,9 @@ and the accounting is checked from both sides:
     sent = accepted by the agent (receiver_events_total) + dropped by the agent
            (receiver_dropped_events_total) + dropped by the clients (their own counters)
 
-and the agent's `client_dropped_events_total` equals the clients' own count. `run()` is what
+and the agent's `client_dropped_events_total` equals the clients' own count. The correlator (on, as by
+default) sheds what passes its caps and counts it in `correlator_dropped_events_total`, reported by
+kind and reason. `run()` is what
 tests/test_flood.py calls for a few seconds; this script runs it longer:
 
     PYTHONPATH=. .venv/bin/python benchmarks/flood.py [--seconds 30] [--rate 500000]
@@ -25,7 +27,7 @@ import sys
 import tempfile
 import time
 import urllib.request
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import psutil
@@ -113,6 +115,7 @@ class FloodReport:
     scrapes_during_flood: int
     scrape_failures: int
     series: int = 0
+    correlator_dropped: dict[str, float] = field(default_factory=dict)  # "kind/reason": events
 
     @property
     def unaccounted(self) -> float:
@@ -166,6 +169,9 @@ def run(url: str, pid: int, socket_path: str, rate: int = 10 * NOMINAL_RATE, sec
         scrape_idle_ms=statistics.median(idle) * 1e3,
         scrape_flood_ms=statistics.median(during) * 1e3 if during else float("nan"),
         scrapes_during_flood=len(during), scrape_failures=failures, series=len(metrics),
+        correlator_dropped={f"{dict(labels)['kind']}/{dict(labels)['reason']}": value
+                            for (name, labels), value in metrics.items()
+                            if name == "stallwatch_correlator_dropped_events_total"},
     )
 
 

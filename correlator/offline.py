@@ -44,7 +44,8 @@ def main(argv: Sequence[str]) -> int:
     for (job, rank), seconds in sorted(totals.items()):
         split = ", ".join(f"{cause} {value:.3f}" for cause, value in zip(CAUSES, seconds, strict=True))
         print(f"job {job} rank {rank}: stall s: {split}", file=sys.stderr)
-    late = dict(correlator.windows.late)
-    if late or correlator.malformed:
-        print(f"late events: {late}; malformed: {dict(correlator.malformed)}", file=sys.stderr)
+    late, shed = dict(correlator.windows.late), dict(correlator.windows.shed)
+    if late or correlator.malformed or shed:
+        print(f"late events: {late}; malformed: {dict(correlator.malformed)}; shed at the buffer cap: {shed}",
+              file=sys.stderr)
     return 0

@@ -2,9 +2,11 @@
 
 Collectors call `submit(batch)` from their own threads (GPU poll, event receiver, spoke tailers). It
 only appends to a queue under a lock, so no collector ever waits on the correlator; past
-`max_backlog_events` queued events a batch is dropped and counted. One thread drains the queue into
-the streamz pipeline every `tick_s` and then advances the watermark by the agent's clock (the same
-monotonic clock the events carry), so windows close on time even when the node falls silent.
+`max_backlog_events` queued events a batch is dropped and counted (`backlog`), as is a batch the
+window store sheds at its cap (`window_full`): with both caps, a flood costs bounded memory. One
+thread drains the queue into the streamz pipeline every `tick_s` and then advances the watermark by
+the agent's clock (the same monotonic clock the events carry), so windows close on time even when
+the node falls silent.
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ from stallwatch.correlator.results import Names
 
 log = logging.getLogger(__name__)
 
+DEFAULT_BACKLOG_EVENTS = 200_000  # 1 s at 4x the nominal 50k events/s; about 10 MB of columns
+
 
 class CorrelatorService:
     def __init__(
@@ -40,7 +44,7 @@ class CorrelatorService:
         events_path: str | Path | None = None,
         clock_ns: Callable[[], int] = time.monotonic_ns,
         tick_s: float = 0.25,
-        max_backlog_events: int = 2_000_000,
+        max_backlog_events: int = DEFAULT_BACKLOG_EVENTS,
         start: bool = True,
     ) -> None:
         self.settings = settings or CorrelatorSettings()
@@ -89,6 +93,8 @@ class CorrelatorService:
             dropped = dict(self._dropped)
         for kind, events in self.correlator.malformed.items():
             dropped[(kind, "malformed")] = events
+        for kind, events in self.correlator.windows.shed.items():
+            dropped[(kind, "window_full")] = events
         return dropped
 
     def _run(self) -> None:

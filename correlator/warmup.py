@@ -8,10 +8,13 @@ Per closed window a job is
   window's (quarters, not single steps, so a periodic pattern such as alternating workers is still
   steady), and, once a steady pace is known, it keeps at least `min_pace` of it;
 - `transition` in between.
-Leaving `steady` is a regression (evictions, thrash, hub trouble). When it leaves on pace alone (few
-or no steps: a stall in progress, or the job ended) the phase turns `transition` at once but the
-regression is counted only when a later step proves the trainer was waiting through that window;
-a job that simply ended is never counted.
+Leaving `steady` is a regression (evictions, thrash, hub trouble), counted only on the cache's
+evidence. A fall on the hit ratio counts at once. When it leaves on pace alone (few or no steps: a
+stall in progress, or the job ended) the phase turns `transition` at once but the regression is
+counted only when a later step proves the trainer was waiting through that window; a job that simply
+ended is never counted. When it leaves on step-time dispersion alone, it counts only if some of the
+window's reads missed: uneven steps while every read hit are the CPU's doing (preprocessing jitter,
+the fast last steps of a job draining its prefetched batches), not the cache's.
 Until the first steady window the job's idle GPU-seconds during stalls and its hub bytes (bytes of
 reads that missed) add up to the warm-up's cost.
 """
@@ -24,6 +27,8 @@ import numpy as np
 import numpy.typing as npt
 
 COLD, TRANSITION, STEADY = "cold", "transition", "steady"
+# Why a window is not steady: what the regression rule asks of a fall from steady.
+HIT_RATIO, PACE, DISPERSION = "hit_ratio", "pace", "dispersion"
 
 
 @dataclass(frozen=True)
@@ -87,16 +92,16 @@ class WarmupTracker:
             if np.any((seen.stall_start_ns < until) & (seen.stall_end_ns >= until)):
                 state.regressions += 1  # a stall covered the quiet window's end: the trainer was waiting
             state.unconfirmed_until_ns = None
-        phase, on_pace = self._phase(state, seen, complete)
+        phase, why = self._phase(state, seen, complete)
         if state.time_to_steady_s is None:
             state.idle_gpu_seconds += seen.stall_idle_gpu_seconds
             state.hub_bytes += seen.hub_bytes
             if phase == STEADY:
                 state.time_to_steady_s = max(start_ns - state.first_event_ns, 0) / 1e9
         if state.phase == STEADY and phase != STEADY:
-            if on_pace:
+            if why == PACE:
                 state.unconfirmed_until_ns = end_ns
-            else:
+            elif why == HIT_RATIO or seen.hits < seen.reads:
                 state.regressions += 1
         if phase == STEADY and seen.steps and seen.ranks:
             pace = seen.steps / seen.ranks
@@ -104,26 +109,26 @@ class WarmupTracker:
         state.phase = phase
         return state
 
-    def _phase(self, state: JobWarmup, seen: JobWindow, complete: bool) -> tuple[str, bool]:
-        """The window's phase, and whether a fall from steady is on pace alone (to be confirmed)."""
+    def _phase(self, state: JobWarmup, seen: JobWindow, complete: bool) -> tuple[str, str | None]:
+        """The window's phase and, when it is not steady, why (HIT_RATIO, PACE or DISPERSION)."""
         s = self.settings
         ratio = state.hit_ratio
         if ratio is None or ratio < s.cold_hit_ratio:
-            return COLD, False
+            return COLD, HIT_RATIO
         if ratio < s.steady_hit_ratio:
-            return TRANSITION, False
+            return TRANSITION, HIT_RATIO
         if state.phase == STEADY and state.steady_pace is not None and complete:
             pace = seen.steps / seen.ranks if seen.ranks else 0.0
             if pace < s.min_pace * state.steady_pace:
-                return TRANSITION, True
+                return TRANSITION, PACE
         if not seen.steps:
-            return state.phase, False
+            return state.phase, None
         counts = np.bincount(seen.step_quarter, minlength=4)
         sums = np.bincount(seen.step_quarter, weights=seen.step_seconds, minlength=4)
         means = sums[counts > 0] / counts[counts > 0]
         overall = float(seen.step_seconds.mean())
         dispersion = float(means.max() - means.min()) / overall if overall > 0 else 0.0
-        return (STEADY if dispersion <= s.max_dispersion else TRANSITION), False
+        return (STEADY, None) if dispersion <= s.max_dispersion else (TRANSITION, DISPERSION)
 
     def expire(self, now_ns: int) -> list[int]:
         """Forget jobs with no step for `expiry_s`; their ids, so their series can go too."""

@@ -8,7 +8,14 @@ event whose time falls in a window already closed is late: counted by kind, then
 A closing window hands over its steps plus the context they need: the reads, spoke requests and GPU
 samples ending from `lookback` before its earliest stall up to the watermark, because a stall can
 reach back past the window's start (a 30 s hub outage) and a batch's reads precede its wait.
-Buffered context older than `retention` before the closed edge is let go, which bounds memory.
+Buffered context older than `retention` before the closed edge is let go.
+
+Memory is bounded by count as well as by time: each kind holds at most `max_buffered_events`. A batch
+that would pass the cap first lets go of context already handed to closed windows, oldest first (it
+was counted in its own window; only a later long stall loses it as evidence, and since reads slow
+down in a stall, a cap in events still spans a long stall). If events of still-open windows alone
+would pass the cap, the whole incoming batch is shed and counted in `shed` by kind: under a flood the
+store keeps what it has, and nothing is lost without a count.
 """
 
 from __future__ import annotations
@@ -75,6 +82,10 @@ class _Chunk:
     high: int
     columns: Columns
 
+    @property
+    def events(self) -> int:
+        return int(next(iter(self.columns.values())).size)
+
 
 @dataclass(frozen=True)
 class WindowInput:
@@ -85,12 +96,12 @@ class WindowInput:
     final: bool  # closed by a flush at the end of input rather than by the watermark
 
 
-def _concat(chunks: list[_Chunk], kind: str) -> Columns:
-    if not chunks:
+def _concat(parts: list[Columns], kind: str) -> Columns:
+    if not parts:
         return {name: np.zeros(0, dtype=dtype) for name, dtype in SCHEMAS[kind].items()}
-    if len(chunks) == 1:
-        return chunks[0].columns
-    return {name: np.concatenate([c.columns[name] for c in chunks]) for name in SCHEMAS[kind]}
+    if len(parts) == 1:
+        return parts[0]
+    return {name: np.concatenate([part[name] for part in parts]) for name in SCHEMAS[kind]}
 
 
 def _select(columns: Columns, mask: npt.NDArray[np.bool_]) -> Columns:
@@ -103,9 +114,12 @@ class EventTimeWindows:
     lateness_ns: int
     lookback_ns: int
     retention_ns: int
+    max_buffered_events: int  # per kind
     closed_until: int | None = None
     late: Counter[str] = field(default_factory=Counter)
+    shed: Counter[str] = field(default_factory=Counter)  # events dropped whole-batch at the cap, by kind
     _buffers: dict[str, list[_Chunk]] = field(default_factory=lambda: {kind: [] for kind in SCHEMAS})
+    _buffered: Counter[str] = field(default_factory=Counter)
     _newest: int | None = None
 
     def add(self, kind: str, columns: Columns) -> None:
@@ -120,13 +134,45 @@ class EventTimeWindows:
             columns, times = _select(columns, ~late), times[~late]
             if times.size == 0:
                 return
+        excess = self._buffered[kind] + times.size - self.max_buffered_events
+        if excess > 0 and not self._release_delivered(kind, excess):
+            self.shed[kind] += int(times.size)
+            return
         self._buffers[kind].append(_Chunk(int(times.min()), int(times.max()), columns))
+        self._buffered[kind] += int(times.size)
         newest = int(times.max())
         self._newest = newest if self._newest is None else max(self._newest, newest)
 
     @property
     def newest_event_ns(self) -> int | None:
         return self._newest
+
+    def buffered(self, kind: str) -> int:
+        """Events of `kind` the store holds now."""
+        return self._buffered[kind]
+
+    def _release_delivered(self, kind: str, excess: int) -> bool:
+        """Let go of at least `excess` events of context closed windows already had, oldest first.
+
+        False, releasing nothing, when that context is too small: the caller sheds its batch then,
+        and the context stays for the long stalls it may still explain.
+        """
+        assert self.closed_until is not None
+        delivered = sorted((c for c in self._buffers[kind] if c.high < self.closed_until), key=lambda c: c.high)
+        if sum(c.events for c in delivered) < excess:
+            return False
+        released: set[int] = set()
+        for chunk in delivered:
+            if excess <= 0:
+                break
+            released.add(id(chunk))
+            excess -= chunk.events
+        self._keep(kind, [c for c in self._buffers[kind] if id(c) not in released])
+        return True
+
+    def _keep(self, kind: str, chunks: list[_Chunk]) -> None:
+        self._buffers[kind] = chunks
+        self._buffered[kind] = sum(c.events for c in chunks)
 
     def advance(self, watermark_ns: int) -> list[WindowInput]:
         """Close every window whose end is at or before the watermark."""
@@ -159,28 +205,40 @@ class EventTimeWindows:
     def _close(self, final: bool) -> WindowInput:
         assert self.closed_until is not None
         start, end = self.closed_until, self.closed_until + self.window_ns
-        step_chunks = [c for c in self._buffers["step"] if c.low < end]
-        steps = _concat(step_chunks, "step")
-        in_window = steps["compute_end_ns"] < end
-        mine = _select(steps, in_window)
-        # Keep the steps of later windows that shared a chunk with this one.
-        self._buffers["step"] = [c for c in self._buffers["step"] if c.low >= end]
-        if not in_window.all():
-            rest = _select(steps, ~in_window)
-            self._buffers["step"].insert(0, _Chunk(int(rest["compute_end_ns"].min()),
-                                                   int(rest["compute_end_ns"].max()), rest))
+        # Chunk by chunk, never one concatenation of everything buffered: a close then costs about
+        # the size of what it hands over, not of the whole store.
+        parts: list[Columns] = []
+        later: list[_Chunk] = []  # the steps of later windows, some from chunks shared with this one
+        for chunk in self._buffers["step"]:
+            if chunk.high < end:
+                parts.append(chunk.columns)
+            elif chunk.low >= end:
+                later.append(chunk)
+            else:
+                in_window = chunk.columns["compute_end_ns"] < end
+                parts.append(_select(chunk.columns, in_window))
+                rest = _select(chunk.columns, ~in_window)
+                later.append(_Chunk(int(rest["compute_end_ns"].min()), chunk.high, rest))
+        mine = _concat(parts, "step")
+        self._keep("step", later)
         earliest_need = int(mine["wait_start_ns"].min()) if mine["wait_start_ns"].size else start
         horizon = max(min(earliest_need, start) - self.lookback_ns, start - self.retention_ns)
         context: dict[str, Columns] = {}
         for kind in CONTEXT_KINDS:
-            chunks = [c for c in self._buffers[kind] if c.high >= horizon]
-            columns = _concat(chunks, kind)
-            keep = columns[EVENT_TIME[kind]] >= horizon
-            if kind in BEGIN:
-                keep &= BEGIN[kind](columns) < end
-            context[kind] = _select(columns, keep)
+            parts = []
+            for chunk in self._buffers[kind]:
+                if chunk.high < horizon:
+                    continue
+                keep = chunk.columns[EVENT_TIME[kind]] >= horizon
+                if kind in BEGIN:
+                    keep &= BEGIN[kind](chunk.columns) < end
+                if keep.all():
+                    parts.append(chunk.columns)
+                elif keep.any():
+                    parts.append(_select(chunk.columns, keep))
+            context[kind] = _concat(parts, kind)
         self.closed_until = end
         keep_from = end - self.retention_ns
         for kind in CONTEXT_KINDS:
-            self._buffers[kind] = [c for c in self._buffers[kind] if c.high >= keep_from]
+            self._keep(kind, [c for c in self._buffers[kind] if c.high >= keep_from])
         return WindowInput(start, end, mine, context, final)

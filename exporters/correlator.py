@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 
 from stallwatch.correlator.correlate import CorrelatorSettings
-from stallwatch.correlator.service import CorrelatorService
+from stallwatch.correlator.service import DEFAULT_BACKLOG_EVENTS, CorrelatorService
 from stallwatch.exporters.collector import CollectorContext, register_collector
 
 
@@ -35,6 +35,13 @@ def _non_negative_float(text: str) -> float:
     return value
 
 
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+
 def _bytes(text: str) -> int:
     value = int(float(text))
     if value <= 0:
@@ -56,6 +63,10 @@ def add_settings_arguments(group: argparse._ArgumentGroup, prefix: str) -> None:
     group.add_argument(f"--{prefix}retention", dest="correlator_retention", type=_positive_float,
                        default=defaults.retention_s, metavar="SECONDS",
                        help="reads and GPU samples kept for long stalls; bounds memory (default: %(default)s)")
+    group.add_argument(f"--{prefix}max-buffered-events", dest="correlator_max_buffered_events", type=_positive_int,
+                       default=defaults.max_buffered_events, metavar="EVENTS",
+                       help="events of each kind the windows hold; past it the oldest used context goes, then "
+                       "incoming batches are dropped and counted (default: %(default)s)")
     group.add_argument(f"--{prefix}cache-capacity", dest="correlator_cache_capacity", type=_bytes, default=None,
                        metavar="BYTES", help="the spoke's capacity, for the cache what-if (default: none, no what-if)")
     group.add_argument(f"--{prefix}whatif-sample-rate", dest="correlator_whatif_sample_rate", type=_sample_rate,
@@ -72,6 +83,7 @@ def settings_from(options: argparse.Namespace) -> CorrelatorSettings:
         lateness_s=options.correlator_lateness,
         stall_threshold_s=options.correlator_stall_threshold,
         retention_s=options.correlator_retention,
+        max_buffered_events=options.correlator_max_buffered_events,
         cache_capacity_bytes=options.correlator_cache_capacity,
         whatif_sample_rate=options.correlator_whatif_sample_rate,
     )
@@ -81,6 +93,10 @@ def _add_arguments(group: argparse._ArgumentGroup) -> None:
     add_settings_arguments(group, "correlator.")
     group.add_argument("--correlator.spoke-name", dest="correlator_spoke_name", default="default", metavar="NAME",
                        help="spoke label of the what-if (default: %(default)s)")
+    group.add_argument("--correlator.backlog-limit", dest="correlator_backlog_limit", type=_positive_int,
+                       default=DEFAULT_BACKLOG_EVENTS, metavar="EVENTS",
+                       help="events queued for the correlator; past it whole batches are dropped and counted "
+                       "(default: %(default)s)")
     group.add_argument("--correlator.record-events", dest="correlator_record_events", default=None, metavar="PATH",
                        help="also write every incoming batch to PATH, for `stallwatch correlate PATH`")
 
@@ -93,6 +109,7 @@ def _from_context(context: CollectorContext) -> CorrelatorService:
         spoke_name=options.correlator_spoke_name,
         record_path=options.correlator_record,
         events_path=options.correlator_record_events,
+        max_backlog_events=options.correlator_backlog_limit,
     )
 
 

@@ -339,8 +339,8 @@ CORRELATOR_LATE_EVENTS = counter(
 )
 CORRELATOR_DROPPED_EVENTS = counter(
     "correlator", "correlator_dropped_events_total", "", ["kind", "reason"],
-    "Events the correlator dropped before windowing: reason malformed (the batch broke the contract) "
-    "or backlog (input queue full).",
+    "Events the correlator dropped, whole batches at a time: reason malformed (the batch broke the contract), "
+    "backlog (input queue full) or window_full (the window store held its cap of events of that kind).",
 )
 
 

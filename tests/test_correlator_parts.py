@@ -133,6 +133,39 @@ def test_late_events_beyond_the_lateness_are_counted_not_attributed() -> None:
     assert steps == {0: 2, 2: 1, 3: 1}  # [1, 2) held no event at all: skipped, not published
 
 
+def _reads(end_s: list[float]) -> Batch:
+    end = (np.array(end_s) * 1e9).astype(np.int64) + BASE_NS
+    n = end.size
+    return Batch("read", {"job": np.zeros(n, np.int32), "rank": np.zeros(n, np.int32), "worker": np.zeros(n, np.int16),
+                          "batch": np.arange(n, dtype=np.int64), "key": np.arange(n, dtype=np.uint64),
+                          "bytes": np.full(n, 4096, np.int64), "start_ns": end - 1_000_000, "end_ns": end,
+                          "verdict": np.zeros(n, np.int8)})
+
+
+def test_past_its_cap_the_window_store_sheds_whole_batches_and_counts_every_event() -> None:
+    windows: list[WindowResult] = []
+    correlator = Correlator(CorrelatorSettings(window_s=1.0, lateness_s=5.0, max_buffered_events=10),
+                            listeners=[windows.append])
+    sent = [_steps(0, [0.1 * i for i in range(6)], 0.01, 0.01), _steps(0, [0.7] * 6, 0.01, 0.01),
+            _steps(0, [0.8] * 4, 0.01, 0.01), _steps(0, [0.9], 0.01, 0.01)]
+    for batch in sent:
+        correlator.emit(batch)
+        assert correlator.windows.buffered("step") <= 10
+    assert correlator.windows.shed == {"step": 7}  # the batch of 6 that did not fit, then the one of 1
+    correlator.run([])
+    assert sum(r.steps for w in windows for r in w.ranks) == 10  # 17 sent = 10 correlated + 7 shed
+
+
+def test_at_its_cap_the_store_lets_go_of_used_context_before_shedding_open_windows() -> None:
+    correlator = Correlator(CorrelatorSettings(window_s=1.0, lateness_s=0.5, max_buffered_events=10))
+    correlator.emit(_reads([0.1 + 0.01 * i for i in range(8)]))
+    correlator.emit(_steps(0, [3.0], 0.01, 0.01))  # the watermark passes 2.5 s: [0, 1) closes with its reads
+    correlator.emit(_reads([2.6 + 0.01 * i for i in range(8)]))  # fits once the used reads of [0, 1) go
+    assert correlator.windows.shed == {} and correlator.windows.buffered("read") == 8
+    correlator.emit(_reads([2.7, 2.8, 2.9]))  # the 8 held belong to a window still open: this batch goes
+    assert correlator.windows.shed == {"read": 3} and correlator.windows.buffered("read") == 8
+
+
 def test_malformed_batches_are_counted_and_the_pipeline_goes_on() -> None:
     correlator = Correlator()
     correlator.emit(Batch("step", {"job": np.zeros(3, np.int32)}))
@@ -222,6 +255,15 @@ def test_service_drops_and_counts_past_its_backlog() -> None:
     service.drain()
     text = generate_latest(_registry(service)).decode()
     assert 'stallwatch_correlator_dropped_events_total{kind="step",reason="backlog"} 8.0' in text
+
+
+def test_service_counts_what_the_window_store_sheds() -> None:
+    service = CorrelatorService(CorrelatorSettings(max_buffered_events=10), clock_ns=lambda: BASE_NS, start=False)
+    service.submit(_steps(0, [0.0] * 8, 0.1, 0.1))
+    service.submit(_steps(0, [0.0] * 3, 0.1, 0.1))
+    service.drain()
+    text = generate_latest(_registry(service)).decode()
+    assert 'stallwatch_correlator_dropped_events_total{kind="step",reason="window_full"} 3.0' in text
 
 
 def _registry(service: CorrelatorService) -> CollectorRegistry:

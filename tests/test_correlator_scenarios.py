@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from hypothesis import Phase, given, settings
+from hypothesis import Phase, example, given, settings
 from hypothesis import strategies as st
 
 from stallwatch.catalogue import CAUSES
@@ -78,6 +78,9 @@ def test_working_set_larger_than_cache_thrashes(seed: int, oversubscription: flo
 
 @FEW
 @given(seed=seeds, preprocess=st.floats(0.15, 0.4), workers=st.integers(1, 4))
+# The job's last two steps, on prefetched batches, were fast in the flushed last window's last quarter:
+# step-time dispersion with every read a hit, once counted as a regression.
+@example(seed=4828, preprocess=0.3372257468274155, workers=4)
 def test_cpu_bound_preprocessing_with_warm_cache(seed: int, preprocess: float, workers: int) -> None:
     spec = JobSpec(0, steps=500, workers=workers, preprocess_s=preprocess, compute_s=0.04)
     scenario = Scenario([spec], cache_bytes=800 * MB, prewarm=True, seed=seed)
