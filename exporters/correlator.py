@@ -12,33 +12,13 @@ import argparse
 from stallwatch.correlator.correlate import CorrelatorSettings
 from stallwatch.correlator.service import DEFAULT_BACKLOG_EVENTS, CorrelatorService
 from stallwatch.exporters.collector import CollectorContext, register_collector
-
-
-def _positive_float(text: str) -> float:
-    value = float(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
-    return value
+from stallwatch.exporters.config import non_negative_float, positive_float, positive_int
 
 
 def _sample_rate(text: str) -> float:
     value = float(text)
     if not 0 < value <= 1:
         raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
-    return value
-
-
-def _non_negative_float(text: str) -> float:
-    value = float(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
-    return value
-
-
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
     return value
 
 
@@ -52,18 +32,18 @@ def _bytes(text: str) -> int:
 def add_settings_arguments(group: argparse._ArgumentGroup, prefix: str) -> None:
     """The pipeline's settings as flags; `prefix` is `correlator.` for the agent, empty offline."""
     defaults = CorrelatorSettings()
-    group.add_argument(f"--{prefix}window", dest="correlator_window", type=_positive_float,
+    group.add_argument(f"--{prefix}window", dest="correlator_window", type=positive_float,
                        default=defaults.window_s, metavar="SECONDS", help="event-time window (default: %(default)s)")
-    group.add_argument(f"--{prefix}lateness", dest="correlator_lateness", type=_non_negative_float,
+    group.add_argument(f"--{prefix}lateness", dest="correlator_lateness", type=non_negative_float,
                        default=defaults.lateness_s,
                        metavar="SECONDS", help="how late an event may arrive and still count (default: %(default)s)")
-    group.add_argument(f"--{prefix}stall-threshold", dest="correlator_stall_threshold", type=_non_negative_float,
+    group.add_argument(f"--{prefix}stall-threshold", dest="correlator_stall_threshold", type=non_negative_float,
                        default=defaults.stall_threshold_s, metavar="SECONDS",
                        help="a loader wait longer than this is a stall (default: %(default)s)")
-    group.add_argument(f"--{prefix}retention", dest="correlator_retention", type=_positive_float,
+    group.add_argument(f"--{prefix}retention", dest="correlator_retention", type=positive_float,
                        default=defaults.retention_s, metavar="SECONDS",
                        help="reads and GPU samples kept for long stalls; bounds memory (default: %(default)s)")
-    group.add_argument(f"--{prefix}max-buffered-events", dest="correlator_max_buffered_events", type=_positive_int,
+    group.add_argument(f"--{prefix}max-buffered-events", dest="correlator_max_buffered_events", type=positive_int,
                        default=defaults.max_buffered_events, metavar="EVENTS",
                        help="events of each kind the windows hold; past it the oldest used context goes, then "
                        "incoming batches are dropped and counted (default: %(default)s)")
@@ -93,7 +73,7 @@ def _add_arguments(group: argparse._ArgumentGroup) -> None:
     add_settings_arguments(group, "correlator.")
     group.add_argument("--correlator.spoke-name", dest="correlator_spoke_name", default="default", metavar="NAME",
                        help="spoke label of the what-if (default: %(default)s)")
-    group.add_argument("--correlator.backlog-limit", dest="correlator_backlog_limit", type=_positive_int,
+    group.add_argument("--correlator.backlog-limit", dest="correlator_backlog_limit", type=positive_int,
                        default=DEFAULT_BACKLOG_EVENTS, metavar="EVENTS",
                        help="events queued for the correlator; past it whole batches are dropped and counted "
                        "(default: %(default)s)")

@@ -44,6 +44,7 @@ from stallwatch.batch import OVERFLOW, Batch, BatchSink, Interner, discard
 from stallwatch.client import wire
 from stallwatch.client.transport import DEFAULT_SOCKET
 from stallwatch.exporters.collector import CollectorContext, register_collector
+from stallwatch.exporters.config import positive_int
 from stallwatch.exporters.events_decode import Decoded, RejectedBatchError, decode, peek_events
 
 log = logging.getLogger(__name__)
@@ -333,25 +334,18 @@ class EventsCollector:
 def _add_arguments(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--events.socket", dest="events_socket", default=DEFAULT_SOCKET, metavar="PATH",
                        help="Unix datagram socket training clients send to (default: %(default)s)")
-    group.add_argument("--events.queue-limit", dest="events_queue_limit", type=_positive, default=200_000,
+    group.add_argument("--events.queue-limit", dest="events_queue_limit", type=positive_int, default=200_000,
                        metavar="N", help="events waiting to be decoded before batches are dropped "
                        "(default: %(default)s)")
-    group.add_argument("--events.job-limit", dest="events_job_limit", type=_positive, default=64, metavar="N",
+    group.add_argument("--events.job-limit", dest="events_job_limit", type=positive_int, default=64, metavar="N",
                        help="distinct job names kept as label values; more fold into __other__ "
                        "(default: %(default)s)")
-    group.add_argument("--events.rank-limit", dest="events_rank_limit", type=_positive, default=64, metavar="N",
+    group.add_argument("--events.rank-limit", dest="events_rank_limit", type=positive_int, default=64, metavar="N",
                        help="distinct (job, rank) label pairs kept; ranks of more fold into __other__ "
                        "(default: %(default)s)")
     group.add_argument("--events.socket-group", dest="events_socket_group", type=_group_id, default=None,
                        metavar="GROUP", help="group (name or id) that owns the socket and, when the agent creates "
                        "it, its directory: training processes in it may send (default: the agent's own group)")
-
-
-def _positive(text: str) -> int:
-    value = int(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
-    return value
 
 
 def _group_id(text: str) -> int:

@@ -32,6 +32,7 @@ from prometheus_client.core import Metric
 from stallwatch import catalogue
 from stallwatch.batch import Batch, BatchSink, discard
 from stallwatch.exporters.collector import CollectorContext, register_collector
+from stallwatch.exporters.config import positive_float
 
 log = logging.getLogger(__name__)
 
@@ -417,15 +418,8 @@ _READING_GAUGES = (
 )
 
 
-def _positive_float(text: str) -> float:
-    value = float(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
-    return value
-
-
 def _add_arguments(group: argparse._ArgumentGroup) -> None:
-    group.add_argument("--gpu.interval", dest="gpu_interval", type=_positive_float, default=0.5,
+    group.add_argument("--gpu.interval", dest="gpu_interval", type=positive_float, default=0.5,
                        metavar="SECONDS", help="how often NVML is polled (default: %(default)s)")
     group.add_argument("--gpu.pcie-interval", dest="gpu_pcie_interval", type=float, default=10.0,
                        metavar="SECONDS", help="how often PCIe throughput is read, 0 to never; each read "

@@ -16,13 +16,13 @@ from pathlib import Path
 import pytest
 from hypothesis import settings
 
+from stallwatch.demo.processes import stop_process
+
 # CI (which sets CI=true) runs the same examples every time, so a red build names a change, not a
 # draw; local runs keep exploring new examples. Tests' own settings (example counts) build on this.
 settings.register_profile("ci", derandomize=True, deadline=None)
 if os.environ.get("CI"):
     settings.load_profile("ci")
-
-from stallwatch.demo.processes import stop_process
 
 ROOT = Path(__file__).resolve().parent.parent
 LISTENING = re.compile(r"listening on (https?://\S+?)(?:'|$)")
