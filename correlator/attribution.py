@@ -16,6 +16,7 @@ All of it is joins, clips and per-group union lengths on arrays (see intervals.p
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -42,8 +43,8 @@ class Steps:
 
 @dataclass(frozen=True)
 class Reads:
-    job: I64
-    rank: I64
+    job: npt.NDArray[np.signedinteger[Any]]  # as the batch carries them (int32): a window's reads are many
+    rank: npt.NDArray[np.signedinteger[Any]]
     batch: I64
     start: I64
     end: I64

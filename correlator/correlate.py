@@ -30,8 +30,9 @@ class CorrelatorSettings:
     stall_threshold_s: float = 0.001
     lookback_s: float = 2.0  # how far before a stall a batch's reads are looked for (> any preprocess time)
     retention_s: float = 60.0  # the longest stall whose reads and GPU samples are still at hand
-    # Per kind. Bounds the window store's memory (a read is 51 bytes): 10 s of window and lateness at
-    # the nominal 50k events/s with room to spare; past it, a flood's batches are shed and counted.
+    # Per kind. Bounds the window store's memory (a read is 51 bytes, about half once merged): 10 s of
+    # window and lateness at the nominal 50k events/s with room to spare; past it, a flood's batches are
+    # shed and counted.
     max_buffered_events: int = 600_000
     spoke_join_tolerance_s: float = 1.0
     cache_capacity_bytes: int | None = None
@@ -72,7 +73,7 @@ class WindowCorrelator:
         st = window.steps
         steps = Steps(*(st[name].astype(np.int64) for name in
                         ("job", "rank", "gpu", "batch", "wait_start_ns", "wait_end_ns", "compute_end_ns")))
-        reads = Reads(raw["job"].astype(np.int64), raw["rank"].astype(np.int64), raw["batch"],
+        reads = Reads(raw["job"], raw["rank"], raw["batch"],
                       raw["start_ns"], raw["end_ns"], miss)
         attribution = attribute(steps, reads, seconds_to_ns(s.stall_threshold_s))
         gpu = window.context["gpu_util"]
@@ -168,11 +169,10 @@ class WindowCorrelator:
 
     @staticmethod
     def _earliest(steps: Steps, reads: Reads, in_window: np.ndarray) -> dict[int, int]:
-        jobs = np.concatenate((steps.job, reads.job[in_window]))
-        times = np.concatenate((steps.wait_start, reads.start[in_window]))
-        if jobs.size == 0:
-            return {}
-        unique, group = np.unique(jobs, return_inverse=True)
-        earliest = np.full(unique.size, np.iinfo(np.int64).max, dtype=np.int64)
-        np.minimum.at(earliest, group, times)
-        return {int(j): int(t) for j, t in zip(unique, earliest, strict=True)}
+        """Per job, the earliest wait or read start. A loop per job: no sort of the window's reads."""
+        earliest: dict[int, int] = {}
+        for jobs, times in ((steps.job, steps.wait_start), (reads.job[in_window], reads.start[in_window])):
+            for job in np.unique(jobs).tolist():
+                first = int(times[jobs == job].min())
+                earliest[job] = min(earliest.get(job, first), first)
+        return earliest

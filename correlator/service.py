@@ -11,6 +11,7 @@ the node falls silent.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import threading
 import time
@@ -31,6 +32,27 @@ from stallwatch.correlator.results import Names
 log = logging.getLogger(__name__)
 
 DEFAULT_BACKLOG_EVENTS = 200_000  # 1 s at 4x the nominal 50k events/s; about 10 MB of columns
+
+
+def _load_malloc_trim() -> Callable[[int], int] | None:
+    try:
+        return ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):  # not glibc: nothing to call
+        return None
+
+
+_MALLOC_TRIM = _load_malloc_trim()
+
+
+def _return_freed_memory() -> None:
+    """After a window close, hand the heap's free pages back to the system.
+
+    A close frees the closed window's steps, its context copy and its working arrays, allocated and
+    freed on this thread while the receiver allocates batches on its own: without a trim, glibc keeps
+    the freed pages (measured: about 14 MiB of RSS at nominal load).
+    """
+    if _MALLOC_TRIM is not None:
+        _MALLOC_TRIM(0)
 
 
 class CorrelatorService:
@@ -84,7 +106,10 @@ class CorrelatorService:
             if self._events is not None:
                 self._events.write(batch)
             self.correlator.emit(batch)
+        closed_until = self.correlator.windows.closed_until
         self.correlator.emit(Watermark(self._clock_ns() - seconds_to_ns(self.settings.lateness_s)))
+        if self.correlator.windows.closed_until != closed_until:
+            _return_freed_memory()
         dropped = self._dropped_snapshot()
         self.metrics.set_losses(self.correlator.windows.late, dropped)
 

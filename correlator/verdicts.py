@@ -74,8 +74,13 @@ class LatencySplit:
     def learn(self, duration_ns: I64) -> None:
         if duration_ns.size == 0:
             return
-        logs = np.log10(np.maximum(duration_ns, 1).astype(np.float64))
-        bins = np.clip(((logs - _LOG_LO) / (_LOG_HI - _LOG_LO) * _BINS).astype(np.int64), 0, _BINS - 1)
+        # In place: one float array per window's reads rather than one per operation.
+        scaled = np.maximum(duration_ns, 1).astype(np.float64)
+        np.log10(scaled, out=scaled)
+        scaled -= _LOG_LO
+        scaled /= _LOG_HI - _LOG_LO
+        scaled *= _BINS
+        bins = np.clip(scaled.astype(np.int64), 0, _BINS - 1)
         self._counts *= self._decay_per_read ** duration_ns.size
         self._counts += np.bincount(bins, minlength=_BINS)
         self.threshold_ns = self._split()

@@ -21,7 +21,7 @@ store keeps what it has, and nothing is lost without a count.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,7 +45,10 @@ SCHEMAS: Mapping[str, Mapping[str, type[np.generic]]] = {
 EVENT_TIME = {"step": "compute_end_ns", "read": "end_ns", "spoke_request": "end_ns", "gpu_util": "ts_ns"}
 CONTEXT_KINDS = ("read", "spoke_request", "gpu_util")
 # When an event began: one that began after a window's end cannot overlap that window's stalls.
-BEGIN = {"read": lambda c: c["start_ns"], "gpu_util": lambda c: c["ts_ns"] - c["period_ns"]}
+BEGIN: Mapping[str, Callable[[_Chunk], npt.NDArray[np.int64]]] = {
+    "read": lambda c: c.column("read", "start_ns"),
+    "gpu_util": lambda c: c.column("gpu_util", "ts_ns") - c.column("gpu_util", "period_ns"),
+}
 
 
 class MalformedBatchError(ValueError):
@@ -76,15 +79,66 @@ def validate(batch: Batch) -> Columns:
     return columns
 
 
+# Small batches (a receiver batch is a few hundred events) are merged into one chunk per this many
+# events: thousands of small arrays freed on another thread fragment the heap, a few large ones do not.
+MERGE_EVENTS = 32_768
+_OFFSET_DTYPES = (np.uint8, np.uint16, np.uint32)
+
+
 @dataclass
 class _Chunk:
+    """Buffered events of one kind. A merged chunk stores an integer column as unsigned offsets from its
+    minimum, in the narrowest dtype that holds its range (a second of timestamps fits in 4 bytes, a job
+    id in 1): about half the bytes of the contract's dtypes, restored exactly on the way out."""
+
     low: int
     high: int
     columns: Columns
+    bases: dict[str, int] = field(default_factory=dict)  # column -> the value its offsets start from
+    merged: bool = False
 
     @property
     def events(self) -> int:
         return int(next(iter(self.columns.values())).size)
+
+    def column(self, kind: str, name: str, rows: npt.NDArray[np.bool_] | None = None) -> npt.NDArray[Any]:
+        """One column in the contract's dtype, of all rows or of the masked ones."""
+        stored = self.columns[name] if rows is None else self.columns[name][rows]
+        if name not in self.bases:
+            return stored
+        dtype = np.dtype(SCHEMAS[kind][name])
+        values = stored.astype(dtype)
+        values += dtype.type(self.bases[name])
+        return values
+
+    def subset(self, kind: str, rows: npt.NDArray[np.bool_]) -> _Chunk:
+        times = self.column(kind, EVENT_TIME[kind], rows)
+        return _Chunk(int(times.min()), int(times.max()), _select(self.columns, rows), self.bases, self.merged)
+
+
+def _unmerged_tail(chunks: list[_Chunk]) -> int:
+    """Where the chunks after the last merged one begin."""
+    tail = len(chunks)
+    while tail > 0 and not chunks[tail - 1].merged:
+        tail -= 1
+    return tail
+
+
+def _merge(kind: str, chunks: list[_Chunk]) -> _Chunk:
+    """One chunk of the given ones' rows in order, integer columns narrowed where their range allows."""
+    columns: Columns = {}
+    bases: dict[str, int] = {}
+    for name in SCHEMAS[kind]:
+        values = np.concatenate([chunk.column(kind, name) for chunk in chunks])
+        if values.dtype.kind in "iu" and values.dtype.itemsize > 1:
+            low, high = int(values.min()), int(values.max())
+            narrow = next((d for d in _OFFSET_DTYPES if high - low <= np.iinfo(d).max), None)
+            if narrow is not None and np.dtype(narrow).itemsize < values.dtype.itemsize:
+                values -= values.dtype.type(low)
+                values = values.astype(narrow)
+                bases[name] = low
+        columns[name] = values
+    return _Chunk(min(c.low for c in chunks), max(c.high for c in chunks), columns, bases, merged=True)
 
 
 @dataclass(frozen=True)
@@ -96,12 +150,12 @@ class WindowInput:
     final: bool  # closed by a flush at the end of input rather than by the watermark
 
 
-def _concat(parts: list[Columns], kind: str) -> Columns:
-    if not parts:
-        return {name: np.zeros(0, dtype=dtype) for name, dtype in SCHEMAS[kind].items()}
-    if len(parts) == 1:
-        return parts[0]
-    return {name: np.concatenate([part[name] for part in parts]) for name in SCHEMAS[kind]}
+def _gather(parts: list[tuple[_Chunk, npt.NDArray[np.bool_] | None]], kind: str) -> Columns:
+    """The chosen rows of the chunks (all where the mask is None), in the contract's dtypes."""
+    if len(parts) == 1 and parts[0][1] is None and not parts[0][0].bases:
+        return parts[0][0].columns
+    return {name: np.concatenate([chunk.column(kind, name, rows) for chunk, rows in parts]) if parts
+            else np.zeros(0, dtype=dtype) for name, dtype in SCHEMAS[kind].items()}
 
 
 def _select(columns: Columns, mask: npt.NDArray[np.bool_]) -> Columns:
@@ -120,6 +174,7 @@ class EventTimeWindows:
     shed: Counter[str] = field(default_factory=Counter)  # events dropped whole-batch at the cap, by kind
     _buffers: dict[str, list[_Chunk]] = field(default_factory=lambda: {kind: [] for kind in SCHEMAS})
     _buffered: Counter[str] = field(default_factory=Counter)
+    _unmerged: Counter[str] = field(default_factory=Counter)  # events in the chunks after the last merged one
     _newest: int | None = None
 
     def add(self, kind: str, columns: Columns) -> None:
@@ -138,8 +193,14 @@ class EventTimeWindows:
         if excess > 0 and not self._release_delivered(kind, excess):
             self.shed[kind] += int(times.size)
             return
-        self._buffers[kind].append(_Chunk(int(times.min()), int(times.max()), columns))
+        chunks = self._buffers[kind]
+        chunks.append(_Chunk(int(times.min()), int(times.max()), columns))
         self._buffered[kind] += int(times.size)
+        self._unmerged[kind] += int(times.size)
+        if self._unmerged[kind] >= MERGE_EVENTS:
+            tail = _unmerged_tail(chunks)
+            chunks[tail:] = [_merge(kind, chunks[tail:])]
+            self._unmerged[kind] = 0
         newest = int(times.max())
         self._newest = newest if self._newest is None else max(self._newest, newest)
 
@@ -173,6 +234,7 @@ class EventTimeWindows:
     def _keep(self, kind: str, chunks: list[_Chunk]) -> None:
         self._buffers[kind] = chunks
         self._buffered[kind] = sum(c.events for c in chunks)
+        self._unmerged[kind] = sum(c.events for c in chunks[_unmerged_tail(chunks):])
 
     def advance(self, watermark_ns: int) -> list[WindowInput]:
         """Close every window whose end is at or before the watermark."""
@@ -207,19 +269,18 @@ class EventTimeWindows:
         start, end = self.closed_until, self.closed_until + self.window_ns
         # Chunk by chunk, never one concatenation of everything buffered: a close then costs about
         # the size of what it hands over, not of the whole store.
-        parts: list[Columns] = []
+        parts: list[tuple[_Chunk, npt.NDArray[np.bool_] | None]] = []
         later: list[_Chunk] = []  # the steps of later windows, some from chunks shared with this one
         for chunk in self._buffers["step"]:
             if chunk.high < end:
-                parts.append(chunk.columns)
+                parts.append((chunk, None))
             elif chunk.low >= end:
                 later.append(chunk)
             else:
-                in_window = chunk.columns["compute_end_ns"] < end
-                parts.append(_select(chunk.columns, in_window))
-                rest = _select(chunk.columns, ~in_window)
-                later.append(_Chunk(int(rest["compute_end_ns"].min()), chunk.high, rest))
-        mine = _concat(parts, "step")
+                in_window = chunk.column("step", "compute_end_ns") < end
+                parts.append((chunk, in_window))
+                later.append(chunk.subset("step", ~in_window))
+        mine = _gather(parts, "step")
         self._keep("step", later)
         earliest_need = int(mine["wait_start_ns"].min()) if mine["wait_start_ns"].size else start
         horizon = max(min(earliest_need, start) - self.lookback_ns, start - self.retention_ns)
@@ -229,14 +290,14 @@ class EventTimeWindows:
             for chunk in self._buffers[kind]:
                 if chunk.high < horizon:
                     continue
-                keep = chunk.columns[EVENT_TIME[kind]] >= horizon
+                keep = chunk.column(kind, EVENT_TIME[kind]) >= horizon
                 if kind in BEGIN:
-                    keep &= BEGIN[kind](chunk.columns) < end
+                    keep &= BEGIN[kind](chunk) < end
                 if keep.all():
-                    parts.append(chunk.columns)
+                    parts.append((chunk, None))
                 elif keep.any():
-                    parts.append(_select(chunk.columns, keep))
-            context[kind] = _concat(parts, kind)
+                    parts.append((chunk, keep))
+            context[kind] = _gather(parts, kind)
         self.closed_until = end
         keep_from = end - self.retention_ns
         for kind in CONTEXT_KINDS:

@@ -24,6 +24,7 @@ from stallwatch.correlator.results import WindowResult
 from stallwatch.correlator.service import CorrelatorService
 from stallwatch.correlator.verdicts import LatencySplit
 from stallwatch.correlator.whatif import MissRatioCurve
+from stallwatch.correlator.windows import MERGE_EVENTS, SCHEMAS, EventTimeWindows
 from tests.scenarios.generator import BASE_NS, JobSpec, Scenario, exact_lru_hit_ratio, generate
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -164,6 +165,27 @@ def test_at_its_cap_the_store_lets_go_of_used_context_before_shedding_open_windo
     assert correlator.windows.shed == {} and correlator.windows.buffered("read") == 8
     correlator.emit(_reads([2.7, 2.8, 2.9]))  # the 8 held belong to a window still open: this batch goes
     assert correlator.windows.shed == {"read": 3} and correlator.windows.buffered("read") == 8
+
+
+@pytest.mark.parametrize("spread_s", [0.5, 30.0])  # offsets fit in 4 bytes, or the column stays int64
+def test_merged_compact_chunks_hand_over_exactly_what_came_in(spread_s: float) -> None:
+    rng = np.random.default_rng(7)
+    n = MERGE_EVENTS + 4_000
+    end = BASE_NS + 10**9 + np.sort(rng.integers(0, int(spread_s * 1e9), n))
+    reads = {"job": rng.integers(-2**31, 2**31, n).astype(np.int32), "rank": rng.integers(0, 3, n).astype(np.int32),
+             "worker": np.full(n, -1, np.int16), "batch": rng.integers(-1, 40_000, n),
+             "key": rng.integers(0, 2**64, n, dtype=np.uint64), "bytes": rng.integers(0, 2**40, n),
+             "start_ns": end - rng.integers(0, 10**9, n), "end_ns": end,
+             "verdict": rng.integers(0, 3, n).astype(np.int8)}
+    windows = EventTimeWindows(window_ns=10**12, lateness_ns=0, lookback_ns=10**12, retention_ns=10**12,
+                               max_buffered_events=10 * n)
+    for rows in np.array_split(np.arange(n), 60):
+        windows.add("read", {name: column[rows] for name, column in reads.items()})
+    assert windows.buffered("read") == n
+    (closed,) = windows.flush()
+    for name, column in reads.items():
+        assert closed.context["read"][name].dtype == SCHEMAS["read"][name]
+        assert np.array_equal(closed.context["read"][name], column), name
 
 
 def test_malformed_batches_are_counted_and_the_pipeline_goes_on() -> None:
