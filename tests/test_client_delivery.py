@@ -118,18 +118,23 @@ def test_reads_carry_bytes_times_and_verdict(agent: tuple[EventsCollector, Recei
     assert samples(collector)[("stallwatch_dataset_reads_total", (*labels[:1], *labels[1:], ("verdict", "miss")))] == 1
 
 
-def test_without_an_agent_the_client_neither_blocks_nor_raises_and_counts(socket_path: str) -> None:
+def train_finishes(steps: int, job: str) -> bool:
+    """Run a monitored loop of `steps` steps in a thread; whether it finished within a minute."""
     finished = threading.Event()
 
     def train() -> None:
-        for _ in monitor(range(5 * wire.MAX_EVENTS), job="alone", rank=0):
+        for _ in monitor(range(steps), job=job, rank=0):
             pass
         finished.set()
 
     thread = threading.Thread(target=train, daemon=True)
     thread.start()
     thread.join(timeout=60)
-    assert finished.is_set()
+    return finished.is_set()
+
+
+def test_without_an_agent_the_client_neither_blocks_nor_raises_and_counts(socket_path: str) -> None:
+    assert train_finishes(5 * wire.MAX_EVENTS, "alone")
     channel = transport.sender().channel(wire.Source("alone", 0, -1, -1))
     assert channel.dropped_total == 5 * wire.MAX_EVENTS
 
@@ -140,17 +145,7 @@ def test_a_full_agent_queue_drops_instead_of_blocking(socket_path: str) -> None:
     stuck.bind(socket_path)
     try:
         events = 40 * wire.MAX_EVENTS  # far more datagrams than the kernel queues for one socket
-        finished = threading.Event()
-
-        def train() -> None:
-            for _ in monitor(range(events), job="stuck", rank=0):
-                pass
-            finished.set()
-
-        thread = threading.Thread(target=train, daemon=True)
-        thread.start()
-        thread.join(timeout=60)
-        assert finished.is_set()
+        assert train_finishes(events, "stuck")
         channel = transport.sender().channel(wire.Source("stuck", 0, -1, -1))
         assert 0 < channel.dropped_total < events
     finally:
