@@ -30,6 +30,7 @@ from prometheus_client.core import Metric
 from stallwatch import catalogue
 from stallwatch.batch import Batch, BatchSink, Verdict, discard
 from stallwatch.exporters.collector import CollectorContext, register_collector
+from stallwatch.exporters.config import non_negative_float
 from stallwatch.exporters.logtail import LogTailer
 from stallwatch.exporters.spokes import collector_errors
 from stallwatch.keys import read_key
@@ -276,10 +277,10 @@ def _add_arguments(group: argparse._ArgumentGroup) -> None:
                        "(default: %(default)s)")
     group.add_argument("--spoke_nginx.name", dest="spoke_nginx_name", default="nginx", metavar="NAME",
                        help="the spoke label of its metrics (default: %(default)s)")
-    group.add_argument("--spoke_nginx.interval", dest="spoke_nginx_interval", type=float, default=1.0,
+    group.add_argument("--spoke_nginx.interval", dest="spoke_nginx_interval", type=non_negative_float, default=1.0,
                        metavar="SECONDS", help="how often the log is read between scrapes (default: %(default)s)")
-    group.add_argument("--spoke_nginx.rotate-wait", dest="spoke_nginx_rotate_wait", type=float, default=5.0,
-                       metavar="SECONDS", help="how long a renamed log is still read after its successor "
+    group.add_argument("--spoke_nginx.rotate-wait", dest="spoke_nginx_rotate_wait", type=non_negative_float,
+                       default=5.0, metavar="SECONDS", help="how long a renamed log is still read after its successor "
                        "appears (default: %(default)s)")
     group.add_argument("--spoke_nginx.from-start", dest="spoke_nginx_from_start", default=False,
                        action=argparse.BooleanOptionalAction,

@@ -41,6 +41,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from stallwatch import catalogue
 from stallwatch.exporters.collector import CollectorContext, register_collector
+from stallwatch.exporters.config import positive_float
 from stallwatch.exporters.spokes import collector_errors
 
 log = logging.getLogger(__name__)
@@ -249,8 +250,8 @@ def _add_arguments(group: argparse._ArgumentGroup) -> None:
                        "file (default: %(default)s)")
     group.add_argument("--spoke_openmetrics.name", dest="spoke_openmetrics_name", default="openmetrics",
                        metavar="NAME", help="the spoke label of its metrics (default: %(default)s)")
-    group.add_argument("--spoke_openmetrics.timeout", dest="spoke_openmetrics_timeout", type=float, default=2.0,
-                       metavar="SECONDS", help="scrape timeout (default: %(default)s)")
+    group.add_argument("--spoke_openmetrics.timeout", dest="spoke_openmetrics_timeout", type=positive_float,
+                       default=2.0, metavar="SECONDS", help="scrape timeout (default: %(default)s)")
 
 
 def _from_context(context: CollectorContext) -> OpenMetricsSpokeCollector:

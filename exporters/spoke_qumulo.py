@@ -26,6 +26,7 @@ from pathlib import Path
 from prometheus_client.core import Metric
 
 from stallwatch.exporters.collector import CollectorContext, register_collector
+from stallwatch.exporters.config import ConfigError, positive_float
 from stallwatch.exporters.spoke_openmetrics import (
     HttpGet,
     Rule,
@@ -107,8 +108,8 @@ class QumuloSpokeCollector:
 
 
 def _add_arguments(group: argparse._ArgumentGroup) -> None:
-    group.add_argument("--spoke_qumulo.url", dest="spoke_qumulo_url", metavar="URL",
-                       default="https://qumulo.example.com:8000", help="the cluster's REST API (default: %(default)s)")
+    group.add_argument("--spoke_qumulo.url", dest="spoke_qumulo_url", metavar="URL", default=None,
+                       help="the cluster's REST API, e.g. https://qumulo:8000 (required with the collector)")
     group.add_argument("--spoke_qumulo.token-file", dest="spoke_qumulo_token_file", metavar="PATH",
                        help="file holding an access token (preferred over the environment)")
     group.add_argument("--spoke_qumulo.token-env", dest="spoke_qumulo_token_env", default="QUMULO_TOKEN",
@@ -117,14 +118,17 @@ def _add_arguments(group: argparse._ArgumentGroup) -> None:
                        help="CA bundle to verify the cluster's certificate (default: the system's)")
     group.add_argument("--spoke_qumulo.name", dest="spoke_qumulo_name", default="qumulo", metavar="NAME",
                        help="the spoke label of its metrics (default: %(default)s)")
-    group.add_argument("--spoke_qumulo.timeout", dest="spoke_qumulo_timeout", type=float, default=5.0,
+    group.add_argument("--spoke_qumulo.timeout", dest="spoke_qumulo_timeout", type=positive_float, default=5.0,
                        metavar="SECONDS", help="request timeout (default: %(default)s)")
-    group.add_argument("--spoke_qumulo.max-backoff", dest="spoke_qumulo_max_backoff", type=float, default=300.0,
-                       metavar="SECONDS", help="longest wait between attempts after failures (default: %(default)s)")
+    group.add_argument("--spoke_qumulo.max-backoff", dest="spoke_qumulo_max_backoff", type=positive_float,
+                       default=300.0, metavar="SECONDS",
+                       help="longest wait between attempts after failures (default: %(default)s)")
 
 
 def _from_context(context: CollectorContext) -> QumuloSpokeCollector:
     options = context.options
+    if not options.spoke_qumulo_url:
+        raise ConfigError("--spoke_qumulo.url is required: the cluster's address, e.g. https://qumulo:8000")
     tls = ssl.create_default_context(cafile=options.spoke_qumulo_ca_file)
     return QumuloSpokeCollector(
         options.spoke_qumulo_url,

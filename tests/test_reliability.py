@@ -81,6 +81,8 @@ def test_ten_thousand_jobs_and_ranks_stay_under_the_series_bound(tmp_path: Path)
     (["--events.rank-limit", "many"], "invalid"),
     (["--events.job-limit", "-3"], "must be a positive integer"),
     (["--spoke_nginx.interval", "soon"], "--spoke_nginx.interval"),
+    (["--spoke_nginx.interval", "-1"], "must be >= 0"),
+    (["--collector.spoke_qumulo"], "--spoke_qumulo.url is required"),
     (["--spoke_nfs.mount", "nomount"], "expected NAME=/mount/point"),
     (["--spoke_openmetrics.timeout", "x"], "--spoke_openmetrics.timeout"),
     (["--collector.spoke_openmetrics", "--spoke_openmetrics.url", "http://127.0.0.1:1/",
