@@ -204,13 +204,19 @@ def _scenario_batches() -> list[Batch]:
     return generate(Scenario([JobSpec(0, steps=300, preprocess_s=0.05)], cache_bytes=1 << 30, seed=5)).batches
 
 
-def test_event_file_round_trip_and_damage(tmp_path: Path) -> None:
-    path = tmp_path / "events.bin"
+def _recorded_scenario(path: Path) -> list[Batch]:
+    """The small scenario's batches, also written to an event file at `path`."""
     batches = _scenario_batches()
     writer = EventWriter(path)
     for batch in batches:
         writer.write(batch)
     writer.close()
+    return batches
+
+
+def test_event_file_round_trip_and_damage(tmp_path: Path) -> None:
+    path = tmp_path / "events.bin"
+    batches = _recorded_scenario(path)
     again = list(read_events(path))
     assert [b.kind for b in again] == [b.kind for b in batches]
     for a, b in zip(again, batches, strict=True):
@@ -226,11 +232,7 @@ def test_event_file_round_trip_and_damage(tmp_path: Path) -> None:
 
 def test_stallwatch_correlate_replays_a_recorded_file_like_the_live_pipeline(tmp_path: Path) -> None:
     path = tmp_path / "events.bin"
-    batches = _scenario_batches()
-    writer = EventWriter(path)
-    for batch in batches:
-        writer.write(batch)
-    writer.close()
+    batches = _recorded_scenario(path)
     live: list[WindowResult] = []
     Correlator(listeners=[live.append]).run(batches)
     done = subprocess.run([sys.executable, "-m", "stallwatch", "correlate", str(path)], cwd=ROOT,
