@@ -9,7 +9,7 @@ import pytest
 
 from stallwatch.exporters.nvml_fake import FakeGpu, FakeNVML
 
-# Every NVML function the gpu collector calls (grep `nvml\w+` in exporters/gpu.py to extend).
+# Every NVML function the gpu collector calls (grep `nvml\w+` in stallwatch/exporters/gpu.py to extend).
 CALLED = [
     "nvmlInit", "nvmlShutdown", "nvmlDeviceGetCount", "nvmlDeviceGetHandleByIndex", "nvmlDeviceGetIndex",
     "nvmlDeviceGetUUID", "nvmlDeviceGetName", "nvmlDeviceGetUtilizationRates", "nvmlDeviceGetSamples",

@@ -13,6 +13,9 @@ from stallwatch.client.loop import Monitored, monitor
 from stallwatch.client.reads import ReadSpan, RecordedFile, http_get, open_recorded, record_read, set_batch
 from stallwatch.client.transport import configure
 
+if __name__ != "stallwatch.client":  # one file, one module name
+    raise ImportError(f"import stallwatch.client, not {__name__}: one file, one module name")
+
 __all__ = [
     "Monitored",
     "ReadSpan",

@@ -1,1 +1,0 @@
-"""The streaming correlator: attributes worker stalls and GPU idle time to their causes."""

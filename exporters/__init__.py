@@ -1,1 +1,0 @@
-"""The node agent's collectors: one file each, registered by name, enabled by flag."""
