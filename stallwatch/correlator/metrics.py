@@ -11,14 +11,14 @@ from prometheus_client.core import Metric
 
 from stallwatch import catalogue
 from stallwatch.catalogue import CAUSES, PHASES
-from stallwatch.correlator.results import Names, WindowResult
+from stallwatch.correlator.results import NameLookup, WindowResult
 
 
 class CorrelatorMetrics:
     """Thread-safe: `observe` runs on the pipeline's thread, `collect` on the scrape's."""
 
-    def __init__(self, job_name: Names = str, spoke_name: str = "default") -> None:
-        self._job_name = job_name
+    def __init__(self, job_names: NameLookup = str, spoke_name: str = "default") -> None:
+        self._job_names = job_names
         self._spoke = spoke_name
         self._lock = threading.Lock()
         self._stall: dict[tuple[str, ...], float] = defaultdict(float)
@@ -36,7 +36,7 @@ class CorrelatorMetrics:
         self._dropped: dict[tuple[str, str], int] = {}
 
     def observe(self, result: WindowResult) -> None:
-        name = self._job_name
+        name = self._job_names
         with self._lock:
             self._windows += 1
             for r in result.ranks:

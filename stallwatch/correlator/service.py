@@ -27,7 +27,7 @@ from stallwatch.correlator.eventfile import EventWriter
 from stallwatch.correlator.metrics import CorrelatorMetrics
 from stallwatch.correlator.pipeline import Correlator, Watermark, event_count
 from stallwatch.correlator.recorder import WindowRecorder
-from stallwatch.correlator.results import Names
+from stallwatch.correlator.results import NameLookup
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +60,7 @@ class CorrelatorService:
         self,
         settings: CorrelatorSettings | None = None,
         *,
-        job_name: Names = str,
+        job_names: NameLookup = str,
         spoke_name: str = "default",
         record_path: str | Path | None = None,
         events_path: str | Path | None = None,
@@ -70,8 +70,8 @@ class CorrelatorService:
         start: bool = True,
     ) -> None:
         self.settings = settings or CorrelatorSettings()
-        self.metrics = CorrelatorMetrics(job_name, spoke_name)
-        self._recorder = WindowRecorder(record_path, job_name) if record_path else None
+        self.metrics = CorrelatorMetrics(job_names, spoke_name)
+        self._recorder = WindowRecorder(record_path, job_names) if record_path else None
         self._events = EventWriter(events_path) if events_path else None
         listeners = [self.metrics.observe] + ([self._recorder.write] if self._recorder else [])
         self.correlator = Correlator(self.settings, listeners=listeners, event_time_watermark=False)

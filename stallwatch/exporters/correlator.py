@@ -85,7 +85,7 @@ def _from_context(context: CollectorContext) -> CorrelatorService:
     options = context.options
     return CorrelatorService(
         settings_from(options),
-        job_name=context.jobs.name,
+        job_names=context.jobs.name,
         spoke_name=options.correlator_spoke_name,
         record_path=options.correlator_record,
         events_path=options.correlator_record_events,
