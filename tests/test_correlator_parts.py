@@ -17,7 +17,7 @@ from stallwatch import catalogue
 from stallwatch.batch import Batch
 from stallwatch.correlator.attribution import Reads, Steps, attribute, gpu_idle_in_stalls
 from stallwatch.correlator.correlate import CorrelatorSettings
-from stallwatch.correlator.eventfile import EventFileError, EventWriter, read_events
+from stallwatch.correlator.eventfile import EventFileError, EventFileWriter, read_events
 from stallwatch.correlator.intervals import overlap_join, union_length
 from stallwatch.correlator.pipeline import Correlator
 from stallwatch.correlator.results import WindowResult
@@ -207,7 +207,7 @@ def _scenario_batches() -> list[Batch]:
 def _recorded_scenario(path: Path) -> list[Batch]:
     """The small scenario's batches, also written to an event file at `path`."""
     batches = _scenario_batches()
-    writer = EventWriter(path)
+    writer = EventFileWriter(path)
     for batch in batches:
         writer.write(batch)
     writer.close()
@@ -249,7 +249,7 @@ def test_service_takes_batches_from_many_threads_and_serves_catalogue_metrics(tm
     batches = _scenario_batches()
     newest = max(int(b.columns[{"step": "compute_end_ns", "read": "end_ns", "spoke_request": "end_ns",
                                  "gpu_util": "ts_ns"}[b.kind]].max()) for b in batches)
-    service = CorrelatorService(CorrelatorSettings(cache_capacity_bytes=1 << 30), record_path=tmp_path / "w.jsonl",
+    service = CorrelatorService(CorrelatorSettings(cache_capacity_bytes=1 << 30), windows_path=tmp_path / "w.jsonl",
                                 clock_ns=lambda: newest + 10 * 10**9, start=False)
     threads = [threading.Thread(target=lambda part=part: [service.submit(b) for b in part])
                for part in (batches[0::3], batches[1::3], batches[2::3])]

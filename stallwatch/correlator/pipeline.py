@@ -1,6 +1,6 @@
 """The correlator as a streamz pipeline whose elements are columnar batches.
 
-    source ──map(window)──> flatten ──map(correlate)──> sinks (metrics, recorder, ...)
+    source ──map(window)──> flatten ──map(correlate)──> sinks (metrics, window file, ...)
       Batch | Watermark | Flush      WindowInput            WindowResult
 
 streamz carries micro-batches, never single events: each element is a whole `Batch` (thousands of

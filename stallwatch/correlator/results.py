@@ -57,7 +57,7 @@ class WindowResult:
     retired_jobs: tuple[int, ...] = ()
 
     def record(self, job_names: NameLookup) -> dict[str, Any]:
-        """The window as one JSON-ready row (what the recorder writes)."""
+        """The window as one JSON-ready row (a line of the window file)."""
         return {
             "start_s": self.start_ns / 1e9,
             "end_s": self.end_ns / 1e9,

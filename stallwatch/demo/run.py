@@ -150,7 +150,8 @@ class Demo:
             "--events.socket", str(work / "events.sock"),
             "--collector.spoke_nginx", "--spoke_nginx.log", str(spoke.access_log), "--spoke_nginx.name", SPOKE_NAME,
             "--correlator.spoke-name", SPOKE_NAME, "--correlator.cache-capacity", str(self.s.cache_bytes),
-            "--correlator.window", str(self.s.window_seconds), "--correlator.record", str(work / "windows.jsonl"),
+            "--correlator.window", str(self.s.window_seconds),
+            "--correlator.record-windows", str(work / "windows.jsonl"),
         ]
         log = (work / "agent.log").open("w")
         agent = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, text=True)

@@ -53,7 +53,7 @@ def add_settings_arguments(group: argparse._ArgumentGroup, prefix: str) -> None:
                        default=defaults.whatif_sample_rate, metavar="RATIO",
                        help="initial share of keys the what-if samples; it lowers itself to bound memory "
                        "(default: %(default)s)")
-    group.add_argument(f"--{prefix}record", dest="correlator_record", default=None, metavar="PATH",
+    group.add_argument(f"--{prefix}record-windows", dest="correlator_record_windows", default=None, metavar="PATH",
                        help="append every closed window to PATH as a JSON line")
 
 
@@ -87,7 +87,7 @@ def _from_context(context: CollectorContext) -> CorrelatorService:
         settings_from(options),
         job_names=context.jobs.name,
         spoke_name=options.correlator_spoke_name,
-        record_path=options.correlator_record,
+        windows_path=options.correlator_record_windows,
         events_path=options.correlator_record_events,
         max_backlog_events=options.correlator_backlog_limit,
     )

@@ -1,4 +1,4 @@
-"""Writes each closed window as one JSON line, for reports (`--correlator.record PATH`)."""
+"""Writes each closed window as one JSON line, for reports (`--correlator.record-windows PATH`)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import TextIO
 from stallwatch.correlator.results import NameLookup, WindowResult
 
 
-class WindowRecorder:
+class WindowFileWriter:
     def __init__(self, target: str | Path | TextIO, job_names: NameLookup = str) -> None:
         if isinstance(target, (str, Path)):
             self._stream: TextIO = Path(target).open("a", encoding="utf-8")  # noqa: SIM115 (closed by close())
