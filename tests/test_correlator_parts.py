@@ -16,7 +16,6 @@ from prometheus_client import CollectorRegistry, generate_latest
 from stallwatch import catalogue
 from stallwatch.batch import Batch
 from stallwatch.correlator.attribution import Reads, Steps, attribute, gpu_idle_in_stalls
-from stallwatch.correlator.correlate import CorrelatorSettings
 from stallwatch.correlator.eventfile import EventFileError, EventFileWriter, read_events
 from stallwatch.correlator.intervals import overlap_join, union_length
 from stallwatch.correlator.pipeline import Correlator
@@ -24,6 +23,7 @@ from stallwatch.correlator.results import WindowResult
 from stallwatch.correlator.service import CorrelatorService
 from stallwatch.correlator.verdicts import LatencySplit
 from stallwatch.correlator.whatif import MissRatioCurve
+from stallwatch.correlator.window_analysis import CorrelatorSettings
 from stallwatch.correlator.windows import MERGE_EVENTS, SCHEMAS, EventTimeWindows
 from tests.scenarios.generator import BASE_NS, JobSpec, Scenario, exact_lru_hit_ratio, generate
 

@@ -1,6 +1,6 @@
 """The correlator as a streamz pipeline whose elements are columnar batches.
 
-    source ──map(window)──> flatten ──map(correlate)──> sinks (metrics, window file, ...)
+    source ──map(window)──> flatten ──map(analyse)────> sinks (metrics, window file, ...)
       Batch | Watermark | Flush      WindowInput            WindowResult
 
 streamz carries micro-batches, never single events: each element is a whole `Batch` (thousands of
@@ -20,8 +20,8 @@ from dataclasses import dataclass
 from streamz import Stream
 
 from stallwatch.batch import Batch
-from stallwatch.correlator.correlate import CorrelatorSettings, WindowCorrelator, seconds_to_ns
 from stallwatch.correlator.results import WindowResult
+from stallwatch.correlator.window_analysis import CorrelatorSettings, WindowAnalyser, seconds_to_ns
 from stallwatch.correlator.windows import EventTimeWindows, MalformedBatchError, WindowInput, validate
 
 log = logging.getLogger(__name__)
@@ -61,12 +61,12 @@ class Correlator:
                                         lookback_ns=seconds_to_ns(s.lookback_s),
                                         retention_ns=seconds_to_ns(s.retention_s),
                                         max_buffered_events=s.max_buffered_events)
-        self.correlate = WindowCorrelator(self.settings)
+        self.analyse = WindowAnalyser(self.settings)
         self.malformed: Counter[str] = Counter()  # events dropped with their batch, by kind
         self._event_time_watermark = event_time_watermark
         self.source = Stream()
         # streamz holds downstream nodes weakly: keep the chain alive even with no listener.
-        self.results = self.source.map(self._close_windows).flatten().map(self.correlate)
+        self.results = self.source.map(self._close_windows).flatten().map(self.analyse)
         for listener in listeners:
             self.results.sink(listener)
 

@@ -22,11 +22,11 @@ from pathlib import Path
 from prometheus_client.core import Metric
 
 from stallwatch.batch import Batch
-from stallwatch.correlator.correlate import CorrelatorSettings, seconds_to_ns
 from stallwatch.correlator.eventfile import EventFileWriter
 from stallwatch.correlator.metrics import CorrelatorMetrics
 from stallwatch.correlator.pipeline import Correlator, Watermark, event_count
 from stallwatch.correlator.results import NameLookup
+from stallwatch.correlator.window_analysis import CorrelatorSettings, seconds_to_ns
 from stallwatch.correlator.windowfile import WindowFileWriter
 
 log = logging.getLogger(__name__)

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import argparse
 
-from stallwatch.correlator.correlate import CorrelatorSettings
 from stallwatch.correlator.service import DEFAULT_BACKLOG_EVENTS, CorrelatorService
+from stallwatch.correlator.window_analysis import CorrelatorSettings
 from stallwatch.exporters.collector import CollectorContext, register_collector
 from stallwatch.exporters.config import non_negative_float, positive_float, positive_int
 

@@ -7,9 +7,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from stallwatch.catalogue import CAUSES
-from stallwatch.correlator.correlate import CorrelatorSettings
 from stallwatch.correlator.pipeline import Correlator
 from stallwatch.correlator.results import WindowResult
+from stallwatch.correlator.window_analysis import CorrelatorSettings
 from tests.scenarios.generator import BASE_NS, Generated, Scenario, generate
 
 

@@ -53,7 +53,9 @@ def _group(*columns: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return np.stack([c[first].astype(np.int64) for c in columns], axis=1), inverse.reshape(-1)
 
 
-class WindowCorrelator:
+class WindowAnalyser:
+    """Called once per closed window; keeps what it learns (latency split, warm-up, what-if) across windows."""
+
     def __init__(self, settings: CorrelatorSettings | None = None) -> None:
         self.settings = settings or CorrelatorSettings()
         s = self.settings
