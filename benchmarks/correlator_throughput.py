@@ -18,7 +18,7 @@ import numpy as np
 
 from stallwatch.batch import Batch, Verdict
 from stallwatch.catalogue import CAUSES
-from stallwatch.correlator.pipeline import Correlator
+from stallwatch.correlator.pipeline import CorrelatorPipeline
 from stallwatch.correlator.reference import NaiveAttributor
 from stallwatch.correlator.results import WindowResult
 from stallwatch.correlator.window_analysis import CorrelatorSettings
@@ -81,7 +81,7 @@ def vectorised(batches: list[Batch]) -> tuple[float, np.ndarray]:
         for row in result.ranks:
             totals = totals + np.array(row.stall_s)
 
-    correlator = Correlator(CorrelatorSettings(cache_capacity_bytes=64 << 30), listeners=[add])
+    correlator = CorrelatorPipeline(CorrelatorSettings(cache_capacity_bytes=64 << 30), listeners=[add])
     started = time.process_time()
     correlator.run(batches)
     return time.process_time() - started, totals

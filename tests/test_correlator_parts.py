@@ -18,7 +18,7 @@ from stallwatch.batch import Batch
 from stallwatch.correlator.attribution import Reads, Steps, attribute, gpu_idle_in_stalls
 from stallwatch.correlator.eventfile import EventFileError, EventFileWriter, read_events
 from stallwatch.correlator.intervals import overlap_join, union_length
-from stallwatch.correlator.pipeline import Correlator
+from stallwatch.correlator.pipeline import CorrelatorPipeline
 from stallwatch.correlator.results import WindowResult
 from stallwatch.correlator.service import CorrelatorService
 from stallwatch.correlator.verdicts import LatencySplit
@@ -122,7 +122,7 @@ def _steps(job: int, wait_start_s: list[float], wait_s: float, compute_s: float)
 
 def test_late_events_beyond_the_lateness_are_counted_not_attributed() -> None:
     windows: list[WindowResult] = []
-    correlator = Correlator(CorrelatorSettings(window_s=1.0, lateness_s=0.5), listeners=[windows.append])
+    correlator = CorrelatorPipeline(CorrelatorSettings(window_s=1.0, lateness_s=0.5), listeners=[windows.append])
     correlator.emit(_steps(0, [0.1, 0.3], 0.05, 0.05))
     correlator.emit(_steps(0, [3.0], 0.05, 0.05))  # the watermark passes 2.5 s: windows [0,1) and [1,2) close
     correlator.emit(_steps(0, [0.5, 2.1], 0.05, 0.05))  # 0.5 s is late; 2.1 s is within the lateness
@@ -145,7 +145,7 @@ def _reads(end_s: list[float]) -> Batch:
 
 def test_past_its_cap_the_window_store_sheds_whole_batches_and_counts_every_event() -> None:
     windows: list[WindowResult] = []
-    correlator = Correlator(CorrelatorSettings(window_s=1.0, lateness_s=5.0, max_buffered_events=10),
+    correlator = CorrelatorPipeline(CorrelatorSettings(window_s=1.0, lateness_s=5.0, max_buffered_events=10),
                             listeners=[windows.append])
     sent = [_steps(0, [0.1 * i for i in range(6)], 0.01, 0.01), _steps(0, [0.7] * 6, 0.01, 0.01),
             _steps(0, [0.8] * 4, 0.01, 0.01), _steps(0, [0.9], 0.01, 0.01)]
@@ -158,7 +158,7 @@ def test_past_its_cap_the_window_store_sheds_whole_batches_and_counts_every_even
 
 
 def test_at_its_cap_the_store_lets_go_of_used_context_before_shedding_open_windows() -> None:
-    correlator = Correlator(CorrelatorSettings(window_s=1.0, lateness_s=0.5, max_buffered_events=10))
+    correlator = CorrelatorPipeline(CorrelatorSettings(window_s=1.0, lateness_s=0.5, max_buffered_events=10))
     correlator.emit(_reads([0.1 + 0.01 * i for i in range(8)]))
     correlator.emit(_steps(0, [3.0], 0.01, 0.01))  # the watermark passes 2.5 s: [0, 1) closes with its reads
     correlator.emit(_reads([2.6 + 0.01 * i for i in range(8)]))  # fits once the used reads of [0, 1) go
@@ -189,7 +189,7 @@ def test_merged_compact_chunks_hand_over_exactly_what_came_in(spread_s: float) -
 
 
 def test_malformed_batches_are_counted_and_the_pipeline_goes_on() -> None:
-    correlator = Correlator()
+    correlator = CorrelatorPipeline()
     correlator.emit(Batch("step", {"job": np.zeros(3, np.int32)}))
     correlator.emit(Batch("nonsense", {"x": np.zeros(2)}))
     good = _steps(0, [0.0], 0.1, 0.1)
@@ -234,7 +234,7 @@ def test_stallwatch_correlate_replays_a_recorded_file_like_the_live_pipeline(tmp
     path = tmp_path / "events.bin"
     batches = _recorded_scenario(path)
     live: list[WindowResult] = []
-    Correlator(listeners=[live.append]).run(batches)
+    CorrelatorPipeline(listeners=[live.append]).run(batches)
     done = subprocess.run([sys.executable, "-m", "stallwatch", "correlate", str(path)], cwd=ROOT,
                           capture_output=True, text=True, timeout=120, check=True)
     rows = [line for line in done.stdout.splitlines() if line]

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 from stallwatch.catalogue import CAUSES
 from stallwatch.correlator.eventfile import EventFileError, read_events
-from stallwatch.correlator.pipeline import Correlator
+from stallwatch.correlator.pipeline import CorrelatorPipeline
 from stallwatch.correlator.results import WindowResult
 from stallwatch.correlator.windowfile import WindowFileWriter
 from stallwatch.exporters.correlator import add_settings_arguments, settings_from
@@ -33,7 +33,7 @@ def main(argv: Sequence[str]) -> int:
             totals[(row.job, row.rank)] = [a + b for a, b in zip(totals[(row.job, row.rank)], row.stall_s,
                                                                  strict=True)]
 
-    correlator = Correlator(settings_from(options), listeners=[window_file.write, summarise])
+    correlator = CorrelatorPipeline(settings_from(options), listeners=[window_file.write, summarise])
     try:
         correlator.run(read_events(options.file))
     except (OSError, EventFileError) as error:

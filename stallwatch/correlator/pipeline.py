@@ -45,7 +45,7 @@ def event_count(batch: Batch) -> int:
     return max((getattr(column, "size", 0) for column in batch.columns.values()), default=0)
 
 
-class Correlator:
+class CorrelatorPipeline:
     """Feed `Batch`es (and `Watermark`s or a final `Flush`); every closed window goes to `listeners`.
 
     With `event_time_watermark` (offline files) the newest event time, less the lateness, closes

@@ -24,7 +24,7 @@ from prometheus_client.core import Metric
 from stallwatch.batch import Batch
 from stallwatch.correlator.eventfile import EventFileWriter
 from stallwatch.correlator.metrics import CorrelatorMetrics
-from stallwatch.correlator.pipeline import Correlator, Watermark, event_count
+from stallwatch.correlator.pipeline import CorrelatorPipeline, Watermark, event_count
 from stallwatch.correlator.results import NameLookup
 from stallwatch.correlator.window_analysis import CorrelatorSettings, seconds_to_ns
 from stallwatch.correlator.windowfile import WindowFileWriter
@@ -74,7 +74,7 @@ class CorrelatorService:
         self._window_file = WindowFileWriter(windows_path, job_names) if windows_path else None
         self._events = EventFileWriter(events_path) if events_path else None
         listeners = [self.metrics.observe] + ([self._window_file.write] if self._window_file else [])
-        self.correlator = Correlator(self.settings, listeners=listeners, event_time_watermark=False)
+        self.correlator = CorrelatorPipeline(self.settings, listeners=listeners, event_time_watermark=False)
         self._clock_ns = clock_ns
         self._tick_s = tick_s
         self._max_backlog = max_backlog_events
