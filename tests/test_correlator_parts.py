@@ -18,9 +18,9 @@ from stallwatch.batch import Batch
 from stallwatch.correlator.attribution import Reads, Steps, attribute, gpu_idle_in_stalls
 from stallwatch.correlator.eventfile import EventFileError, EventFileWriter, read_events
 from stallwatch.correlator.intervals import overlap_join, union_length
+from stallwatch.correlator.live import LiveCorrelator
 from stallwatch.correlator.pipeline import CorrelatorPipeline
 from stallwatch.correlator.results import WindowResult
-from stallwatch.correlator.service import CorrelatorService
 from stallwatch.correlator.verdicts import LatencySplit
 from stallwatch.correlator.whatif import MissRatioCurve
 from stallwatch.correlator.window_analysis import CorrelatorSettings
@@ -249,7 +249,7 @@ def test_service_takes_batches_from_many_threads_and_serves_catalogue_metrics(tm
     batches = _scenario_batches()
     newest = max(int(b.columns[{"step": "compute_end_ns", "read": "end_ns", "spoke_request": "end_ns",
                                  "gpu_util": "ts_ns"}[b.kind]].max()) for b in batches)
-    service = CorrelatorService(CorrelatorSettings(cache_capacity_bytes=1 << 30), windows_path=tmp_path / "w.jsonl",
+    service = LiveCorrelator(CorrelatorSettings(cache_capacity_bytes=1 << 30), windows_path=tmp_path / "w.jsonl",
                                 clock_ns=lambda: newest + 10 * 10**9, start=False)
     threads = [threading.Thread(target=lambda part=part: [service.submit(b) for b in part])
                for part in (batches[0::3], batches[1::3], batches[2::3])]
@@ -273,7 +273,7 @@ def test_service_takes_batches_from_many_threads_and_serves_catalogue_metrics(tm
 
 
 def test_service_drops_and_counts_past_its_backlog() -> None:
-    service = CorrelatorService(max_backlog_events=10, start=False)
+    service = LiveCorrelator(max_backlog_events=10, start=False)
     service.submit(_steps(0, [0.0] * 8, 0.1, 0.1))
     service.submit(_steps(0, [0.0] * 8, 0.1, 0.1))
     service.drain()
@@ -282,7 +282,7 @@ def test_service_drops_and_counts_past_its_backlog() -> None:
 
 
 def test_service_counts_what_the_window_store_sheds() -> None:
-    service = CorrelatorService(CorrelatorSettings(max_buffered_events=10), clock_ns=lambda: BASE_NS, start=False)
+    service = LiveCorrelator(CorrelatorSettings(max_buffered_events=10), clock_ns=lambda: BASE_NS, start=False)
     service.submit(_steps(0, [0.0] * 8, 0.1, 0.1))
     service.submit(_steps(0, [0.0] * 3, 0.1, 0.1))
     service.drain()
@@ -290,7 +290,7 @@ def test_service_counts_what_the_window_store_sheds() -> None:
     assert 'stallwatch_correlator_dropped_events_total{kind="step",reason="window_full"} 3.0' in text
 
 
-def _registry(service: CorrelatorService) -> CollectorRegistry:
+def _registry(service: LiveCorrelator) -> CollectorRegistry:
     registry = CollectorRegistry()
     registry.register(service)
     return registry

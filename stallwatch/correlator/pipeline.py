@@ -7,7 +7,7 @@ streamz carries micro-batches, never single events: each element is a whole `Bat
 events), a `Watermark` (the agent's clock says windows up to here may close) or `Flush` (end of an
 offline file). Windows are event-time windows of our own (windows.py); streamz's `timed_window`
 would window by arrival time. The pipeline is single-threaded: feed it from one thread
-(service.py queues batches from the agent's many threads).
+(live.py queues batches from the agent's many threads).
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ from prometheus_client.registry import CollectorRegistry
 
 from stallwatch import __version__, catalogue
 from stallwatch.batch import discard
-from stallwatch.correlator.service import CorrelatorService
+from stallwatch.correlator.live import LiveCorrelator
 
 # Importing a collector module registers it by name.
 from stallwatch.exporters import (  # noqa: F401
@@ -69,7 +69,7 @@ def main(argv: Sequence[str]) -> int:
     if options.collector_correlator:
         # Built first: every other collector's batches flow into its thread-safe input.
         service = specs["correlator"].factory(context)
-        assert isinstance(service, CorrelatorService)
+        assert isinstance(service, LiveCorrelator)
         collectors["correlator"] = service
         context = dataclasses.replace(context, sink=service.submit)
     for name, spec in specs.items():

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import argparse
 
-from stallwatch.correlator.service import DEFAULT_BACKLOG_EVENTS, CorrelatorService
+from stallwatch.correlator.live import DEFAULT_BACKLOG_EVENTS, LiveCorrelator
 from stallwatch.correlator.window_analysis import CorrelatorSettings
 from stallwatch.exporters.collector import CollectorContext, register_collector
 from stallwatch.exporters.config import non_negative_float, positive_float, positive_int
@@ -81,9 +81,9 @@ def _add_arguments(group: argparse._ArgumentGroup) -> None:
                        help="also write every incoming batch to PATH, for `stallwatch correlate PATH`")
 
 
-def _from_context(context: CollectorContext) -> CorrelatorService:
+def _from_context(context: CollectorContext) -> LiveCorrelator:
     options = context.options
-    return CorrelatorService(
+    return LiveCorrelator(
         settings_from(options),
         job_names=context.jobs.name,
         spoke_name=options.correlator_spoke_name,

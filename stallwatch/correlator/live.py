@@ -55,7 +55,9 @@ def _return_freed_memory() -> None:
         _MALLOC_TRIM(0)
 
 
-class CorrelatorService:
+class LiveCorrelator:
+    """The pipeline fed live by the agent's collectors, on a thread of its own; a collector itself."""
+
     def __init__(
         self,
         settings: CorrelatorSettings | None = None,
