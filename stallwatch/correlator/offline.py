@@ -17,7 +17,7 @@ from stallwatch.correlator.eventfile import EventFileError, read_events
 from stallwatch.correlator.pipeline import CorrelatorPipeline
 from stallwatch.correlator.results import WindowResult
 from stallwatch.correlator.windowfile import WindowFileWriter
-from stallwatch.exporters.correlator import add_settings_arguments, settings_from
+from stallwatch.exporters.correlator_collector import add_settings_arguments, settings_from
 
 
 def main(argv: Sequence[str]) -> int:

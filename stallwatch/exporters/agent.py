@@ -18,7 +18,7 @@ from stallwatch.correlator.live import LiveCorrelator
 
 # Importing a collector module registers it by name.
 from stallwatch.exporters import (  # noqa: F401
-    correlator,
+    correlator_collector,
     events,
     gpu,
     host,
