@@ -21,7 +21,7 @@ from stallwatch.catalogue import CAUSES
 from stallwatch.correlator.pipeline import CorrelatorPipeline
 from stallwatch.correlator.reference import NaiveAttributor
 from stallwatch.correlator.results import WindowResult
-from stallwatch.correlator.window_analysis import CorrelatorSettings
+from stallwatch.correlator.settings import CorrelatorSettings
 
 READS_PER_BATCH = 64  # e.g. images of 1 MiB: 8 ranks x 10 steps/s x 64 = 5,120 reads/s per node
 STEP_NS = 100_000_000

@@ -21,9 +21,9 @@ from stallwatch.correlator.intervals import overlap_join, union_length
 from stallwatch.correlator.live import LiveCorrelator
 from stallwatch.correlator.pipeline import CorrelatorPipeline
 from stallwatch.correlator.results import WindowResult
+from stallwatch.correlator.settings import CorrelatorSettings
 from stallwatch.correlator.verdicts import LatencySplit
 from stallwatch.correlator.whatif import MissRatioCurve
-from stallwatch.correlator.window_analysis import CorrelatorSettings
 from stallwatch.correlator.windows import MERGE_EVENTS, SCHEMAS, EventTimeWindows
 from tests.scenarios.generator import BASE_NS, JobSpec, Scenario, exact_lru_hit_ratio, generate
 
@@ -243,6 +243,14 @@ def test_stallwatch_correlate_replays_a_recorded_file_like_the_live_pipeline(tmp
     bad = subprocess.run([sys.executable, "-m", "stallwatch", "correlate", str(tmp_path / "missing")], cwd=ROOT,
                          capture_output=True, text=True, timeout=60, check=False)
     assert bad.returncode == 1 and "error" in bad.stderr
+
+
+def test_stallwatch_correlate_takes_its_flags_from_the_correlator_not_the_agent() -> None:
+    probe = ("import sys, stallwatch.correlator.replay; "
+             "print(sorted(m for m in sys.modules if m.startswith('stallwatch.exporters')))")
+    done = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=60,
+                          check=True)
+    assert done.stdout.strip() == "[]"
 
 
 def test_service_takes_batches_from_many_threads_and_serves_catalogue_metrics(tmp_path: Path) -> None:

@@ -26,7 +26,7 @@ from stallwatch.correlator.eventfile import EventFileWriter
 from stallwatch.correlator.metrics import CorrelatorMetrics
 from stallwatch.correlator.pipeline import CorrelatorPipeline, Watermark, event_count
 from stallwatch.correlator.results import NameLookup
-from stallwatch.correlator.window_analysis import CorrelatorSettings, seconds_to_ns
+from stallwatch.correlator.settings import CorrelatorSettings, seconds_to_ns
 from stallwatch.correlator.windowfile import WindowFileWriter
 
 log = logging.getLogger(__name__)

@@ -21,7 +21,8 @@ from streamz import Stream
 
 from stallwatch.batch import Batch
 from stallwatch.correlator.results import WindowResult
-from stallwatch.correlator.window_analysis import CorrelatorSettings, WindowAnalyser, seconds_to_ns
+from stallwatch.correlator.settings import CorrelatorSettings, seconds_to_ns
+from stallwatch.correlator.window_analysis import WindowAnalyser
 from stallwatch.correlator.windows import EventTimeWindows, MalformedBatchError, WindowInput, validate
 
 log = logging.getLogger(__name__)

@@ -13,17 +13,17 @@ from collections import defaultdict
 from collections.abc import Sequence
 
 from stallwatch.catalogue import CAUSES
+from stallwatch.correlator import settings
 from stallwatch.correlator.eventfile import EventFileError, read_events
 from stallwatch.correlator.pipeline import CorrelatorPipeline
 from stallwatch.correlator.results import WindowResult
 from stallwatch.correlator.windowfile import WindowFileWriter
-from stallwatch.exporters.correlator_collector import add_settings_arguments, settings_from
 
 
 def main(argv: Sequence[str]) -> int:
     parser = argparse.ArgumentParser(prog="stallwatch correlate", description=__doc__.splitlines()[0])
     parser.add_argument("file", metavar="FILE", help="event file recorded by the agent")
-    add_settings_arguments(parser.add_argument_group("correlator"), "")
+    settings.add_arguments(parser.add_argument_group("correlator"), "")
     options = parser.parse_args(argv)
     window_file = WindowFileWriter(options.correlator_record_windows or sys.stdout)
     totals: dict[tuple[int, int], list[float]] = defaultdict(lambda: [0.0] * len(CAUSES))
@@ -33,7 +33,7 @@ def main(argv: Sequence[str]) -> int:
             totals[(row.job, row.rank)] = [a + b for a, b in zip(totals[(row.job, row.rank)], row.stall_s,
                                                                  strict=True)]
 
-    correlator = CorrelatorPipeline(settings_from(options), listeners=[window_file.write, summarise])
+    correlator = CorrelatorPipeline(settings.from_options(options), listeners=[window_file.write, summarise])
     try:
         correlator.run(read_events(options.file))
     except (OSError, EventFileError) as error:

@@ -9,7 +9,7 @@ import numpy as np
 from stallwatch.catalogue import CAUSES
 from stallwatch.correlator.pipeline import CorrelatorPipeline
 from stallwatch.correlator.results import WindowResult
-from stallwatch.correlator.window_analysis import CorrelatorSettings
+from stallwatch.correlator.settings import CorrelatorSettings
 from tests.scenarios.generator import BASE_NS, Generated, Scenario, generate
 
 
