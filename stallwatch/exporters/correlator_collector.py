@@ -3,7 +3,7 @@
 Only the registration lives here, next to the other collectors, so the agent's flags and
 `--collector.correlator` come from the same table; the correlator itself is `stallwatch.correlator`,
 and the flags it shares with `stallwatch correlate` are `stallwatch.correlator.settings`.
-The agent builds this collector first and hands its `submit` to every other collector as their sink.
+An event consumer: the agent builds it first and hands its `submit` to every other collector as their sink.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import argparse
 
 from stallwatch.correlator import settings
 from stallwatch.correlator.live import DEFAULT_BACKLOG_EVENTS, LiveCorrelator
-from stallwatch.exporters.collector import CollectorContext, register_collector
+from stallwatch.exporters.collector import CollectorContext, register_event_consumer
 from stallwatch.flags import positive_int
 
 
@@ -40,5 +40,6 @@ def _from_context(context: CollectorContext) -> LiveCorrelator:
     )
 
 
-register_collector("correlator", True, "stall attribution, GPU idle, warm-up and cache what-if from the event stream",
-                   _from_context, _add_arguments)
+register_event_consumer("correlator", True,
+                        "stall attribution, GPU idle, warm-up and cache what-if from the event stream",
+                        _from_context, _add_arguments)
