@@ -14,11 +14,12 @@ from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry, generate_latest
 
 from stallwatch import catalogue
-from stallwatch.batch import Batch
+from stallwatch.batch import Batch, Interner
 from stallwatch.correlator.attribution import Reads, Steps, attribute, gpu_idle_in_stalls
 from stallwatch.correlator.eventfile import EventFileError, EventFileWriter, read_events
 from stallwatch.correlator.intervals import overlap_join, union_length
 from stallwatch.correlator.live import LiveCorrelator
+from stallwatch.correlator.metrics import whatif_spoke_label
 from stallwatch.correlator.pipeline import CorrelatorPipeline
 from stallwatch.correlator.results import WindowResult
 from stallwatch.correlator.settings import CorrelatorSettings
@@ -146,7 +147,7 @@ def _reads(end_s: list[float]) -> Batch:
 def test_past_its_cap_the_window_store_sheds_whole_batches_and_counts_every_event() -> None:
     windows: list[WindowResult] = []
     correlator = CorrelatorPipeline(CorrelatorSettings(window_s=1.0, lateness_s=5.0, max_buffered_events=10),
-                            listeners=[windows.append])
+                                    listeners=[windows.append])
     sent = [_steps(0, [0.1 * i for i in range(6)], 0.01, 0.01), _steps(0, [0.7] * 6, 0.01, 0.01),
             _steps(0, [0.8] * 4, 0.01, 0.01), _steps(0, [0.9], 0.01, 0.01)]
     for batch in sent:
@@ -245,6 +246,15 @@ def test_stallwatch_correlate_replays_a_recorded_file_like_the_live_pipeline(tmp
     assert bad.returncode == 1 and "error" in bad.stderr
 
 
+def test_the_whatif_is_labelled_by_the_spokes_the_spoke_collectors_interned() -> None:
+    spokes = Interner()
+    assert whatif_spoke_label(spokes) == "default"
+    spokes.intern("edge")
+    assert whatif_spoke_label(spokes) == "edge"
+    spokes.intern("varnish")
+    assert whatif_spoke_label(spokes) == "edge+varnish"
+
+
 def test_stallwatch_correlate_takes_its_flags_from_the_correlator_not_the_agent() -> None:
     probe = ("import sys, stallwatch.correlator.replay; "
              "print(sorted(m for m in sys.modules if m.startswith('stallwatch.exporters')))")
@@ -258,7 +268,7 @@ def test_service_takes_batches_from_many_threads_and_serves_catalogue_metrics(tm
     newest = max(int(b.columns[{"step": "compute_end_ns", "read": "end_ns", "spoke_request": "end_ns",
                                  "gpu_util": "ts_ns"}[b.kind]].max()) for b in batches)
     service = LiveCorrelator(CorrelatorSettings(cache_capacity_bytes=1 << 30), windows_path=tmp_path / "w.jsonl",
-                                clock_ns=lambda: newest + 10 * 10**9, start=False)
+                             clock_ns=lambda: newest + 10 * 10**9, start=False)
     threads = [threading.Thread(target=lambda part=part: [service.submit(b) for b in part])
                for part in (batches[0::3], batches[1::3], batches[2::3])]
     for thread in threads:

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from prometheus_client.core import Metric
 
-from stallwatch.batch import Batch
+from stallwatch.batch import Batch, Interner
 from stallwatch.correlator.eventfile import EventFileWriter
 from stallwatch.correlator.metrics import CorrelatorMetrics
 from stallwatch.correlator.pipeline import CorrelatorPipeline, Watermark, event_count
@@ -63,7 +63,7 @@ class LiveCorrelator:
         settings: CorrelatorSettings | None = None,
         *,
         job_names: NameLookup = str,
-        spoke_name: str = "default",
+        spokes: Interner | None = None,
         windows_path: str | Path | None = None,
         events_path: str | Path | None = None,
         clock_ns: Callable[[], int] = time.monotonic_ns,
@@ -72,7 +72,7 @@ class LiveCorrelator:
         start: bool = True,
     ) -> None:
         self.settings = settings or CorrelatorSettings()
-        self.metrics = CorrelatorMetrics(job_names, spoke_name)
+        self.metrics = CorrelatorMetrics(job_names, spokes)
         self._window_file = WindowFileWriter(windows_path, job_names) if windows_path else None
         self._events = EventFileWriter(events_path) if events_path else None
         listeners = [self.metrics.observe] + ([self._window_file.write] if self._window_file else [])

@@ -18,8 +18,6 @@ from stallwatch.flags import positive_int
 
 def _add_arguments(group: argparse._ArgumentGroup) -> None:
     settings.add_arguments(group, "correlator.")
-    group.add_argument("--correlator.spoke-name", dest="correlator_spoke_name", default="default", metavar="NAME",
-                       help="spoke label of the what-if (default: %(default)s)")
     group.add_argument("--correlator.backlog-limit", dest="correlator_backlog_limit", type=positive_int,
                        default=DEFAULT_BACKLOG_EVENTS, metavar="EVENTS",
                        help="events queued for the correlator; past it whole batches are dropped and counted "
@@ -33,7 +31,7 @@ def _from_context(context: CollectorContext) -> LiveCorrelator:
     return LiveCorrelator(
         settings.from_options(options),
         job_names=context.jobs.name,
-        spoke_name=options.correlator_spoke_name,
+        spokes=context.spokes,
         windows_path=options.correlator_record_windows,
         events_path=options.correlator_record_events,
         max_backlog_events=options.correlator_backlog_limit,

@@ -37,7 +37,7 @@ def correlate(scenario: Scenario, **settings: object) -> Outcome:
     outcome = Outcome(generated)
     defaults: dict[str, object] = {"cache_capacity_bytes": scenario.cache_bytes, "whatif_sample_rate": 1.0}
     correlator = CorrelatorPipeline(CorrelatorSettings(**{**defaults, **settings}),  # type: ignore[arg-type]
-                            listeners=[outcome.windows.append])
+                                    listeners=[outcome.windows.append])
     correlator.run(generated.batches)
     outcome.correlator = correlator
     return outcome
