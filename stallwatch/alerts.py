@@ -15,7 +15,7 @@ from typing import Literal
 import yaml
 
 from stallwatch import catalogue as c
-from stallwatch.promql import by, increase, rate, selector
+from stallwatch.mixin.promql import by, increase, rate, selector
 
 _DURATION = re.compile(r"^[0-9]+(ms|s|m|h|d)$")
 

@@ -11,8 +11,18 @@ from collections.abc import Callable
 
 from stallwatch import catalogue as c
 from stallwatch.alerts import Thresholds
-from stallwatch.grafana import Annotation, Dashboard, Panel, Query, Row, Variable, Viz, render_json, render_markdown
-from stallwatch.promql import by, increase, quantile, rate, selector
+from stallwatch.mixin.grafana import (
+    Annotation,
+    Dashboard,
+    Panel,
+    Query,
+    Row,
+    Variable,
+    Viz,
+    render_json,
+    render_markdown,
+)
+from stallwatch.mixin.promql import by, increase, quantile, rate, selector
 
 JOB, NODE, GPU, SPOKE = 'job=~"$job"', 'instance=~"$node"', 'gpu=~"$gpu"', 'spoke=~"$spoke"'
 RATE, RANGE = "$__rate_interval", "$__range"

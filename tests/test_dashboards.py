@@ -13,7 +13,7 @@ import pytest
 from stallwatch import catalogue
 from stallwatch.alerts import Thresholds
 from stallwatch.dashboards import ARTIFACTS, all_dashboards
-from stallwatch.grafana import render_json
+from stallwatch.mixin.grafana import render_json
 from tests.conftest import ROOT
 
 SCHEMAS = ROOT / "tests/data/grafana"  # from grafana-foundation-sdk's jsonschema/ (see SOURCE there)
@@ -125,7 +125,7 @@ def test_queries_name_only_catalogue_metrics() -> None:
 
 
 def test_generators_spell_no_metric_name() -> None:
-    for module in ("stallwatch/dashboards.py", "stallwatch/grafana.py", "stallwatch/alerts.py"):
+    for module in ("stallwatch/dashboards.py", "stallwatch/mixin/grafana.py", "stallwatch/alerts.py"):
         assert not re.search(r"stallwatch_\w", (ROOT / module).read_text()), module
 
 
