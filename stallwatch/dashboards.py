@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from stallwatch import catalogue as c
-from stallwatch.alerts import Thresholds
+from stallwatch.mixin.config import Thresholds
 from stallwatch.mixin.grafana import (
     Annotation,
     Dashboard,

@@ -11,8 +11,8 @@ import jsonschema
 import pytest
 
 from stallwatch import catalogue
-from stallwatch.alerts import Thresholds
 from stallwatch.dashboards import ARTIFACTS, all_dashboards
+from stallwatch.mixin.config import Thresholds
 from stallwatch.mixin.grafana import render_json
 from tests.conftest import ROOT
 

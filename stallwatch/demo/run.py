@@ -43,6 +43,7 @@ from stallwatch.demo.stack import (
     start_prometheus,
     wait_for,
 )
+from stallwatch.mixin.config import Thresholds
 
 LISTENING = re.compile(r"listening on (http://\S+?)'")
 PROGRESS = re.compile(r"epoch (\d+) step (\d+)/(\d+)")
@@ -51,7 +52,7 @@ ALERT_GRACE_SECONDS = 60.0
 JOB = "demo"
 
 # The generated rules, with windows and `for`s short enough for a run of a few minutes.
-DEMO_THRESHOLDS = alerts.Thresholds(
+DEMO_THRESHOLDS = Thresholds(
     rate_window="30s", gpu_starved_for="10s", input_bound_for="20s", hub_failing_for="10s", warmup_budget="10m",
     hit_ratio_for="20s", hit_ratio_baseline_window="10m", agent_down_for="30s", collector_failing_for="30s",
     dropped_events_for="30s", egress_for="1m",
