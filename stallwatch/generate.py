@@ -11,7 +11,8 @@ import sys
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
-from stallwatch import alerts, catalogue, dashboards
+from stallwatch import catalogue, dashboards
+from stallwatch.mixin import alerts
 
 
 def render_metrics_reference() -> str:

@@ -15,8 +15,8 @@ import pytest
 import yaml
 
 from stallwatch import catalogue as c
-from stallwatch.alerts import all_alerts, render_alerting_rules
 from stallwatch.generate import ARTIFACTS
+from stallwatch.mixin.alerts import all_alerts, render_alerting_rules
 from stallwatch.mixin.config import COMPONENT, Thresholds
 from tests.conftest import ROOT
 

@@ -125,7 +125,7 @@ def test_queries_name_only_catalogue_metrics() -> None:
 
 
 def test_generators_spell_no_metric_name() -> None:
-    for module in ("stallwatch/dashboards.py", "stallwatch/mixin/grafana.py", "stallwatch/alerts.py"):
+    for module in ("stallwatch/dashboards.py", "stallwatch/mixin/grafana.py", "stallwatch/mixin/alerts.py"):
         assert not re.search(r"stallwatch_\w", (ROOT / module).read_text()), module
 
 

@@ -29,8 +29,8 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from stallwatch import alerts, report
 from stallwatch import catalogue as c
+from stallwatch import report
 from stallwatch.demo.hub import Hub, make_dataset
 from stallwatch.demo.processes import stop_process
 from stallwatch.demo.spoke import Nginx, spoke_server_block
@@ -43,6 +43,7 @@ from stallwatch.demo.stack import (
     start_prometheus,
     wait_for,
 )
+from stallwatch.mixin import alerts
 from stallwatch.mixin.config import Thresholds
 
 LISTENING = re.compile(r"listening on (http://\S+?)'")
