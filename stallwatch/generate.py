@@ -12,7 +12,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 from stallwatch import catalogue, dashboards
-from stallwatch.mixin import alerts
+from stallwatch.mixin import alerts, rules, runbooks
 
 
 def render_metrics_reference() -> str:
@@ -35,9 +35,9 @@ def render_metrics_reference() -> str:
 
 ARTIFACTS: dict[str, Callable[[], str]] = {
     "docs/metrics.md": render_metrics_reference,
-    "alerts/recording-rules.yaml": alerts.render_recording_rules,
+    "alerts/recording-rules.yaml": rules.render_recording_rules,
     "alerts/alerting-rules.yaml": alerts.render_alerting_rules,
-    "docs/runbooks.md": alerts.render_runbooks,
+    "docs/runbooks.md": runbooks.render_runbooks,
     **dashboards.ARTIFACTS,
     "docs/dashboards.md": dashboards.render_docs,
 }

@@ -43,8 +43,9 @@ from stallwatch.demo.stack import (
     start_prometheus,
     wait_for,
 )
-from stallwatch.mixin import alerts
+from stallwatch.mixin.alerts import render_alerting_rules
 from stallwatch.mixin.config import Thresholds
+from stallwatch.mixin.rules import render_recording_rules
 
 LISTENING = re.compile(r"listening on (http://\S+?)'")
 PROGRESS = re.compile(r"epoch (\d+) step (\d+)/(\d+)")
@@ -173,8 +174,8 @@ class Demo:
             self.say("  (Debian's prometheus is not installed: no Prometheus, alerts or report from it)")
             return None
         rules = [work / "recording-rules.yaml", work / "alerting-rules.yaml"]
-        rules[0].write_text(alerts.render_recording_rules(DEMO_THRESHOLDS))
-        rules[1].write_text(alerts.render_alerting_rules(DEMO_THRESHOLDS))
+        rules[0].write_text(render_recording_rules(DEMO_THRESHOLDS))
+        rules[1].write_text(render_alerting_rules(DEMO_THRESHOLDS))
         alertmanager = None
         if alertmanager_bin is not None:
             webhook = self.webhook = Webhook(self._on_alert)

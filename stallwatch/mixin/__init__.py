@@ -3,8 +3,11 @@
 | module | what it holds |
 |---|---|
 | `config.py` | `Thresholds` (every threshold and `for`) and the names the alerts share |
-| `alerts.py` | the recording and alerting rules (`alerts/*.yaml`) and their runbooks (docs/runbooks.md) |
+| `rules.py` | the recording rules (`alerts/recording-rules.yaml`) |
+| `alerts.py` | the alerting rules (`alerts/alerting-rules.yaml`), each with its runbook |
+| `runbooks.py` | docs/runbooks.md: thresholds, recording rules, one section per alert |
 | `promql.py` | PromQL built from the metric catalogue (selectors checked against each metric's labels) |
+| `prometheus.py` | the small rule-file model (groups of recording and alerting rules) and its YAML |
 | `grafana.py` | the small dashboard model (rows of panels, each answering a question) and its rendering |
 """
 

@@ -1,88 +1,19 @@
-"""Prometheus recording and alerting rules (`alerts/*.yaml`) and their runbooks, from the metric catalogue.
+"""The alerting rules (`alerts/alerting-rules.yaml`), each with its runbook, from the metric catalogue.
 
-Every threshold and `for` comes from one `Thresholds` instance; the defaults are documented on its
-fields and listed in docs/runbooks.md. Recording rules follow `level:metric:operation`; alerts follow
-the monitoring-mixin conventions (CamelCase with a shared prefix, `severity` critical|warning,
-a static `summary`, a templated `description`, a `runbook_url` to a section of docs/runbooks.md).
+Every threshold and `for` comes from one `Thresholds` instance (`config.py`); alert names are CamelCase
+with the shared `ALERT_PREFIX`. Where a recording rule exists the alert reads it (`rules.py`). The
+runbook text of each alert is rendered into docs/runbooks.md (`runbooks.py`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
-from typing import Literal
-
-import yaml
-
 from stallwatch import catalogue as c
-from stallwatch.mixin.config import ALERT_PREFIX, COMPONENT, Thresholds
+from stallwatch.mixin.config import ALERT_PREFIX, Thresholds
+from stallwatch.mixin.prometheus import AlertRule, RuleGroup, render_rules
 from stallwatch.mixin.promql import by, increase, rate, selector
-
-Severity = Literal["critical", "warning"]
-
-
-@dataclass(frozen=True)
-class RecordingRule:
-    record: str
-    expr: str
+from stallwatch.mixin.rules import gpu_stall_idle_rule, hit_ratio_rule, input_bound_rule, stall_rate_rule
 
 
-@dataclass(frozen=True)
-class AlertRule:
-    name: str
-    expr: str
-    for_: str
-    severity: Severity
-    summary: str
-    description: str
-    runbook: str  # markdown: what it means, what to check, what to do
-
-    @property
-    def anchor(self) -> str:
-        """The GitHub-style anchor of this alert's heading in docs/runbooks.md."""
-        return self.name.lower()
-
-
-@dataclass(frozen=True)
-class RuleGroup:
-    name: str
-    rules: tuple[RecordingRule, ...] | tuple[AlertRule, ...]
-
-
-# --- recording rules ---------------------------------------------------------------------------------
-def stall_rate_rule(t: Thresholds) -> RecordingRule:
-    return RecordingRule(f"job_cause:{c.STALL_SECONDS.name.removesuffix('_total')}:rate{t.rate_window}",
-                         by("job, cause", "sum", rate(c.STALL_SECONDS, t.rate_window)))
-
-
-def gpu_stall_idle_rule(t: Thresholds) -> RecordingRule:
-    return RecordingRule(f"job_cause:{c.GPU_STALL_IDLE_SECONDS.name.removesuffix('_total')}:rate{t.rate_window}",
-                         by("job, cause", "sum", rate(c.GPU_STALL_IDLE_SECONDS, t.rate_window)))
-
-
-def input_bound_rule(t: Thresholds) -> RecordingRule:
-    return RecordingRule(f"job:{c.INPUT_BOUND_RATIO.name}:avg", by("job", "avg", selector(c.INPUT_BOUND_RATIO)))
-
-
-def hit_ratio_rule(t: Thresholds) -> RecordingRule:
-    hits = by("spoke", "sum", rate(c.SPOKE_REQUESTS, t.rate_window, 'result="hit"'))
-    every = by("spoke", "sum", rate(c.SPOKE_REQUESTS, t.rate_window))
-    name = c.SPOKE_REQUESTS.name.removesuffix("_total")
-    return RecordingRule(f"spoke:{name}:hit_ratio_rate{t.rate_window}", f"{hits} / {every}")
-
-
-def spoke_bytes_rule(t: Thresholds) -> RecordingRule:
-    return RecordingRule(f"spoke_source:{c.SPOKE_BYTES.name.removesuffix('_total')}:rate{t.rate_window}",
-                         by("spoke, source", "sum", rate(c.SPOKE_BYTES, t.rate_window)))
-
-
-def recording_groups(t: Thresholds) -> tuple[RuleGroup, ...]:
-    return (
-        RuleGroup("stallwatch-training.recording", (stall_rate_rule(t), gpu_stall_idle_rule(t), input_bound_rule(t))),
-        RuleGroup("stallwatch-spoke.recording", (hit_ratio_rule(t), spoke_bytes_rule(t))),
-    )
-
-
-# --- alerting rules ----------------------------------------------------------------------------------
 def _share(part: str, rest: str) -> str:
     """part / (part + rest), where a missing rest (nothing ever succeeded) counts as zero, so the share is 1."""
     return f"{part} / ({part} + ({rest} or {part} * 0))"
@@ -301,72 +232,6 @@ def all_alerts(t: Thresholds) -> tuple[AlertRule, ...]:
     return tuple(r for g in alerting_groups(t) for r in g.rules if isinstance(r, AlertRule))
 
 
-# --- rendering ---------------------------------------------------------------------------------------
-def _rule_document(rule: RecordingRule | AlertRule, t: Thresholds) -> dict[str, object]:
-    if isinstance(rule, RecordingRule):
-        return {"record": rule.record, "expr": rule.expr}
-    return {
-        "alert": rule.name,
-        "expr": rule.expr,
-        "for": rule.for_,
-        "labels": {"severity": rule.severity, "component": COMPONENT},
-        "annotations": {
-            "summary": rule.summary,
-            "description": rule.description,
-            "runbook_url": f"{t.runbook_base_url}#{rule.anchor}",
-        },
-    }
-
-
-def render_rules(groups: tuple[RuleGroup, ...], t: Thresholds) -> str:
-    document = {"groups": [{"name": g.name, "rules": [_rule_document(r, t) for r in g.rules]} for g in groups]}
-    header = "# Generated by `make generate` from stallwatch/mixin/alerts.py; do not edit by hand.\n"
-    return header + yaml.safe_dump(document, sort_keys=False, width=1000, allow_unicode=True)
-
-
-def render_recording_rules(t: Thresholds | None = None) -> str:
-    t = t or Thresholds()
-    return render_rules(recording_groups(t), t)
-
-
 def render_alerting_rules(t: Thresholds | None = None) -> str:
     t = t or Thresholds()
-    return render_rules(alerting_groups(t), t)
-
-
-def render_runbooks() -> str:
-    t = Thresholds()
-    lines = [
-        "# Runbooks",
-        "",
-        "Generated by `make generate` from `stallwatch/mixin/alerts.py`; do not edit by hand. Each alert's",
-        "`runbook_url` points at its section here. The rules live in `alerts/`, the dashboards the runbooks",
-        "name in `dashboards/` ([what each panel answers](dashboards.md)).",
-        "",
-        "## Thresholds",
-        "",
-        "Every threshold and `for` of the rules is a field of `stallwatch.mixin.config.Thresholds`; render the",
-        "rules with other values from Python (`render_alerting_rules(Thresholds(input_bound_ratio=0.3))`).",
-        "",
-        "| field | default | meaning |",
-        "|---|---|---|",
-    ]
-    lines += [f"| `{f.name}` | `{getattr(t, f.name)}` | {f.metadata['doc']} |" for f in fields(t)]
-    lines += ["", "## Recording rules", "", "The alerts and cluster-wide views read these "
-              "(`level:metric:operation`).", "", "| record | expression |", "|---|---|"]
-    lines += [f"| `{r.record}` | `{r.expr}` |" for g in recording_groups(t) for r in g.rules
-              if isinstance(r, RecordingRule)]
-    for alert in all_alerts(t):
-        lines += [
-            "",
-            f"## {alert.name}",
-            "",
-            f"*{alert.severity}*, after `{alert.for_}`: {alert.summary}",
-            "",
-            alert.runbook,
-            "",
-            "```promql",
-            alert.expr,
-            "```",
-        ]
-    return "\n".join(lines) + "\n"
+    return render_rules(alerting_groups(t), t.runbook_base_url, "stallwatch/mixin/alerts.py")
