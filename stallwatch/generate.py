@@ -11,8 +11,8 @@ import sys
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
-from stallwatch import catalogue, dashboards
-from stallwatch.mixin import alerts, rules, runbooks
+from stallwatch import catalogue
+from stallwatch.mixin import alerts, dashboards, rules, runbooks
 
 
 def render_metrics_reference() -> str:

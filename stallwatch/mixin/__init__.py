@@ -5,6 +5,7 @@
 | `config.py` | `Thresholds` (every threshold and `for`) and the names the alerts share |
 | `rules.py` | the recording rules (`alerts/recording-rules.yaml`) |
 | `alerts.py` | the alerting rules (`alerts/alerting-rules.yaml`), each with its runbook |
+| `dashboards.py` | the three Grafana dashboards (`dashboards/*.json`) and docs/dashboards.md |
 | `runbooks.py` | docs/runbooks.md: thresholds, recording rules, one section per alert |
 | `promql.py` | PromQL built from the metric catalogue (selectors checked against each metric's labels) |
 | `prometheus.py` | the small rule-file model (groups of recording and alerting rules) and its YAML |

@@ -326,7 +326,7 @@ def _renderer(uid: str) -> Callable[[], str]:
 
 
 def render_docs() -> str:
-    return render_markdown(all_dashboards(), "stallwatch/dashboards.py")
+    return render_markdown(all_dashboards(), "stallwatch/mixin/dashboards.py")
 
 
 # What `stallwatch generate` writes for the dashboards: path -> renderer.
