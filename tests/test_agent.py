@@ -126,7 +126,7 @@ def test_unknown_command_and_help() -> None:
     assert "agent" in run_cli("--help").stdout
 
 
-def test_an_event_consumer_is_built_first_and_takes_every_other_collectors_batches() -> None:
+def test_event_consumers_are_built_first_and_each_takes_every_other_collectors_batches() -> None:
     received: list[Batch] = []
 
     class Consumer:
@@ -145,11 +145,11 @@ def test_an_event_consumer_is_built_first_and_takes_every_other_collectors_batch
     def consumer(_: CollectorContext) -> Consumer:
         return Consumer()
 
-    specs = [CollectorSpec("producer", True, "", Producer), CollectorSpec("consumer", True, "", consumer,
-                                                                          consumer=consumer)]
+    specs = [CollectorSpec("producer", True, "", Producer),
+             *(CollectorSpec(name, True, "", consumer, consumer=consumer) for name in ("first", "second"))]
     built = _build(specs, CollectorContext(options=argparse.Namespace(), sink=discard))
-    assert list(built) == ["consumer", "producer"]
-    assert [batch.kind for batch in received] == ["gpu_util"]
+    assert list(built) == ["first", "second", "producer"]
+    assert [batch.kind for batch in received] == ["gpu_util", "gpu_util"]  # each consumer got the batch
 
 
 def test_a_collector_that_cannot_be_built_is_a_one_line_config_error() -> None:
