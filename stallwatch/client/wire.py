@@ -64,7 +64,7 @@ STEP = _layout(STEP_FIELDS)
 READ = _layout(READ_FIELDS)
 STRING_LENGTH = struct.Struct("<H")
 
-# The cache's verdict on a read, as `stallwatch.batch.Verdict` numbers it (that module needs NumPy).
+# The cache's verdict on a read, as `stallwatch.eventbatch.Verdict` numbers it (that module needs NumPy).
 VERDICT_UNKNOWN = -1
 VERDICT_HIT = 0
 VERDICT_MISS = 1

@@ -1,9 +1,9 @@
 """The correlator as a streamz pipeline whose elements are columnar batches.
 
     source ──map(window)──> flatten ──map(correlate)──> sinks (metrics, recorder, ...)
-      Batch | Watermark | Flush      WindowInput            WindowResult
+      EventBatch | Watermark | Flush      WindowInput            WindowResult
 
-streamz carries micro-batches, never single events: each element is a whole `Batch` (thousands of
+streamz carries micro-batches, never single events: each element is a whole `EventBatch` (thousands of
 events), a `Watermark` (the agent's clock says windows up to here may close) or `Flush` (end of an
 offline file). Windows are event-time windows of our own (windows.py); streamz's `timed_window`
 would window by arrival time. The pipeline is single-threaded: feed it from one thread
@@ -19,10 +19,10 @@ from dataclasses import dataclass
 
 from streamz import Stream
 
-from stallwatch.batch import Batch
 from stallwatch.correlator.correlate import CorrelatorSettings, WindowCorrelator, seconds_to_ns
 from stallwatch.correlator.results import WindowResult
 from stallwatch.correlator.windows import EventTimeWindows, MalformedBatchError, WindowInput, validate
+from stallwatch.eventbatch import EventBatch
 
 log = logging.getLogger(__name__)
 
@@ -37,16 +37,16 @@ class Flush:
     pass
 
 
-Element = Batch | Watermark | Flush
+Element = EventBatch | Watermark | Flush
 
 
-def event_count(batch: Batch) -> int:
+def event_count(batch: EventBatch) -> int:
     """Events in a batch that may be malformed: its longest column, 0 if it has none."""
     return max((getattr(column, "size", 0) for column in batch.columns.values()), default=0)
 
 
 class Correlator:
-    """Feed `Batch`es (and `Watermark`s or a final `Flush`); every closed window goes to `listeners`.
+    """Feed `EventBatch`es (and `Watermark`s or a final `Flush`); every closed window goes to `listeners`.
 
     With `event_time_watermark` (offline files) the newest event time, less the lateness, closes
     windows; without it (the agent) only `Watermark` elements from the agent's clock do, so one
@@ -90,7 +90,7 @@ class Correlator:
             return self.windows.advance(newest - seconds_to_ns(self.settings.lateness_s))
         return []
 
-    def run(self, batches: Iterable[Batch]) -> None:
+    def run(self, batches: Iterable[EventBatch]) -> None:
         """Offline: every batch, then a flush."""
         for batch in batches:
             self.emit(batch)

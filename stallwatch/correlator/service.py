@@ -21,13 +21,13 @@ from pathlib import Path
 
 from prometheus_client.core import Metric
 
-from stallwatch.batch import Batch
 from stallwatch.correlator.correlate import CorrelatorSettings, seconds_to_ns
 from stallwatch.correlator.eventfile import EventWriter
 from stallwatch.correlator.metrics import CorrelatorMetrics
 from stallwatch.correlator.pipeline import Correlator, Watermark, event_count
 from stallwatch.correlator.recorder import WindowRecorder
 from stallwatch.correlator.results import Names
+from stallwatch.eventbatch import EventBatch
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +79,7 @@ class CorrelatorService:
         self._tick_s = tick_s
         self._max_backlog = max_backlog_events
         self._lock = threading.Lock()
-        self._queue: list[Batch] = []
+        self._queue: list[EventBatch] = []
         self._queued_events = 0
         self._dropped: Counter[tuple[str, str]] = Counter()
         self._stop = threading.Event()
@@ -88,7 +88,7 @@ class CorrelatorService:
             self._thread = threading.Thread(target=self._run, name="stallwatch-correlator", daemon=True)
             self._thread.start()
 
-    def submit(self, batch: Batch) -> None:
+    def submit(self, batch: EventBatch) -> None:
         """The agent's batch sink: never blocks beyond a list append, never raises."""
         rows = event_count(batch)
         with self._lock:

@@ -28,11 +28,11 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from stallwatch.batch import Batch
+from stallwatch.eventbatch import EventBatch
 
 Columns = dict[str, npt.NDArray[Any]]
 
-# The contract of stallwatch/batch.py: each kind's columns and dtypes, and which column is its time.
+# The contract of stallwatch/eventbatch.py: each kind's columns and dtypes, and which column is its time.
 SCHEMAS: Mapping[str, Mapping[str, type[np.generic]]] = {
     "step": {"job": np.int32, "rank": np.int32, "gpu": np.int16, "batch": np.int64, "wait_start_ns": np.int64,
              "wait_end_ns": np.int64, "compute_end_ns": np.int64},
@@ -55,7 +55,7 @@ class MalformedBatchError(ValueError):
     """A batch that does not follow the contract; the message says what is wrong."""
 
 
-def validate(batch: Batch) -> Columns:
+def validate(batch: EventBatch) -> Columns:
     """The batch's columns cast to the contract's dtypes, or MalformedBatchError."""
     schema = SCHEMAS.get(batch.kind)
     if schema is None:

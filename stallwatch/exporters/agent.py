@@ -13,8 +13,8 @@ from prometheus_client.core import Metric
 from prometheus_client.registry import CollectorRegistry
 
 from stallwatch import __version__, catalogue
-from stallwatch.batch import discard
 from stallwatch.correlator.service import CorrelatorService
+from stallwatch.eventbatch import discard
 
 # Importing a collector module registers it by name.
 from stallwatch.exporters import (  # noqa: F401

@@ -19,7 +19,7 @@ from prometheus_client.core import Metric
 from prometheus_client.registry import Collector as PromCollector
 
 from stallwatch import catalogue
-from stallwatch.batch import BatchSink, Interner
+from stallwatch.eventbatch import EventSink, Interner
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +40,7 @@ class CollectorContext:
     """
 
     options: argparse.Namespace
-    sink: BatchSink
+    sink: EventSink
     jobs: Interner = field(default_factory=Interner)
     spokes: Interner = field(default_factory=Interner)
 

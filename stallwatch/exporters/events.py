@@ -5,7 +5,7 @@ Two threads keep the socket drained, which matters where the kernel queues only 
 `--events.queue-limit` events; past it whole batches are dropped and counted), the processing thread
 decodes and validates them (`events_decode`), aggregates the histograms and counters with NumPy one
 batch at a time, and hands the records to the correlator as `step` and `read` batches (columns in
-`stallwatch.batch`).
+`stallwatch.eventbatch`).
 
 Cardinality: clients choose job names and ranks, so both are capped per node. Job names past
 `--events.job-limit` fold into `__other__`; (job, rank) series past `--events.rank-limit` fold into
@@ -40,9 +40,9 @@ import numpy.typing as npt
 from prometheus_client.core import HistogramMetricFamily, Metric
 
 from stallwatch import catalogue
-from stallwatch.batch import OVERFLOW, Batch, BatchSink, Interner, discard
 from stallwatch.client import wire
 from stallwatch.client.transport import DEFAULT_SOCKET
+from stallwatch.eventbatch import OVERFLOW, EventBatch, EventSink, Interner, discard
 from stallwatch.exporters.collector import CollectorContext, register_collector
 from stallwatch.exporters.config import positive_int
 from stallwatch.exporters.events_decode import Decoded, RejectedBatchError, decode, peek_events
@@ -94,7 +94,7 @@ class EventsCollector:
         queue_limit: int = 200_000,
         jobs: Interner | None = None,
         rank_limit: int = 64,
-        sink: BatchSink = discard,
+        sink: EventSink = discard,
         socket_group: int | None = None,
         clock_ns: Callable[[], int] = time.monotonic_ns,
         wall_clock_ns: Callable[[], int] = time.time_ns,
@@ -257,7 +257,7 @@ class EventsCollector:
         reads = np.concatenate([decoded.reads for _, decoded in accepted])
         batches = []
         if len(steps):
-            batches.append(Batch("step", {
+            batches.append(EventBatch("step", {
                 "job": source_column(jobs, step_sizes, np.int32),
                 "rank": source_column(ranks, step_sizes, np.int32),
                 "gpu": source_column([d.source.gpu for _, d in accepted], step_sizes, np.int16),
@@ -267,7 +267,7 @@ class EventsCollector:
                 "compute_end_ns": steps["compute_end_ns"].copy(),
             }))
         if len(reads):
-            batches.append(Batch("read", {
+            batches.append(EventBatch("read", {
                 "job": source_column(jobs, read_sizes, np.int32),
                 "rank": source_column(ranks, read_sizes, np.int32),
                 "worker": source_column([d.source.worker for _, d in accepted], read_sizes, np.int16),

@@ -8,7 +8,7 @@ The trainer waits for batch k, then computes. GPUs are busy exactly while their 
 
 Because the simulation knows what the awaited worker did at every instant of every wait, each stall
 comes with its true split among the causes; the generator also records when each job's cache
-became warm and the exact LRU hit ratio at other capacities. Output: the `Batch`es an agent would
+became warm and the exact LRU hit ratio at other capacities. Output: the `EventBatch`es an agent would
 see (`step`, `read`, `spoke_request`, `gpu_util`), in arrival order with bounded delays.
 """
 
@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from stallwatch.batch import Batch, Verdict
 from stallwatch.catalogue import CAUSES
+from stallwatch.eventbatch import EventBatch, Verdict
 
 NS = 1_000_000_000
 
@@ -76,7 +76,7 @@ class Truth:
 
 @dataclass
 class Generated:
-    batches: list[Batch]
+    batches: list[EventBatch]
     truth: Truth
 
 
@@ -270,7 +270,9 @@ _TIME_COLUMN = {"step": 6, "read": 7, "spoke_request": 3, "gpu_util": 0}
 BASE_NS = 10**12  # monotonic clocks do not start at zero
 
 
-def _arrange(rng: random.Random, max_delay: float, steps: list, reads: list, spoke: list, gpu: list) -> list[Batch]:
+def _arrange(
+    rng: random.Random, max_delay: float, steps: list, reads: list, spoke: list, gpu: list
+) -> list[EventBatch]:
     """Rows -> batches of 100 ms of arrival time per kind, every row delayed by up to `max_delay`."""
     slices: dict[tuple[int, str], list[tuple]] = defaultdict(list)
     for kind, rows in (("step", steps), ("read", reads), ("spoke_request", spoke), ("gpu_util", gpu)):
@@ -288,5 +290,5 @@ def _arrange(rng: random.Random, max_delay: float, steps: list, reads: list, spo
                 columns[name] = np.where(np.array(values) < 0, -1, (np.array(values) * NS).round()).astype(np.int64)
             else:
                 columns[name] = np.array(values, dtype=dtype)
-        batches.append(Batch(kind, columns))
+        batches.append(EventBatch(kind, columns))
     return batches

@@ -39,7 +39,7 @@ class Verdict(IntEnum):
 
 
 @dataclass(frozen=True)
-class Batch:
+class EventBatch:
     kind: str
     columns: Mapping[str, npt.NDArray[np.generic]]
 
@@ -47,10 +47,10 @@ class Batch:
         return len(next(iter(self.columns.values()))) if self.columns else 0
 
 
-BatchSink = Callable[[Batch], None]
+EventSink = Callable[[EventBatch], None]
 
 
-def discard(batch: Batch) -> None:
+def discard(batch: EventBatch) -> None:
     """The sink used when nothing consumes batches (the correlator is disabled)."""
 
 
