@@ -21,7 +21,7 @@ from stallwatch.correlator.correlate import CorrelatorSettings
 from stallwatch.correlator.pipeline import Correlator
 from stallwatch.correlator.reference import NaiveAttributor
 from stallwatch.correlator.results import WindowResult
-from stallwatch.eventbatch import EventBatch, Verdict
+from stallwatch.eventbatch import SCHEMAS, EventBatch, Verdict
 
 READS_PER_BATCH = 64  # e.g. images of 1 MiB: 8 ranks x 10 steps/s x 64 = 5,120 reads/s per node
 STEP_NS = 100_000_000
@@ -59,15 +59,14 @@ def synthesise(n_events: int, ranks: int, seed: int) -> list[EventBatch]:
 
 def _interleave(kinds: dict[str, dict[str, np.ndarray]]) -> list[EventBatch]:
     """Cut each kind into half-second batches by event time and merge them in time order."""
-    time_column = {"step": "compute_end_ns", "read": "end_ns", "gpu_util": "ts_ns"}
     pieces = []
     for kind, columns in kinds.items():
-        times = columns[time_column[kind]]
+        times = columns[SCHEMAS[kind].event_time]
         order = np.argsort(times, kind="stable")
         slices = times[order] // SLICE_NS
         cuts = np.flatnonzero(np.diff(slices)) + 1
         for rows, slice_index in zip(np.split(order, cuts), slices[np.r_[0, cuts]], strict=True):
-            batch = EventBatch(kind, {name: column[rows] for name, column in columns.items()})
+            batch = EventBatch.of(kind, {name: column[rows] for name, column in columns.items()})
             pieces.append((int(slice_index), kind, batch))
     pieces.sort(key=lambda piece: (piece[0], piece[1]))
     return [batch for _, _, batch in pieces]

@@ -23,8 +23,8 @@ from stallwatch.correlator.results import WindowResult
 from stallwatch.correlator.service import CorrelatorService
 from stallwatch.correlator.verdicts import LatencySplit
 from stallwatch.correlator.whatif import MissRatioCurve
-from stallwatch.correlator.windows import MERGE_EVENTS, SCHEMAS, EventTimeWindows
-from stallwatch.eventbatch import EventBatch
+from stallwatch.correlator.windows import MERGE_EVENTS, EventTimeWindows
+from stallwatch.eventbatch import SCHEMAS, EventBatch, MalformedEventBatchError
 from tests.scenarios.generator import BASE_NS, JobSpec, Scenario, exact_lru_hit_ratio, generate
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -186,8 +186,25 @@ def test_merged_compact_chunks_hand_over_exactly_what_came_in(spread_s: float) -
     assert windows.buffered("read") == n
     (closed,) = windows.flush()
     for name, column in reads.items():
-        assert closed.context["read"][name].dtype == SCHEMAS["read"][name]
+        assert closed.context["read"][name].dtype == SCHEMAS["read"].columns[name]
         assert np.array_equal(closed.context["read"][name], column), name
+
+
+def test_event_batches_are_built_to_the_contract() -> None:
+    good = {"ts_ns": [1, 2], "period_ns": [1, 1], "gpu": [0, 3], "util": np.array([0.5, 1.0])}
+    batch = EventBatch.of("gpu_util", good)
+    assert {name: column.dtype for name, column in batch.columns.items()} == dict(SCHEMAS["gpu_util"].columns)
+    assert len(batch) == 2
+    for kind, columns, problem in (
+        ("gpu_util", {**good, "utilisation": [0.5, 1.0]}, "does not name: utilisation"),
+        ("gpu_util", {**good, "gpu": [0]}, "unequal length"),
+        ("gpu_util", {**good, "gpu": [0, 2**15]}, "gpu"),
+        ("gpu_util", {**good, "ts_ns": np.array([1.0, 2.0])}, "ts_ns"),
+        ("gpu_util", {name: good[name] for name in ("ts_ns", "gpu", "util")}, r"lacks column\(s\) period_ns"),
+        ("gpu", good, "unknown batch kind"),
+    ):
+        with pytest.raises(MalformedEventBatchError, match=problem):
+            EventBatch.of(kind, columns)
 
 
 def test_malformed_batches_are_counted_and_the_pipeline_goes_on() -> None:

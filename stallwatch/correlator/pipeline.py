@@ -21,8 +21,8 @@ from streamz import Stream
 
 from stallwatch.correlator.correlate import CorrelatorSettings, WindowCorrelator, seconds_to_ns
 from stallwatch.correlator.results import WindowResult
-from stallwatch.correlator.windows import EventTimeWindows, MalformedBatchError, WindowInput, validate
-from stallwatch.eventbatch import EventBatch
+from stallwatch.correlator.windows import EventTimeWindows, WindowInput
+from stallwatch.eventbatch import EventBatch, MalformedEventBatchError, conform
 
 log = logging.getLogger(__name__)
 
@@ -79,8 +79,8 @@ class Correlator:
         if isinstance(element, Watermark):
             return self.windows.advance(element.ns)
         try:
-            columns = validate(element)
-        except MalformedBatchError as error:
+            columns = conform(element.kind, element.columns)
+        except MalformedEventBatchError as error:
             self.malformed[element.kind] += event_count(element)
             log.warning("correlator: dropped a batch: %s", error)
             return []

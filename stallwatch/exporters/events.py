@@ -257,7 +257,7 @@ class EventsCollector:
         reads = np.concatenate([decoded.reads for _, decoded in accepted])
         batches = []
         if len(steps):
-            batches.append(EventBatch("step", {
+            batches.append(EventBatch.of("step", {
                 "job": source_column(jobs, step_sizes, np.int32),
                 "rank": source_column(ranks, step_sizes, np.int32),
                 "gpu": source_column([d.source.gpu for _, d in accepted], step_sizes, np.int16),
@@ -267,7 +267,7 @@ class EventsCollector:
                 "compute_end_ns": steps["compute_end_ns"].copy(),
             }))
         if len(reads):
-            batches.append(EventBatch("read", {
+            batches.append(EventBatch.of("read", {
                 "job": source_column(jobs, read_sizes, np.int32),
                 "rank": source_column(ranks, read_sizes, np.int32),
                 "worker": source_column([d.source.worker for _, d in accepted], read_sizes, np.int16),

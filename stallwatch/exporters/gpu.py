@@ -299,13 +299,13 @@ class GpuCollector:
         device.last_sample_us = int(stamps[-1])
         wall_to_monotonic_ns = time.monotonic_ns() - time.time_ns()
         self._sink(
-            EventBatch(
+            EventBatch.of(
                 "gpu_util",
                 {
                     "ts_ns": stamps * 1000 + wall_to_monotonic_ns,
                     "period_ns": (periods_us * 1000).astype(np.int64),
-                    "gpu": np.full(stamps.size, device.index, dtype=np.int16),
-                    "util": values.astype(np.float32),
+                    "gpu": np.full(stamps.size, device.index),
+                    "util": values,
                 },
             )
         )

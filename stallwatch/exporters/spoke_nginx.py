@@ -24,7 +24,6 @@ from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-import numpy as np
 from prometheus_client.core import Metric
 
 from stallwatch import catalogue
@@ -260,14 +259,14 @@ class NginxSpokeCollector:
         # $msec is wall time; the stream runs on the node's monotonic clock. Sample the offset once
         # per batch so a wall-clock step moves later batches, not the order within one.
         offset = self._wall_ns() - self._monotonic_ns()
-        return EventBatch("spoke_request", {
-            "spoke": np.full(len(entries), self._spoke_id, dtype=np.int32),
-            "key": np.fromiter((e.key for e in entries), dtype=np.uint64, count=len(entries)),
-            "bytes": np.fromiter((e.body_bytes for e in entries), dtype=np.int64, count=len(entries)),
-            "end_ns": np.fromiter((e.end_wall_ns - offset for e in entries), dtype=np.int64, count=len(entries)),
-            "duration_ns": np.fromiter((e.duration_ns for e in entries), dtype=np.int64, count=len(entries)),
-            "upstream_ns": np.fromiter((e.upstream_ns for e in entries), dtype=np.int64, count=len(entries)),
-            "verdict": np.fromiter((e.verdict for e in entries), dtype=np.int8, count=len(entries)),
+        return EventBatch.of("spoke_request", {
+            "spoke": [self._spoke_id] * len(entries),
+            "key": [e.key for e in entries],
+            "bytes": [e.body_bytes for e in entries],
+            "end_ns": [e.end_wall_ns - offset for e in entries],
+            "duration_ns": [e.duration_ns for e in entries],
+            "upstream_ns": [e.upstream_ns for e in entries],
+            "verdict": [e.verdict for e in entries],
         })
 
 
