@@ -1,4 +1,4 @@
-"""The wire format between training clients and the agent: one datagram is one batch.
+"""The wire contract between training clients and the agent: one datagram is one batch.
 
 Standard library only (the training client imports it); the agent decodes the same layout with
 NumPy in `stallwatch.exporters.events_decode`, building its dtypes from the field tables below, so
@@ -25,6 +25,11 @@ from dataclasses import dataclass
 from itertools import starmap
 
 VERSION = 1
+
+# Where batches travel: the agent binds this Unix datagram socket (`--events.socket`), clients send
+# to the path in SOCKET_ENV or, without it, to this default.
+DEFAULT_SOCKET = "/var/run/stallwatch/events.sock"
+SOCKET_ENV = "STALLWATCH_SOCKET"
 
 HEADER_FIELDS: tuple[tuple[str, str], ...] = (
     ("version", "B"),

@@ -41,7 +41,6 @@ from prometheus_client.core import HistogramMetricFamily, Metric
 
 from stallwatch import catalogue
 from stallwatch.client import wire
-from stallwatch.client.transport import DEFAULT_SOCKET
 from stallwatch.eventbatch import OVERFLOW, EventBatch, EventSink, Interner, discard
 from stallwatch.exporters.collector import CollectorContext, register_collector
 from stallwatch.exporters.config import positive_int
@@ -332,7 +331,7 @@ class EventsCollector:
 
 
 def _add_arguments(group: argparse._ArgumentGroup) -> None:
-    group.add_argument("--events.socket", dest="events_socket", default=DEFAULT_SOCKET, metavar="PATH",
+    group.add_argument("--events.socket", dest="events_socket", default=wire.DEFAULT_SOCKET, metavar="PATH",
                        help="Unix datagram socket training clients send to (default: %(default)s)")
     group.add_argument("--events.queue-limit", dest="events_queue_limit", type=positive_int, default=200_000,
                        metavar="N", help="events waiting to be decoded before batches are dropped "
