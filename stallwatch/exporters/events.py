@@ -41,10 +41,10 @@ from prometheus_client.core import HistogramMetricFamily, Metric
 
 from stallwatch import catalogue
 from stallwatch.client import wire
-from stallwatch.eventbatch import OVERFLOW, EventBatch, EventSink, Interner, discard
+from stallwatch.eventbatch import OVERFLOW, SCHEMAS, EventBatch, EventSink, Interner, discard
 from stallwatch.exporters.collector import CollectorContext, register_collector
 from stallwatch.exporters.config import positive_int
-from stallwatch.exporters.events_decode import Decoded, RejectedBatchError, decode, peek_events
+from stallwatch.exporters.events_decode import Decoded, Records, RejectedBatchError, decode, peek_events
 
 log = logging.getLogger(__name__)
 
@@ -245,39 +245,12 @@ class EventsCollector:
         return found
 
     def _forward(self, accepted: list[tuple[int, Decoded]]) -> None:
-        def source_column(values: list[int], sizes: list[int], dtype: type[np.generic]) -> npt.NDArray[np.generic]:
-            return np.repeat(np.array(values, dtype=dtype), sizes)
-
-        jobs = [job for job, _ in accepted]
-        ranks = [decoded.source.rank for _, decoded in accepted]
-        step_sizes = [len(decoded.steps) for _, decoded in accepted]
-        read_sizes = [len(decoded.reads) for _, decoded in accepted]
-        steps = np.concatenate([decoded.steps for _, decoded in accepted])
-        reads = np.concatenate([decoded.reads for _, decoded in accepted])
-        batches = []
-        if len(steps):
-            batches.append(EventBatch.of("step", {
-                "job": source_column(jobs, step_sizes, np.int32),
-                "rank": source_column(ranks, step_sizes, np.int32),
-                "gpu": source_column([d.source.gpu for _, d in accepted], step_sizes, np.int16),
-                "batch": steps["batch"].copy(),
-                "wait_start_ns": steps["wait_start_ns"].copy(),
-                "wait_end_ns": steps["wait_end_ns"].copy(),
-                "compute_end_ns": steps["compute_end_ns"].copy(),
-            }))
-        if len(reads):
-            batches.append(EventBatch.of("read", {
-                "job": source_column(jobs, read_sizes, np.int32),
-                "rank": source_column(ranks, read_sizes, np.int32),
-                "worker": source_column([d.source.worker for _, d in accepted], read_sizes, np.int16),
-                "batch": reads["batch"].copy(),
-                "key": reads["key"].copy(),
-                "bytes": reads["bytes"].copy(),
-                "start_ns": reads["start_ns"].copy(),
-                "end_ns": reads["end_ns"].copy(),
-                "verdict": reads["verdict"].copy(),
-            }))
-        for batch in batches:
+        sources = [{"job": job, "rank": d.source.rank, "gpu": d.source.gpu, "worker": d.source.worker}
+                   for job, d in accepted]
+        for kind, records in (("step", [d.steps for _, d in accepted]), ("read", [d.reads for _, d in accepted])):
+            if not any(len(part) for part in records):
+                continue
+            batch = _event_batch(kind, sources, records)
             try:
                 self._sink(batch)
             except Exception:
@@ -328,6 +301,20 @@ class EventsCollector:
                 info = os.stat(self._path)
                 if stat.S_ISSOCK(info.st_mode) and info.st_ino == self._inode:
                     os.unlink(self._path)
+
+
+def _event_batch(kind: str, sources: list[dict[str, int]], records: list[Records]) -> EventBatch:
+    """The records of several client batches as one event batch: the wire record's fields, and for
+    the columns a record lacks (who sent it) its batch's source value, repeated per record."""
+    merged = np.concatenate(records)
+    sizes = [len(part) for part in records]
+    schema = SCHEMAS[kind].columns
+    assert merged.dtype.names is not None
+    return EventBatch.of(kind, {
+        name: merged[name].copy() if name in merged.dtype.names
+        else np.repeat(np.array([source[name] for source in sources], dtype=dtype), sizes)
+        for name, dtype in schema.items()
+    })
 
 
 def _add_arguments(group: argparse._ArgumentGroup) -> None:
