@@ -3,10 +3,11 @@
 The agent runs with 8 emulated GPUs polled at 10 Hz, the host collector, the events receiver fed at
 the nominal node rate (~50k events/s from 8 ranks and 64 loader workers through the real client), and
 an nginx-format spoke log appended to and rotated every few minutes. Prometheus is played by a scrape
-every second. Every `--sample` seconds the agent's RSS and open file descriptors are recorded; the
+every second. A training node's cores are never idle (its loader workers keep them busy), so by default
+one burner process per core spins for the whole run (`--burners 0` for an idle machine). Every `--sample` seconds the agent's RSS and open file descriptors are recorded; the
 report gives first, last and max, and the growth from the first to the last quarter of the run.
 
-    PYTHONPATH=. .venv/bin/python benchmarks/soak.py [--seconds 3600] [--rate 50000] [--sample 10]
+    PYTHONPATH=. .venv/bin/python benchmarks/soak.py [--seconds 3600] [--rate 50000] [--sample 10] [--burners N]
 """
 
 from __future__ import annotations
@@ -26,6 +27,12 @@ import psutil
 from benchmarks.flood import scrape, total
 
 ROTATE_SECONDS = 300
+BURNER = "while True: pass"
+
+
+def start_burners(count: int) -> list[subprocess.Popen[bytes]]:
+    """`count` processes that keep a core busy each, as a training node's loader workers do."""
+    return [subprocess.Popen([sys.executable, "-c", BURNER]) for _ in range(count)]
 
 
 def nginx_line(now: float, n: int) -> str:
@@ -41,6 +48,8 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=3600.0)
     parser.add_argument("--rate", type=int, default=50_000, help="client events per second (default: nominal)")
     parser.add_argument("--sample", type=float, default=10.0, help="seconds between RSS/fd samples")
+    parser.add_argument("--burners", type=int, default=os.cpu_count() or 1,
+                        help="busy-loop processes kept running alongside (default: one per core)")
     args = parser.parse_args()
     from tests.conftest import start_agent, stop_agent
 
@@ -50,6 +59,7 @@ def main() -> None:
     agent = start_agent(["--gpu.fake-devices", "8", "--gpu.interval", "0.1", "--collector.spoke_nginx",
                          "--spoke_nginx.log", str(log), "--events.socket", socket_path], workdir / "agent.log")
     process = psutil.Process(agent.process.pid)
+    burners = start_burners(args.burners)
     client = subprocess.Popen([sys.executable, str(Path(__file__).parent / "flood.py"), "client", socket_path,
                                str(args.rate), str(args.seconds)], stdout=subprocess.PIPE, text=True,
                               env=dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parent.parent)))
@@ -75,21 +85,30 @@ def main() -> None:
         samples.append((time.monotonic() - start, process.memory_info().rss / 2**20, process.num_fds()))
     finally:
         client.wait(timeout=args.seconds + 120)
+        for burner in burners:
+            burner.kill()
+            burner.wait()
         stop_agent(agent)
     quarter = max(1, len(samples) // 4)
     rss = [s[1] for s in samples]
     fds = [s[2] for s in samples]
+    accepted = total(metrics, "stallwatch_receiver_events_total")
+    client_dropped = total(metrics, "stallwatch_client_dropped_events_total")
     print(json.dumps({
-        "seconds": round(samples[-1][0], 1), "samples": len(samples), "rate": args.rate,
+        "seconds": round(samples[-1][0], 1), "samples": len(samples), "rate": args.rate, "burners": args.burners,
         "rss_mib": {"first": round(rss[0], 1), "last": round(rss[-1], 1), "max": round(max(rss), 1),
                     "first_quarter_mean": round(statistics.mean(rss[:quarter]), 1),
                     "last_quarter_mean": round(statistics.mean(rss[-quarter:]), 1)},
         "open_fds": {"first": fds[0], "last": fds[-1], "max": max(fds)},
         "scrape_ms": {"median": round(statistics.median(scrapes) * 1e3, 2),
                       "max": round(max(scrapes) * 1e3, 2)},
-        "events_accepted": total(metrics, "stallwatch_receiver_events_total"),
+        "events_accepted": accepted,
         "events_dropped_by_agent": total(metrics, "stallwatch_receiver_dropped_events_total"),
-        "events_dropped_by_clients": total(metrics, "stallwatch_client_dropped_events_total"),
+        "events_dropped_by_clients": client_dropped,
+        "client_dropped_percent": round(100 * client_dropped / max(1.0, accepted + client_dropped), 3),
+        "correlator_late_events": total(metrics, "stallwatch_correlator_late_events_total"),
+        "correlator_late_percent": round(
+            100 * total(metrics, "stallwatch_correlator_late_events_total") / max(1.0, accepted), 3),
         "spoke_lines_written": lines,
         "spoke_requests_counted": total(metrics, "stallwatch_spoke_requests_total"),
         "spoke_errors": total(metrics, "stallwatch_spoke_collector_errors_total"),
