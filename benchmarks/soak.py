@@ -4,8 +4,10 @@ The agent runs with 8 emulated GPUs polled at 10 Hz, the host collector, the eve
 the nominal node rate (~50k events/s from 8 ranks and 64 loader workers through the real client), and
 an nginx-format spoke log appended to and rotated every few minutes. Prometheus is played by a scrape
 every second. A training node's cores are never idle (its loader workers keep them busy), so by default
-one burner process per core spins for the whole run (`--burners 0` for an idle machine). Every `--sample` seconds the agent's RSS and open file descriptors are recorded; the
-report gives first, last and max, and the growth from the first to the last quarter of the run.
+one burner process per core spins for the whole run (`--burners 0` for an idle machine). Every
+`--sample` seconds the agent's RSS and open file descriptors are recorded; the report gives first,
+last and max, the growth from the first to the last quarter of the run, the share of events the
+clients dropped and the share the correlator found late.
 
     PYTHONPATH=. .venv/bin/python benchmarks/soak.py [--seconds 3600] [--rate 50000] [--sample 10] [--burners N]
 """

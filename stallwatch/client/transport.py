@@ -1,24 +1,31 @@
 """Delivery of events to the node agent: buffered per source, sent in batches, never blocking.
 
 Why a datagram socket: the agent only has to receive, and a Unix datagram is a whole batch or
-nothing, so there is no framing, no partial write to finish later and no connection to re-establish:
-every batch is a `sendto()` to the socket's path, which reaches a restarted agent as soon as it has
-bound the path again. The kernel queues at most `net.unix.max_dgram_qlen` datagrams per receiving
-socket (10 on some machines), so a batch carries up to `wire.MAX_EVENTS` events: ten queued
-datagrams hold thousands of events, and the agent's receive thread does nothing but drain them.
+nothing, so there is no framing and no partial write to finish later. The socket is connected to
+the agent's path, so `poll()` can say when the agent's queue has room again; after an error it is
+dropped and connected anew, which reaches a restarted agent as soon as it has bound the path again.
+The kernel queues at most `net.unix.max_dgram_qlen` datagrams per receiving socket (10 on some
+machines), so a batch carries up to `wire.MAX_EVENTS` events.
 
-Never blocking: the socket is non-blocking. A full queue (EAGAIN), a missing agent (ENOENT,
-ECONNREFUSED) or any other error drops the batch and counts its events; the count travels in the
-next batch that gets through, for `stallwatch_client_dropped_events_total`. While the agent is
-absent the client stops even packing for `ABSENT_RETRY_NS`, so a node without an agent pays only
-the append of each event.
+A full queue (EAGAIN) is a moment, not a verdict: on a node whose cores are all busy the agent's
+receive thread may wait a few milliseconds for a core while every loader worker flushes. The batch
+is kept, encoded, in a per-process buffer of at most `MAX_PENDING_EVENTS` events, behind which
+later batches queue in order, and the flush thread sends them as soon as `poll()` reports room.
+Only a batch that waited `RETRY_BUDGET_NS` (well inside the correlator's lateness), one pushed out
+of the full buffer (oldest first), or one meeting a missing agent (ENOENT, ECONNREFUSED) is dropped;
+its events are counted and the count travels in the next batch that gets through, for
+`stallwatch_client_dropped_events_total`: a header is packed when its batch leaves, so it carries the
+count and clocks of that moment. While the agent is absent the client stops even packing for
+`ABSENT_RETRY_NS`, so a node without an agent pays only the append of each event.
 
-Threads and processes: recording appends a tuple to a list (atomic under the GIL). Flushing takes
-the first n entries and deletes them, both single operations, so appends from other threads are
-never lost; one lock makes sure only one thread flushes at a time. A background thread flushes
-every `FLUSH_INTERVAL_NS` so idle processes still deliver; the buffers are also flushed when full,
-at the end of every loader epoch, and at exit. After `fork()` (PyTorch loader workers) the child
-discards the parent's buffered events, which the parent still owns, and starts its own thread.
+Never blocking: the socket is non-blocking and only the flush thread waits, in `poll()`, with the
+lock released to training threads after each attempt. Recording appends a tuple to a list (atomic
+under the GIL). Flushing takes the first n entries and deletes them, both single operations, so
+appends from other threads are never lost; one lock makes sure only one thread flushes at a time. The
+flush thread also flushes every `FLUSH_INTERVAL_NS` so idle processes still deliver; the buffers are
+also flushed when full, at the end of every loader epoch, and at exit (which waits at most
+`EXIT_DRAIN_S` for room). After `fork()` (PyTorch loader workers) the child discards the parent's
+buffered events, which the parent still owns, and starts its own thread.
 """
 
 from __future__ import annotations
@@ -28,10 +35,12 @@ import contextlib
 import logging
 import multiprocessing
 import os
+import select
 import socket
 import threading
 import time
 import weakref
+from collections import deque
 from multiprocessing import util as mp_util
 
 from stallwatch.client import wire
@@ -40,6 +49,12 @@ log = logging.getLogger(__name__)
 
 FLUSH_INTERVAL_NS = 500_000_000
 ABSENT_RETRY_NS = 1_000_000_000
+# A batch that met a full queue is retried for this long: with the flush interval, well inside the
+# correlator's default lateness, so a retried batch is still on time.
+RETRY_BUDGET_NS = 400_000_000
+MAX_PENDING_EVENTS = 64 * wire.MAX_EVENTS  # ~1.3 MB of encoded reads per process
+RETRY_POLL_MS = 50
+EXIT_DRAIN_S = 0.2
 
 
 class Channel:
@@ -70,14 +85,28 @@ class Channel:
     def flush(self) -> None:
         self.owner.flush(self, wait=True)
 
+    def drop(self, events: int) -> None:
+        self.dropped_unreported += events
+        self.dropped_total += events
+
     def _reset(self) -> None:
         self.steps.clear()
         self.reads.clear()
         self.dropped_unreported = self.dropped_total = 0
 
 
+class _Pending:
+    """An encoded batch waiting for room in the agent's queue."""
+
+    __slots__ = ("body", "channel", "events", "n_reads", "n_steps", "since_ns")
+
+    def __init__(self, channel: Channel, n_steps: int, n_reads: int, body: bytes, since_ns: int) -> None:
+        self.channel, self.n_steps, self.n_reads, self.body, self.since_ns = channel, n_steps, n_reads, body, since_ns
+        self.events = n_steps + n_reads
+
+
 class Sender:
-    """One per process: the socket, the channels, and the thread that flushes them on time."""
+    """One per process: the socket, the channels, the batches waiting for room, and the flush thread."""
 
     def __init__(self, path: str) -> None:
         self.path = path
@@ -92,8 +121,11 @@ class Sender:
         self._lock = threading.Lock()
         self._socket: socket.socket | None = None
         self._absent_until_ns = 0
+        self._pending: deque[_Pending] = deque()
+        self._pending_events = 0
         self._flusher: threading.Thread | None = None
         self._stop = threading.Event()
+        self._wake = threading.Event()  # set when a batch is left pending: the flush thread retries it
 
     def channel(self, source: wire.Source) -> Channel:
         found = self._channels.get(source)
@@ -107,7 +139,8 @@ class Sender:
         if not self._lock.acquire(timeout=0.05 if wait else 0):
             return
         try:
-            self._flush_locked(channel)
+            self._pack(channel)
+            self._send_pending()
         except Exception:  # a bug here must never reach training code
             log.debug("stallwatch: flush failed", exc_info=True)
         finally:
@@ -117,41 +150,118 @@ class Sender:
         for channel in list(self._channels.values()):
             self.flush(channel, wait=True)
 
+    def flush_before_exit(self) -> None:
+        """Flush everything and wait a moment (`EXIT_DRAIN_S` at most) for room for what is left pending."""
+        self.flush_all()
+        self._drain_pending(EXIT_DRAIN_S)
+
+    @property
+    def pending_events(self) -> int:
+        """Events encoded and waiting for room in the agent's queue."""
+        return self._pending_events
+
     def close(self) -> None:
         self._stop.set()
-        self.flush_all()
-        if self._socket is not None:
-            self._socket.close()
-            self._socket = None
+        self._wake.set()
+        if self._flusher is not None and self._flusher is not threading.current_thread():
+            self._flusher.join(timeout=1)
+        self.flush_before_exit()
+        with self._lock:
+            self._drop_pending(len(self._pending))
+            if self._socket is not None:
+                self._socket.close()
+                self._socket = None
 
-    def _flush_locked(self, channel: Channel) -> None:
+    def _pack(self, channel: Channel) -> None:
+        """Move the channel's events into batches at the end of the pending queue."""
+        now = time.monotonic_ns()
         while channel.steps or channel.reads:
             n_steps = min(len(channel.steps), wire.MAX_EVENTS)
             n_reads = min(len(channel.reads), wire.MAX_EVENTS - n_steps)
             steps, reads = channel.steps[:n_steps], channel.reads[:n_reads]
             del channel.steps[:n_steps], channel.reads[:n_reads]
-            if not self._deliver(channel, steps, reads):
-                channel.dropped_unreported += n_steps + n_reads
-                channel.dropped_total += n_steps + n_reads
+            if now < self._absent_until_ns:
+                channel.drop(n_steps + n_reads)
+                continue
+            while self._pending and self._pending_events + n_steps + n_reads > MAX_PENDING_EVENTS:
+                self._drop_pending(1)  # the oldest goes first: it is the likeliest to be late
+            self._pending.append(_Pending(channel, n_steps, n_reads, wire.encode_body(channel.source, steps, reads),
+                                          now))
+            self._pending_events += n_steps + n_reads
 
-    def _deliver(self, channel: Channel, steps: list[wire.Step], reads: list[wire.Read]) -> bool:
-        now = time.monotonic_ns()
-        if now < self._absent_until_ns:
-            return False
-        reported = channel.dropped_unreported
-        data = wire.encode(channel.source, steps, reads, len(steps), len(reads), reported, now, time.time_ns())
-        try:
-            if self._socket is None:
-                self._socket = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-                self._socket.setblocking(False)
-            self._socket.sendto(data, self.path)
-        except BlockingIOError:  # the agent's queue is full: drop this batch, try the next one
-            return False
-        except OSError:  # no agent (ENOENT, ECONNREFUSED) or worse: stay quiet for a while
-            self._absent_until_ns = now + ABSENT_RETRY_NS
-            return False
-        channel.dropped_unreported -= reported
+    def _drop_pending(self, count: int) -> None:
+        for _ in range(count):
+            batch = self._pending.popleft()
+            self._pending_events -= batch.events
+            batch.channel.drop(batch.events)
+
+    def _send_pending(self) -> bool:
+        """Send pending batches in order until the queue is full; whether none is left."""
+        pending = self._pending
+        while pending:
+            batch = pending[0]
+            now = time.monotonic_ns()
+            if now - batch.since_ns > RETRY_BUDGET_NS:
+                self._drop_pending(1)
+                continue
+            channel = batch.channel
+            reported = channel.dropped_unreported
+            header = wire.encode_header(channel.source, batch.n_steps, batch.n_reads, reported, now, time.time_ns())
+            try:
+                self._connected().sendmsg([header, batch.body])
+            except BlockingIOError:  # the agent's queue is full: the flush thread retries when it has room
+                self._wake.set()
+                return False
+            except OSError:  # no agent (ENOENT, ECONNREFUSED) or worse: stay quiet for a while
+                self._absent_until_ns = now + ABSENT_RETRY_NS
+                if self._socket is not None:
+                    self._socket.close()
+                    self._socket = None
+                self._drop_pending(len(pending))
+                return True
+            pending.popleft()
+            self._pending_events -= batch.events
+            channel.dropped_unreported -= reported
         return True
+
+    def _connected(self) -> socket.socket:
+        if self._socket is None:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+            sock.setblocking(False)
+            try:
+                sock.connect(self.path)
+            except OSError:
+                sock.close()
+                raise
+            self._socket = sock
+        return self._socket
+
+    def _wait_for_room(self, timeout_ms: int) -> None:
+        """Block this (flush) thread until the agent's queue has room or `timeout_ms` passes."""
+        sock = self._socket
+        if sock is None:
+            return
+        poller = select.poll()
+        with contextlib.suppress(OSError, ValueError):  # closed meanwhile: the next send reconnects
+            poller.register(sock, select.POLLOUT)
+            poller.poll(timeout_ms)
+
+    def _retry_pending(self) -> bool:
+        """One attempt from the flush thread; whether nothing is left pending."""
+        if not self._lock.acquire(timeout=0.05):
+            return False
+        try:
+            return self._send_pending()
+        except Exception:
+            log.debug("stallwatch: retry failed", exc_info=True)
+            return True
+        finally:
+            self._lock.release()
+
+    def _drain_pending(self, seconds: float) -> None:
+        deadline = time.monotonic() + seconds
+        while self._pending and time.monotonic() < deadline and not self._retry_pending():
+            self._wait_for_room(RETRY_POLL_MS)
 
     def _ensure_flusher(self) -> None:
         if self._flusher is not None and self._flusher.is_alive():
@@ -161,11 +271,22 @@ class Sender:
         self._flusher.start()
         if multiprocessing.current_process().name != "MainProcess":
             # multiprocessing children leave through os._exit(), which skips atexit handlers.
-            mp_util.Finalize(self, self.flush_all, exitpriority=100)
+            mp_util.Finalize(self, self.flush_before_exit, exitpriority=100)
 
     def _flush_periodically(self) -> None:
-        while not self._stop.wait(FLUSH_INTERVAL_NS / 1e9):
-            self.flush_all()
+        interval = FLUSH_INTERVAL_NS / 1e9
+        next_flush = time.monotonic() + interval
+        while not self._stop.is_set():
+            if self._pending:
+                self._wait_for_room(RETRY_POLL_MS)
+                if not self._retry_pending():
+                    self._stop.wait(0.001)  # the queue filled again at once: let the agent drain it
+            else:
+                self._wake.wait(max(0.0, next_flush - time.monotonic()))
+                self._wake.clear()
+            if time.monotonic() >= next_flush and not self._stop.is_set():
+                self.flush_all()
+                next_flush = time.monotonic() + interval
 
 
 def _after_fork(weak: weakref.ref[Sender]) -> None:
@@ -181,7 +302,7 @@ def _flush_at_exit(weak: weakref.ref[Sender]) -> None:
     sender = weak()
     if sender is not None and sender._pid == os.getpid():
         with contextlib.suppress(Exception):
-            sender.flush_all()
+            sender.flush_before_exit()
 
 
 class _ProcessSender:

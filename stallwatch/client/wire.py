@@ -99,6 +99,24 @@ def job_name(name: str) -> str:
     return cleaned or "unknown"
 
 
+def encode_header(
+    source: Source, n_steps: int, n_reads: int, dropped: int, mono_ns: int, wall_ns: int
+) -> bytes:
+    """A batch's header, packed at send time: the drop count and clocks are those of the moment it leaves."""
+    return HEADER.pack(VERSION, 1, 0, source.gpu, source.worker, source.rank, n_steps, n_reads, dropped, mono_ns,
+                       wall_ns)
+
+
+def encode_body(source: Source, steps: Iterable[Step], reads: Iterable[Read]) -> bytes:
+    """What follows the header: the string table and the records, in STEP/READ field order."""
+    job = source.job.encode()
+    parts = [STRING_LENGTH.pack(len(job)), job]
+    # starmap keeps the per-record loop in C: ~90 ns a record here, against ~150 ns for pack_into.
+    parts.extend(starmap(STEP.pack, steps))
+    parts.extend(starmap(READ.pack, reads))
+    return b"".join(parts)
+
+
 def encode(
     source: Source,
     steps: Iterable[Step],
@@ -110,15 +128,4 @@ def encode(
     wall_ns: int,
 ) -> bytes:
     """One datagram. `steps` and `reads` are tuples in STEP/READ field order, counted by the caller."""
-    job = source.job.encode()
-    parts = [
-        HEADER.pack(
-            VERSION, 1, 0, source.gpu, source.worker, source.rank, n_steps, n_reads, dropped, mono_ns, wall_ns
-        ),
-        STRING_LENGTH.pack(len(job)),
-        job,
-    ]
-    # starmap keeps the per-record loop in C: ~90 ns a record here, against ~150 ns for pack_into.
-    parts.extend(starmap(STEP.pack, steps))
-    parts.extend(starmap(READ.pack, reads))
-    return b"".join(parts)
+    return encode_header(source, n_steps, n_reads, dropped, mono_ns, wall_ns) + encode_body(source, steps, reads)
