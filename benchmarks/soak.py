@@ -7,7 +7,8 @@ every second. A training node's cores are never idle (its loader workers keep th
 one burner process per core spins for the whole run (`--burners 0` for an idle machine). Every
 `--sample` seconds the agent's RSS and open file descriptors are recorded; the report gives first,
 last and max, the growth from the first to the last quarter of the run, the share of events the
-clients dropped and the share the correlator found late.
+clients dropped, the share the correlator found late, and how long after an event its window's
+results were scrapeable (`benchmarks/result_delay.py`: p50 and p99).
 
     PYTHONPATH=. .venv/bin/python benchmarks/soak.py [--seconds 3600] [--rate 50000] [--sample 10] [--burners N]
 """
@@ -27,6 +28,7 @@ from pathlib import Path
 import psutil
 
 from benchmarks.flood import scrape, total
+from benchmarks.result_delay import ResultDelayProbe, summary
 
 ROTATE_SECONDS = 300
 BURNER = "while True: pass"
@@ -62,6 +64,7 @@ def main() -> None:
                          "--spoke_nginx.log", str(log), "--events.socket", socket_path], workdir / "agent.log")
     process = psutil.Process(agent.process.pid)
     burners = start_burners(args.burners)
+    probe = ResultDelayProbe(agent.url, socket_path)
     client = subprocess.Popen([sys.executable, str(Path(__file__).parent / "flood.py"), "client", socket_path,
                                str(args.rate), str(args.seconds)], stdout=subprocess.PIPE, text=True,
                               env=dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parent.parent)))
@@ -87,6 +90,7 @@ def main() -> None:
         samples.append((time.monotonic() - start, process.memory_info().rss / 2**20, process.num_fds()))
     finally:
         client.wait(timeout=args.seconds + 120)
+        probe.stop()
         for burner in burners:
             burner.kill()
             burner.wait()
@@ -108,6 +112,7 @@ def main() -> None:
         "events_dropped_by_agent": total(metrics, "stallwatch_receiver_dropped_events_total"),
         "events_dropped_by_clients": client_dropped,
         "client_dropped_percent": round(100 * client_dropped / max(1.0, accepted + client_dropped), 3),
+        "result_delay": summary(probe.delays_s()),
         "correlator_late_events": total(metrics, "stallwatch_correlator_late_events_total"),
         "correlator_late_percent": round(
             100 * total(metrics, "stallwatch_correlator_late_events_total") / max(1.0, accepted), 3),

@@ -147,9 +147,31 @@ def test_a_full_agent_queue_drops_instead_of_blocking(socket_path: str) -> None:
         events = 40 * wire.MAX_EVENTS  # far more datagrams than the kernel queues for one socket
         assert train_finishes(events, "stuck")
         channel = transport.sender().channel(wire.Source("stuck", 0, -1, -1))
+        # Kept for a retry at most RETRY_BUDGET_NS, then dropped and counted: all but the queued ones.
+        assert wait_for(lambda: transport.sender().pending_events == 0, seconds=5)
         assert 0 < channel.dropped_total < events
     finally:
         stuck.close()
+
+
+def test_batches_that_met_a_full_queue_arrive_once_the_agent_drains_it(socket_path: str) -> None:
+    Path(socket_path).parent.mkdir(parents=True)
+    slow = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)  # an agent busy elsewhere for a moment
+    slow.bind(socket_path)
+    try:
+        events = 30 * wire.MAX_EVENTS
+        assert train_finishes(events, "slow")
+        assert transport.sender().pending_events > 0  # the kernel queued only some of the 30 datagrams
+        received, steps = 0, 0
+        slow.settimeout(2)
+        while steps < events:
+            data = slow.recv(1 << 18)
+            received += 1
+            steps += wire.HEADER.unpack_from(data)[6]
+        channel = transport.sender().channel(wire.Source("slow", 0, -1, -1))
+        assert steps == events and channel.dropped_total == 0 and received == 30
+    finally:
+        slow.close()
 
 
 def test_after_an_agent_restart_the_client_delivers_again_and_reports_its_drops(socket_path: str) -> None:

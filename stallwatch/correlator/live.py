@@ -67,7 +67,7 @@ class LiveCorrelator:
         windows_path: str | Path | None = None,
         events_path: str | Path | None = None,
         clock_ns: Callable[[], int] = time.monotonic_ns,
-        tick_s: float = 0.25,
+        tick_s: float = 0.1,
         max_backlog_events: int = DEFAULT_BACKLOG_EVENTS,
         start: bool = True,
     ) -> None:

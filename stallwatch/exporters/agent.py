@@ -41,6 +41,8 @@ from stallwatch.exporters.web_config import WebConfig, load_web_config
 
 log = logging.getLogger("stallwatch.agent")
 
+GIL_SWITCH_INTERVAL_S = 0.0005
+
 
 class _BuildInfo:
     def collect(self) -> Iterator[Metric]:
@@ -85,6 +87,10 @@ def main(argv: Sequence[str]) -> int:
         format="ts=%(asctime)s level=%(levelname)s logger=%(name)s msg=%(message)r",
         stream=sys.stderr,
     )
+    # The events receive thread must get the GIL within a fraction of a millisecond of a datagram: the
+    # kernel may queue only ten (`net.unix.max_dgram_qlen`), and at the default 5 ms a scrape or a
+    # window close holds it for longer than clients take to fill the queue (measured in docs/benchmarks.md).
+    sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     registry = CollectorRegistry()
     host_name, port = parse_listen_address(options.web_listen_address)
     try:  # bind first: a taken port fails before any collector starts a thread
