@@ -17,9 +17,9 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from stallwatch.demo.processes import free_port
 from stallwatch.demo.spoke import Nginx, nginx_binary
-from tests.conftest import ROOT, start_agent, stop_agent
+from stallwatch.harness import free_port, start_agent, stop_agent
+from tests.conftest import ROOT
 
 NGINX = nginx_binary()
 __all__ = ["NGINX", "ROOT", "Agent", "Hub", "Nginx", "free_port", "get"]

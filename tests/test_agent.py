@@ -13,7 +13,8 @@ import requests
 from prometheus_client.parser import text_string_to_metric_families
 
 from stallwatch import catalogue
-from tests.conftest import ROOT, AgentProcess
+from stallwatch.harness import AgentProcess
+from tests.conftest import ROOT
 
 
 def scrape(agent: AgentProcess) -> dict[str, list[tuple[dict[str, str], float]]]:

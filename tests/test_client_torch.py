@@ -3,24 +3,20 @@
 from __future__ import annotations
 
 import os
-import re
-import subprocess
-import sys
 import time
-import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from prometheus_client.parser import text_string_to_metric_families
 from torch.utils.data import DataLoader, Dataset
 
 from stallwatch.batch import Batch
 from stallwatch.client import RecordedFile, transport
 from stallwatch.client.torch import instrument
 from stallwatch.exporters.events import EventsCollector
+from stallwatch.harness import scrape, start_agent, stop_agent
 from stallwatch.keys import read_key
 
 pytestmark = pytest.mark.slow
@@ -80,28 +76,6 @@ def files(tmp_path: Path) -> list[Path]:
     return paths
 
 
-def start_agent(socket_path: Path, log: Path) -> tuple[subprocess.Popen[bytes], str]:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    command = [sys.executable, "-m", "stallwatch", "agent", "--web.listen-address", "127.0.0.1:0",
-               "--events.socket", str(socket_path), "--no-collector.gpu"]
-    process = subprocess.Popen(command, stderr=log.open("wb"), env=env)
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline and process.poll() is None:
-        found = re.search(r"listening on (http://\S+?/metrics)", log.read_text())
-        if found:
-            return process, found.group(1)
-        time.sleep(0.05)
-    process.kill()
-    raise AssertionError(f"agent did not start: {log.read_text()}")
-
-
-def scrape(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    with urllib.request.urlopen(url, timeout=10) as response:
-        text = response.read().decode()
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
-
-
 def wait_for(condition: Callable[[], bool], seconds: float = 30.0) -> bool:
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
@@ -114,14 +88,13 @@ def wait_for(condition: Callable[[], bool], seconds: float = 30.0) -> bool:
 @pytest.fixture
 def agent(tmp_path: Path) -> Iterator[str]:
     socket_path = tmp_path / "run" / "events.sock"
-    process, url = start_agent(socket_path, tmp_path / "agent.log")
+    agent = start_agent(["--events.socket", str(socket_path), "--no-collector.gpu"], tmp_path / "agent.log", timeout=60)
     transport.configure(str(socket_path))
     try:
-        yield url
+        yield agent.url
     finally:
         transport.sender().close()
-        process.terminate()
-        process.wait(timeout=30)
+        stop_agent(agent)
 
 
 def test_loader_waits_and_worker_reads_reach_the_agent_per_rank(agent: str, files: list[Path]) -> None:

@@ -14,12 +14,11 @@ from typing import Any
 import pytest
 import requests
 import yaml
-from prometheus_client.parser import text_string_to_metric_families
 
 from stallwatch.alerts import Thresholds, render_alerting_rules, render_recording_rules
-from stallwatch.demo.processes import free_port
-from stallwatch.demo.stack import Server, Webhook, query, start_alertmanager, start_prometheus, wait_for
-from tests.conftest import AgentProcess, require_binary
+from stallwatch.demo.stack import Server, Webhook, query, start_alertmanager, start_prometheus
+from stallwatch.harness import AgentProcess, free_port, parse_samples, wait_for
+from tests.conftest import require_binary
 from tests.dashqueries import METRIC, dashboard_queries
 
 pytestmark = pytest.mark.slow
@@ -35,7 +34,7 @@ def servers() -> Iterator[list[Server | Webhook]]:
 
 def served_names(agent: AgentProcess) -> set[str]:
     text = requests.get(agent.url, timeout=10).text
-    return {sample.name for family in text_string_to_metric_families(text) for sample in family.samples}
+    return {name for name, _ in parse_samples(text)}
 
 
 def test_generated_rules_and_dashboards_on_a_real_prometheus_and_alertmanager(

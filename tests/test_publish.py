@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import requests
 
-from stallwatch.demo.processes import free_port
+from stallwatch.harness import free_port
 from stallwatch.publish import Grafana, PublishError, install_rules, reload_prometheus
 from tests.conftest import require_binary
 

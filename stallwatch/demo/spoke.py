@@ -16,8 +16,8 @@ import subprocess
 import time
 from pathlib import Path
 
-from stallwatch.demo.processes import free_port, stop_process
 from stallwatch.exporters.spoke_nginx import LOG_FORMAT
+from stallwatch.harness import free_port, stop_process
 
 
 def nginx_binary() -> str:
