@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from stallwatch import alerts, report
+from stallwatch import alerts
 from stallwatch import catalogue as c
 from stallwatch.demo.hub import Hub, make_dataset
 from stallwatch.demo.spoke import Nginx, spoke_server_block
@@ -42,6 +42,9 @@ from stallwatch.harness import (
     total,
     wait_for,
 )
+from stallwatch.report.prometheus import run_from_prometheus
+from stallwatch.report.render import render_html
+from stallwatch.report.windows import run_from_windows
 
 PROGRESS = re.compile(r"epoch (\d+) step (\d+)/(\d+)")
 SPOKE_NAME = "demo-spoke"
@@ -209,9 +212,9 @@ class Demo:
             if while_running is not None:
                 while_running(prometheus.url if prometheus else None, agent_url)
             report_path = work / "report.html"
-            run = (report.run_from_prometheus(prometheus.url, started, ended) if prometheus
-                   else report.run_from_windows(work / "windows.jsonl"))
-            report_path.write_text(report.render_html(run, s.price_per_gb))
+            run = (run_from_prometheus(prometheus.url, started, ended) if prometheus
+                   else run_from_windows(work / "windows.jsonl"))
+            report_path.write_text(render_html(run, s.price_per_gb))
             self.say(f"alerts received: {sorted({a['labels']['alertname'] for a in self.alerts}) or 'none'}")
             self.say(f"report: {report_path}")
             return Outcome(report_path, work / "windows.jsonl", list(self.alerts), metrics,
