@@ -26,8 +26,9 @@ from stallwatch.exporters.events import EventsCollector
 from stallwatch.exporters.gpu import GpuCollector
 from stallwatch.exporters.host import HostCollector
 from stallwatch.exporters.nvml_fake import FakeGpu, FakeNVML
+from stallwatch.exporters.openmetrics_mapping import load_mapping, mapping_text
 from stallwatch.exporters.spoke_nginx import MalformedLineError, NginxSpokeCollector, parse_entry
-from stallwatch.exporters.spoke_openmetrics import OpenMetricsSpokeCollector, load_mapping, mapping_text
+from stallwatch.exporters.spoke_openmetrics import OpenMetricsSpokeCollector
 from stallwatch.exporters.web import MetricsServer
 from stallwatch.harness import AgentProcess, Samples, parse_samples, scrape, total
 from tests.conftest import ROOT
