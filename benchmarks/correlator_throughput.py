@@ -15,12 +15,12 @@ import os
 import time
 
 import numpy as np
+from naive_attribution import NaiveAttributor  # a sibling: this runs as a script
 
 from stallwatch.batch import Batch, Verdict
 from stallwatch.catalogue import CAUSES
 from stallwatch.correlator.correlate import CorrelatorSettings
 from stallwatch.correlator.pipeline import Correlator
-from stallwatch.correlator.reference import NaiveAttributor
 from stallwatch.correlator.results import WindowResult
 
 READS_PER_BATCH = 64  # e.g. images of 1 MiB: 8 ranks x 10 steps/s x 64 = 5,120 reads/s per node
