@@ -15,9 +15,11 @@ import pytest
 import requests
 import yaml
 
-from stallwatch.alerts import Thresholds, render_alerting_rules, render_recording_rules
 from stallwatch.demo.stack import Server, Webhook, query, start_alertmanager, start_prometheus
 from stallwatch.harness import AgentProcess, free_port, parse_samples, wait_for
+from stallwatch.mixin.alerts import render_alerting_rules
+from stallwatch.mixin.config import Thresholds
+from stallwatch.mixin.rules import render_recording_rules
 from tests.conftest import require_binary
 from tests.dashqueries import METRIC, dashboard_queries
 
