@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +16,7 @@ from stallwatch.batch import Batch
 from stallwatch.client import RecordedFile, transport
 from stallwatch.client.torch import instrument
 from stallwatch.exporters.events import EventsCollector
-from stallwatch.harness import scrape, start_agent, stop_agent
+from stallwatch.harness import scrape, start_agent, stop_agent, wait_for
 from stallwatch.keys import read_key
 
 pytestmark = pytest.mark.slow
@@ -76,15 +76,6 @@ def files(tmp_path: Path) -> list[Path]:
     return paths
 
 
-def wait_for(condition: Callable[[], bool], seconds: float = 30.0) -> bool:
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(0.1)
-    return condition()
-
-
 @pytest.fixture
 def agent(tmp_path: Path) -> Iterator[str]:
     socket_path = tmp_path / "run" / "events.sock"
@@ -131,7 +122,7 @@ def test_loader_waits_and_worker_reads_reach_the_agent_per_rank(agent: str, file
             for rank, m in measured.items()
         )
 
-    assert wait_for(everything_arrived), scrape(agent)
+    wait_for("every step and read at the agent", everything_arrived, 30)
     metrics = scrape(agent)
     for rank, m in measured.items():
         assert m["steps"] == 8 * (rank + 1)
@@ -167,7 +158,8 @@ def test_every_read_is_tagged_with_the_batch_it_served_even_out_of_order(tmp_pat
         def rows(kind: str) -> int:
             return sum(len(b) for b in received if b.kind == kind)
 
-        assert wait_for(lambda: rows("read") == expected_reads and rows("step") == len(served)), (rows("read"),)
+        wait_for("every read and step in the recording",
+                 lambda: rows("read") == expected_reads and rows("step") == len(served), 30)
     finally:
         transport.sender().close()
         collector.close()
