@@ -20,10 +20,10 @@ from collections.abc import Iterable, Iterator, Mapping
 from prometheus_client.core import Metric
 
 from stallwatch.exporters.collector import CollectorContext, register_collector
-from stallwatch.exporters.config import positive_float
 from stallwatch.exporters.openmetrics_mapping import BUILTIN_MAPPINGS, Rule, apply_mapping, load_mapping, mapping_text
 from stallwatch.exporters.openmetrics_scrape import HttpGet, ScrapeError, http_get, parse_exposition
 from stallwatch.exporters.spokes import collector_errors
+from stallwatch.flags import positive_float
 
 log = logging.getLogger(__name__)
 

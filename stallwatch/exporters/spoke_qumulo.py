@@ -26,10 +26,11 @@ from pathlib import Path
 from prometheus_client.core import Metric
 
 from stallwatch.exporters.collector import CollectorContext, register_collector
-from stallwatch.exporters.config import ConfigError, positive_float
+from stallwatch.exporters.config import ConfigError
 from stallwatch.exporters.openmetrics_mapping import Rule, apply_mapping, load_mapping, mapping_text
 from stallwatch.exporters.openmetrics_scrape import HttpGet, ScrapeError, http_get, parse_exposition
 from stallwatch.exporters.spokes import collector_errors
+from stallwatch.flags import positive_float
 
 log = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""A run read from the correlator's recorded windows (`--correlator.record FILE`, JSON lines)."""
+"""A run read from the correlator's recorded windows (`--correlator.record-windows FILE`, JSON lines)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from stallwatch.report.run import FloatArray, Run, Series
 
 
 def run_from_windows(path: Path, job: str | None = None) -> Run:
-    """A run from `--correlator.record` rows: one per closed window, times on the node's monotonic clock."""
+    """A run from `--correlator.record-windows` rows: one per closed window, times on the node's monotonic clock."""
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     if not rows:
         raise ValueError(f"{path}: no windows recorded")
