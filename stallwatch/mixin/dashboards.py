@@ -174,8 +174,10 @@ def spoke(t: Thresholds) -> Dashboard:
                       )),
                 Panel("Hub fetch errors", "Is the hub failing or unreachable?", Viz.TIMESERIES, "cps",
                       (Query(by("spoke", "sum", rate(c.SPOKE_HUB_ERRORS, RATE, SPOKE)), "{{spoke}}"),)),
-                Panel("Hub round trip", "How far away is the hub right now?", Viz.TIMESERIES, "s",
-                      (Query(by("spoke", "max", selector(c.SPOKE_HUB_RTT, SPOKE)), "{{spoke}}"),)),
+                Panel("Hub round trip", "How far away is the hub right now, from each node's probe: one TCP "
+                      "handshake (connect) and one HTTP request (http)?", Viz.TIMESERIES, "s",
+                      (Query(by("spoke, phase", "max", selector(c.SPOKE_HUB_PROBE_DURATION, SPOKE)),
+                             "{{spoke}} {{phase}}"),)),
             )),
             Row("Capacity", (
                 Panel("Cache size and capacity", "How full is the cache?", Viz.TIMESERIES, "bytes", (
