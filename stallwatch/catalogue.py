@@ -271,8 +271,8 @@ SPOKE_HUB_PROBE_SUCCESS = gauge(
 )
 SPOKE_HUB_PROBE_FAILURES = counter(
     "spoke", "spoke_hub_probe_failures_total", "", ["spoke", "reason"],
-    "Probes of the spoke's hub that failed, by reason: connect (refused, unreachable, DNS), timeout, status "
-    "(an HTTP status of 400 or more), protocol (not an HTTP answer).",
+    "Probes of the spoke's hub that failed, by reason: connect (refused, unreachable, DNS), timeout, tls "
+    "(handshake or certificate), protocol (not an HTTP answer), status (an HTTP status of 400 or more).",
 )
 SPOKE_COLLECTOR_ERRORS = counter(
     "spoke", "spoke_collector_errors_total", "", ["spoke", "reason"],
