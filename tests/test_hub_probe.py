@@ -15,7 +15,7 @@ import requests
 from prometheus_client.core import Metric
 
 from stallwatch import catalogue as c
-from stallwatch.batch import discard
+from stallwatch.eventbatch import discard
 from stallwatch.exporters import agent  # noqa: F401  (registers every collector)
 from stallwatch.exporters.collector import CollectorContext, registered
 from stallwatch.exporters.config import ConfigError, parse
