@@ -26,6 +26,7 @@ import urllib.parse
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from prometheus_client.core import Metric
 
@@ -95,13 +96,8 @@ def probe(target: Target, method: str, timeout: float, tls: ssl.SSLContext,
             addresses = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
         except OSError as error:
             raise ProbeError("connect", f"cannot resolve {host}: {error}") from error
-        family, kind, proto, _, address = addresses[0]
-        sock = socket.socket(family, kind, proto)
+        sock = _connect(addresses, timeout, durations, clock)
         try:
-            sock.settimeout(timeout)
-            start = clock()
-            sock.connect(address)
-            durations["connect"] = clock() - start
             start = clock()
             if parts.scheme == "https":
                 sock = tls.wrap_socket(sock, server_hostname=host)
@@ -131,6 +127,25 @@ def probe(target: Target, method: str, timeout: float, tls: ssl.SSLContext,
     if response.status >= 400:
         return ProbeResult(durations, ProbeError("status", f"HTTP {response.status} {response.reason}"))
     return ProbeResult(durations)
+
+
+def _connect(addresses: list[tuple[Any, ...]], timeout: float, durations: dict[str, float],
+             clock: Callable[[], float]) -> socket.socket:
+    """A connection to the first address that answers (IPv6 and IPv4 alike); its handshake's time is `connect`."""
+    error: OSError = OSError("no address")
+    for family, kind, proto, _, address in addresses:
+        sock = socket.socket(family, kind, proto)
+        sock.settimeout(timeout)
+        start = clock()
+        try:
+            sock.connect(address)
+        except OSError as failed:
+            sock.close()
+            error = failed
+            continue
+        durations["connect"] = clock() - start
+        return sock
+    raise error
 
 
 class HubProbeCollector:
