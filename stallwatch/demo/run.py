@@ -132,11 +132,12 @@ class Demo:
             self.say(f"\n  ALERT received by the webhook: {labels.get('alertname')} ({alert.get('status')}) "
                      f"{alert.get('annotations', {}).get('description', '')}")
 
-    def _start_agent(self, work: Path, spoke: Nginx) -> AgentProcess:
+    def _start_agent(self, work: Path, spoke: Nginx, hub_url: str) -> AgentProcess:
         agent = start_agent([
             "--gpu.fake-devices", "1", "--gpu.fake-trace", str(work / "gpu.trace"), "--gpu.interval", "0.5",
             "--events.socket", str(work / "events.sock"),
             "--collector.spoke_nginx", "--spoke_nginx.log", str(spoke.access_log), "--spoke_nginx.name", SPOKE_NAME,
+            "--collector.hub_probe", "--hub_probe.target", f"{SPOKE_NAME}={hub_url}/", "--hub_probe.interval", "2",
             "--correlator.cache-capacity", str(self.s.cache_bytes),
             "--correlator.window", str(self.s.window_seconds),
             "--correlator.record-windows", str(work / "windows.jsonl"),
@@ -189,7 +190,7 @@ class Demo:
             spoke = Nginx(work / "spoke", spoke_server_block(hub.url), f"{max(1, s.cache_bytes // 2**20)}m")
             self._stack.callback(spoke.close)
             self.say(f"  spoke        {spoke.url()}  (nginx proxy_cache, {s.cache_bytes / 2**20:.0f} MiB)")
-            agent_url = self._start_agent(work, spoke).url
+            agent_url = self._start_agent(work, spoke, hub.url).url
             self.say(f"  agent        {agent_url}")
             prometheus = self._start_monitoring(work, agent_url)
             started = time.time()
