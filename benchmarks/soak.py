@@ -10,7 +10,7 @@ last and max, the growth from the first to the last quarter of the run, the shar
 clients dropped, the share the correlator found late, and how long after an event its window's
 results were scrapeable (`benchmarks/result_delay.py`: p50 and p99).
 
-    PYTHONPATH=. .venv/bin/python benchmarks/soak.py [--seconds 3600] [--rate 50000] [--sample 10] [--burners N]
+    .venv/bin/python benchmarks/soak.py [--seconds 3600] [--rate 50000] [--sample 10] [--burners N]
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ from pathlib import Path
 
 import psutil
 
-from benchmarks.flood import scrape, total
 from benchmarks.result_delay import ResultDelayProbe, summary
+from stallwatch.harness import scrape, start_agent, stop_agent, timed_scrape, total
 
 ROTATE_SECONDS = 300
 BURNER = "while True: pass"
@@ -55,7 +55,6 @@ def main() -> None:
     parser.add_argument("--burners", type=int, default=os.cpu_count() or 1,
                         help="busy-loop processes kept running alongside (default: one per core)")
     args = parser.parse_args()
-    from tests.conftest import start_agent, stop_agent
 
     workdir = Path(tempfile.mkdtemp(prefix="sw-soak-"))
     socket_path, log = str(workdir / "events.sock"), workdir / "access.log"
@@ -81,12 +80,12 @@ def main() -> None:
                 log.rename(log.with_suffix(".log.1"))
                 log.touch()
                 next_rotation += ROTATE_SECONDS
-            scrapes.append(scrape(agent.url)[0])
+            scrapes.append(timed_scrape(agent.url)[0])
             if elapsed >= next_sample:
                 samples.append((elapsed, process.memory_info().rss / 2**20, process.num_fds()))
                 next_sample += args.sample
             time.sleep(max(0.0, 1.0 - (time.monotonic() - start - elapsed)))
-        metrics = scrape(agent.url)[1]
+        metrics = scrape(agent.url)
         samples.append((time.monotonic() - start, process.memory_info().rss / 2**20, process.num_fds()))
     finally:
         client.wait(timeout=args.seconds + 120)
