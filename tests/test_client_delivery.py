@@ -135,7 +135,7 @@ def test_a_full_agent_queue_drops_instead_of_blocking(socket_path: str) -> None:
         assert train_finishes(events, "stuck")
         channel = transport.sender().channel(wire.Source("stuck", 0, -1, -1))
         # Kept for a retry at most RETRY_BUDGET_NS, then dropped and counted: all but the queued ones.
-        assert wait_for(lambda: transport.sender().pending_events == 0, seconds=5)
+        wait_for("the pending batches dropped", lambda: transport.sender().pending_events == 0, 5)
         assert 0 < channel.dropped_total < events
     finally:
         stuck.close()

@@ -20,10 +20,10 @@ class CorrelatorSettings:
     stall_threshold_s: float = 0.001
     lookback_s: float = 2.0  # how far before a stall a batch's reads are looked for (> any preprocess time)
     retention_s: float = 60.0  # the longest stall whose reads and GPU samples are still at hand
-    # Per kind. Bounds the window store's memory (a read is 51 bytes, about half once merged): 6 s at
+    # Per kind. Bounds the window store's memory (a read is 51 bytes, about half once merged): 4 s at
     # the nominal 50k events/s, more than the window, the lateness and the lookback need together; past
     # it, a flood's batches are shed and counted.
-    max_buffered_events: int = 300_000
+    max_buffered_events: int = 200_000
     spoke_join_tolerance_s: float = 1.0
     cache_capacity_bytes: int | None = None
     whatif_sample_rate: float = 0.1
