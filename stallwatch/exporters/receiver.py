@@ -1,9 +1,11 @@
 """The socket server of the `events` collector: receives training clients' datagrams, hands them on.
 
-Two threads keep the socket drained, which matters where the kernel queues only ten datagrams
-(`net.unix.max_dgram_qlen`): the receive thread only receives and queues raw batches, bounded by
-`queue_limit` events (past it a whole batch is dropped and reported to `on_queue_full`); the
-processing thread hands everything queued to `handle` in one call, which decodes and counts it.
+The socket is drained by a relay process (`receive_relay`), which matters where the kernel queues
+only ten datagrams (`net.unix.max_dgram_qlen`): it does not share the agent's GIL. Two threads take
+it from there: the receive thread reads the relay's frames from a pipe and queues raw batches,
+bounded by `queue_limit` events (past it a whole batch is dropped and reported to `on_queue_full`);
+the processing thread hands everything queued to `handle` in one call, which decodes and counts it.
+If the relay cannot start, the receive thread reads the socket itself.
 
 Permissions: the socket is the only way in (no network listener); it is created with mode 0660 and,
 with a socket group, owned by that group, so only the agent's user and that group's training
@@ -18,12 +20,15 @@ import logging
 import os
 import socket
 import stat
+import subprocess
+import sys
 import threading
 from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 
 from stallwatch.exporters.events_decode import peek_events
+from stallwatch.exporters.receive_relay import FRAME
 
 log = logging.getLogger(__name__)
 
@@ -52,8 +57,11 @@ class EventReceiver:
         self._ready = threading.Condition()
         self._stop = threading.Event()
         self._socket = self._bind()
+        self._relay: subprocess.Popen[bytes] | None = None
+        self._frames = self._start_relay() if self._socket is not None else None
+        receive = self._receive_forever if self._frames is None else self._read_frames_forever
         self._threads = [
-            threading.Thread(target=self._receive_forever, name="stallwatch-events-receive", daemon=True),
+            threading.Thread(target=receive, name="stallwatch-events-receive", daemon=True),
             threading.Thread(target=self._process_forever, name="stallwatch-events-process", daemon=True),
         ]
         if self._socket is not None:
@@ -90,6 +98,34 @@ class EventReceiver:
         if self._group is not None:
             os.chown(path, -1, self._group)
         os.chmod(path, mode)
+
+    def _start_relay(self) -> int | None:
+        """Start the relay on the bound socket; the read end of its pipe, or None to receive in-process."""
+        assert self._socket is not None
+        read_fd, write_fd = os.pipe()
+        try:
+            self._relay = subprocess.Popen(
+                [sys.executable, "-m", "stallwatch.exporters.receive_relay", str(self._socket.fileno()),
+                 str(write_fd), str(os.getpid())], pass_fds=(self._socket.fileno(), write_fd))
+        except OSError as error:
+            log.error("events: cannot start the receive relay (%s); receiving in the agent", error)
+            os.close(read_fd)
+            return None
+        finally:
+            os.close(write_fd)
+        return read_fd
+
+    def _read_frames_forever(self) -> None:
+        assert self._frames is not None
+        with os.fdopen(self._frames, "rb", buffering=1 << 20) as frames:
+            while (header := frames.read(FRAME.size)) and len(header) == FRAME.size:
+                (size,) = FRAME.unpack(header)
+                data = frames.read(size)
+                if len(data) < size:
+                    break
+                self.enqueue(data)
+        if not self._stop.is_set():
+            log.error("events: the receive relay exited; training clients will count their events as dropped")
 
     def _receive_forever(self) -> None:
         assert self._socket is not None
@@ -134,6 +170,9 @@ class EventReceiver:
 
     def close(self) -> None:
         self._stop.set()
+        if self._relay is not None:  # its exit closes the pipe: the receive thread reads the end and returns
+            self._relay.terminate()
+            self._relay.wait(timeout=5)
         with self._ready:
             self._ready.notify_all()
         for thread in self._threads:

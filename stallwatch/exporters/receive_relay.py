@@ -1,0 +1,81 @@
+"""The events socket's relay: a small process that only drains the socket into a pipe to the agent.
+
+Why a process: the agent's threads share one GIL, and on a node whose cores are all busy the thread
+holding it can be preempted for tens of milliseconds; a receive thread in the agent waits with it
+while clients fill the kernel's queue of ten datagrams (`net.unix.max_dgram_qlen`). The relay has an
+interpreter of its own and nothing else to do, so it is back in `recv` as soon as the scheduler lets
+it run (measured in docs/benchmarks.md).
+
+It inherits the bound socket and the write end of a pipe, and writes each datagram to the pipe as a
+frame: `FRAME` (its length), then its bytes. While the agent reads slowly it holds up to
+`MAX_BUFFERED_BYTES` itself; past that it stops reading the socket, so the kernel's queue fills and
+clients keep, and at worst drop and count, their batches: nothing is lost without a count. It exits
+when the agent closes the pipe or when its parent process is gone.
+
+    python -m stallwatch.exporters.receive_relay SOCKET_FD PIPE_FD PARENT_PID
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import select
+import socket
+import struct
+import sys
+from collections import deque
+
+FRAME = struct.Struct("<I")
+RECEIVE_BUFFER = 1 << 18  # larger than any batch a client sends
+MAX_BUFFERED_BYTES = 16 << 20
+PIPE_BYTES = 1 << 20  # the pipe's own buffer, as large as an unprivileged process may ask (fs.pipe-max-size)
+DRAIN_PER_WAKE = 64
+CHECK_PARENT_MS = 1000
+F_SETPIPE_SZ = 1031
+
+
+def relay(sock: socket.socket, pipe_fd: int, parent_pid: int) -> None:
+    os.set_blocking(pipe_fd, False)
+    with contextlib.suppress(OSError):
+        fcntl.fcntl(pipe_fd, F_SETPIPE_SZ, PIPE_BYTES)
+    out: deque[memoryview] = deque()
+    buffered = 0
+    buffer = bytearray(RECEIVE_BUFFER)
+    poller = select.poll()
+    sock_fd = sock.fileno()
+    while os.getppid() == parent_pid:
+        poller.register(sock_fd, select.POLLIN if buffered < MAX_BUFFERED_BYTES else 0)
+        poller.register(pipe_fd, select.POLLOUT if out else 0)
+        for fd, event in poller.poll(CHECK_PARENT_MS):
+            if fd == pipe_fd and event & (select.POLLERR | select.POLLHUP):
+                return  # the agent closed its end
+            if fd == sock_fd and event & select.POLLIN:
+                for _ in range(DRAIN_PER_WAKE):
+                    try:
+                        size = sock.recv_into(buffer, 0, socket.MSG_DONTWAIT)
+                    except (BlockingIOError, InterruptedError):
+                        break
+                    out.append(memoryview(FRAME.pack(size) + buffer[:size]))
+                    buffered += FRAME.size + size
+        while out:
+            try:
+                written = os.writev(pipe_fd, list(out)[:64])
+            except BlockingIOError:
+                break
+            except BrokenPipeError:
+                return
+            buffered -= written
+            while written and written >= len(out[0]):
+                written -= len(out.popleft())
+            if written:
+                out[0] = out[0][written:]
+
+
+def main(argv: list[str]) -> None:
+    sock_fd, pipe_fd, parent_pid = (int(value) for value in argv)
+    relay(socket.socket(fileno=sock_fd), pipe_fd, parent_pid)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
