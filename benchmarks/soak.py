@@ -112,7 +112,8 @@ def main() -> None:
         "events_dropped_by_clients": client_dropped,
         "client_dropped_percent": round(100 * client_dropped / max(1.0, accepted + client_dropped), 3),
         "result_delay": summary(probe.delays_s()),
-        "correlator_late_events": total(metrics, "stallwatch_correlator_late_events_total"),
+        "correlator_late_events": {kind: total(metrics, "stallwatch_correlator_late_events_total", kind=kind)
+                                   for kind in ("step", "read", "spoke_request", "gpu_util")},
         "correlator_late_percent": round(
             100 * total(metrics, "stallwatch_correlator_late_events_total") / max(1.0, accepted), 3),
         "spoke_lines_written": lines,

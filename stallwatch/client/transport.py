@@ -47,7 +47,7 @@ from stallwatch.client import wire
 
 log = logging.getLogger(__name__)
 
-FLUSH_INTERVAL_NS = 250_000_000
+FLUSH_INTERVAL_NS = 200_000_000
 ABSENT_RETRY_NS = 1_000_000_000
 # A batch that met a full queue is retried for this long. A retry almost always succeeds within
 # milliseconds; this bounds the rare long wait (a starved agent), near the correlator's lateness.

@@ -16,7 +16,7 @@ from stallwatch.flags import non_negative_float, positive_float, positive_int
 @dataclass(frozen=True)
 class CorrelatorSettings:
     window_s: float = 2.0  # short enough to publish within ~2 s of the events, long enough for warm-up quarters
-    lateness_s: float = 0.5  # clients flush every 0.25 s and retry a full queue promptly
+    lateness_s: float = 0.4  # clients flush every 0.2 s and retry a full queue within milliseconds
     stall_threshold_s: float = 0.001
     lookback_s: float = 2.0  # how far before a stall a batch's reads are looked for (> any preprocess time)
     retention_s: float = 60.0  # the longest stall whose reads and GPU samples are still at hand
