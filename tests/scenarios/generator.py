@@ -55,6 +55,7 @@ class Scenario:
     hit_s: tuple[float, float] = (0.002, 0.004)
     miss_s: tuple[float, float] = (0.040, 0.080)
     outages: Sequence[tuple[float, float]] = ()
+    evictions: Sequence[float] = ()  # moments the spoke loses everything it holds (a restart, another job's flood)
     prewarm: bool = False  # the spoke already holds every dataset item
     max_delay_s: float = 0.5  # events reach the agent up to this late (out of order)
     gpu_period_s: float = 0.1
@@ -157,8 +158,12 @@ def generate(scenario: Scenario) -> Generated:
     def outage_end(t: float) -> float:
         return max((end for start, end in scenario.outages if start <= t < end), default=t)
 
+    evictions = sorted(scenario.evictions)
     while heap:
         t, _, index, k, i = heapq.heappop(heap)
+        while evictions and evictions[0] <= t:
+            evictions.pop(0)
+            cache = _Lru(scenario.cache_bytes)
         state = ranks[index]
         spec = state.spec
         worker = k % spec.workers
