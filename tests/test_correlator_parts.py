@@ -75,6 +75,27 @@ def test_worked_example_of_the_docs() -> None:
     assert (idle[0] / ms).tolist() == [30, 20, 40, 10]
 
 
+def test_gpu_samples_cover_their_real_period_and_never_give_more_idle_than_they_saw() -> None:
+    """Two stalls of two ranks on GPU 0. The driver skipped samples before the one at 900 ms: the agent
+    bounded its period to 400 ms, but it covers 100-900 ms, the stretch since the sample before it."""
+    ms = 1_000_000
+
+    def a(*values: int) -> np.ndarray:
+        return np.array(values, dtype=np.int64)
+
+    steps = Steps(job=a(0, 0), rank=a(0, 1), gpu=a(0, 0), batch=a(1, 1), wait_start=a(200 * ms, 300 * ms),
+                  wait_end=a(400 * ms, 500 * ms), compute_end=a(950 * ms, 950 * ms))
+    split = attribute(steps, Reads(a(), a(), a(), a(), a(), np.zeros(0, bool)), threshold_ns=ms)
+    idle = gpu_idle_in_stalls(steps, split, sample_ts=a(100 * ms, 900 * ms), sample_period=a(100 * ms, 400 * ms),
+                              sample_gpu=a(0, 0), sample_util=np.array([1.0, 0.5], np.float32))
+    # 400 ms idle in 100-900 ms; the stalls overlap it for 200 ms each: each gets all of its overlap.
+    assert (idle.sum(axis=1) / ms).tolist() == pytest.approx([200, 200])
+    busier = gpu_idle_in_stalls(steps, split, sample_ts=a(100 * ms, 900 * ms), sample_period=a(100 * ms, 400 * ms),
+                                sample_gpu=a(0, 0), sample_util=np.array([1.0, 0.75], np.float32))
+    # 200 ms idle, claimed for 400 ms: shared by overlap, never more than the sample saw.
+    assert (busier.sum(axis=1) / ms).tolist() == pytest.approx([100, 100])
+
+
 def test_whatif_sampled_and_bounded_stays_within_five_points_of_exact_lru() -> None:
     """Three jobs' shuffled epochs over datasets of 2,000, 6,000 and 12,000 items of mixed sizes,
     interleaved at random: sampled at 5 % and capped at 512 keys."""

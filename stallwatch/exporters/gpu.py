@@ -438,12 +438,13 @@ def _from_context(context: CollectorContext) -> GpuCollector:
     options = context.options
     nvml: Any
     if options.gpu_fake_devices > 0:
-        from stallwatch.exporters.nvml_fake import ComputeTrace, FakeGpu, FakeNVML, training
+        from stallwatch.exporters.nvml_fake import ComputeTrace, DriverSampling, FakeGpu, FakeNVML, training
 
         trace = ComputeTrace(options.gpu_fake_trace) if options.gpu_fake_trace else None
         nvml = FakeNVML(
             [FakeGpu(utilization=training(1.0 + 0.1 * i, 0.2), trace=trace) for i in range(options.gpu_fake_devices)],
             pcie_latency=0.0,
+            sampling=DriverSampling(),
         )
     else:
         import pynvml

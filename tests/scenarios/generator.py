@@ -8,22 +8,28 @@ The trainer waits for batch k, then computes. GPUs are busy exactly while their 
 
 Because the simulation knows what the awaited worker did at every instant of every wait, each stall
 comes with its true split among the causes; the generator also records when each job's cache
-became warm and the exact LRU hit ratio at other capacities. Output: the `Batch`es an agent would
-see (`step`, `read`, `spoke_request`, `gpu_util`), in arrival order with bounded delays.
+became warm and the exact LRU hit ratio at other capacities. GPU samples come the agent's way: the
+fake NVML, its GPUs busy exactly in the ranks' compute spans and sampling like a real driver
+(irregular periods, gaps), read by the real gpu collector polling every half second. Output: the
+`Batch`es an agent would see (`step`, `read`, `spoke_request`, `gpu_util`), in arrival order with
+bounded delays.
 """
 
 from __future__ import annotations
 
 import heapq
 import random
+import time
 from collections import OrderedDict, defaultdict, deque
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
 from stallwatch.batch import Batch, Verdict
 from stallwatch.catalogue import CAUSES
+from stallwatch.exporters.gpu import GpuCollector
+from stallwatch.exporters.nvml_fake import ComputeTrace, DriverSampling, FakeGpu, FakeNVML
 
 NS = 1_000_000_000
 
@@ -58,7 +64,8 @@ class Scenario:
     evictions: Sequence[float] = ()  # moments the spoke loses everything it holds (a restart, another job's flood)
     prewarm: bool = False  # the spoke already holds every dataset item
     max_delay_s: float = 0.5  # events reach the agent up to this late (out of order)
-    gpu_period_s: float = 0.1
+    gpu_period_s: float = 1 / 6  # the driver's nominal sample period
+    gpu_sampling: DriverSampling | None = field(default_factory=DriverSampling)  # None: an ideal grid
     seed: int = 0
 
 
@@ -210,7 +217,7 @@ def generate(scenario: Scenario) -> Generated:
                 total += split
                 truth.stalls[(spec.job, state.rank)] = truth.stalls.get((spec.job, state.rank), 0) + 1
         truth.end_s = max(truth.end_s, state.compute_end)
-    gpu_rows = _gpu_samples(ranks, scenario.gpu_period_s, truth.end_s)
+    gpu_rows = _gpu_samples(ranks, scenario, truth.end_s)
     batches = _arrange(rng, scenario.max_delay_s, steps, reads, spoke, gpu_rows)
     return Generated(batches, truth)
 
@@ -249,17 +256,34 @@ def _start_next(state: _Rank, index: int, worker: int, free_at: float, heap: lis
     return seq + 1
 
 
-def _gpu_samples(ranks: list[_Rank], period: float, end: float) -> list[tuple]:
-    rows = []
+def _gpu_samples(ranks: list[_Rank], scenario: Scenario, end: float) -> list[tuple]:
+    """(ts, period, gpu, util) rows, scenario seconds, as the agent's gpu collector emits them."""
+    now = [0.0]
+    wall_zero = 1_700_000_000.0
+    spans: dict[int, list[tuple[float, float]]] = defaultdict(list)
     for state in ranks:
-        busy = np.array([(we, ce) for _, _, we, ce in state.steps]) if state.steps else np.zeros((0, 2))
-        ticks = np.arange(state.spec.start_s + period, end + period, period)
-        starts = np.maximum(ticks - period, 0.0)
-        for begin, tick in zip(starts, ticks, strict=True):
-            lo, hi = np.searchsorted(busy[:, 1], begin), np.searchsorted(busy[:, 0], tick)
-            covered = np.clip(np.minimum(busy[lo:hi, 1], tick) - np.maximum(busy[lo:hi, 0], begin), 0, None).sum()
-            rows.append((tick, period, state.gpu, covered / period))
-    return rows
+        spans[state.gpu] += [(wall_zero + we, wall_zero + ce) for _, _, we, ce in state.steps]
+    gpus = [FakeGpu(trace=ComputeTrace.of_spans(sorted(spans.get(gpu, [])))) for gpu in range(max(spans) + 1)]
+    sampling = scenario.gpu_sampling
+    if sampling is not None:
+        sampling = replace(sampling, seed=scenario.seed)
+    nvml = FakeNVML(gpus, clock=lambda: wall_zero + now[0], sample_period=scenario.gpu_period_s,
+                    pcie_latency=0.0, sampling=sampling)
+    emitted: list[Batch] = []
+    collector = GpuCollector(nvml, pcie_interval=0.0, sink=emitted.append, clock=lambda: now[0], start=False)
+    rows = []
+    while now[0] <= end + 1.0:
+        collector.poll()
+        # The collector maps the driver's wall-clock stamps onto this process's monotonic clock.
+        wall_to_monotonic_ns = time.monotonic_ns() - time.time_ns()
+        for batch in emitted:
+            seconds = (batch.columns["ts_ns"] - wall_to_monotonic_ns) / 1e9 - wall_zero
+            rows += zip(seconds.tolist(), (batch.columns["period_ns"] / 1e9).tolist(),
+                        batch.columns["gpu"].tolist(), batch.columns["util"].tolist(), strict=True)
+        emitted.clear()
+        now[0] += 0.5
+    collector.close()
+    return [row for row in rows if row[2] in spans]
 
 
 _KINDS = {
