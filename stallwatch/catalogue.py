@@ -330,6 +330,14 @@ CACHE_WHATIF_HIT_RATIO = gauge(
     "correlator", "cache_whatif_hit_ratio", "ratio", ["spoke", "capacity_factor"],
     "Estimated hit ratio if the spoke had capacity_factor times its capacity (sampled miss-ratio curve).",
 )
+CACHE_WHATIF_SAMPLING = gauge(
+    "correlator", "cache_whatif_sampling_ratio", "ratio", ["spoke"],
+    "Share of keys the what-if's miss-ratio curve samples: 1 until it tracks its cap of keys, lower after.",
+)
+CACHE_WHATIF_KEYS = gauge(
+    "correlator", "cache_whatif_keys", "", ["spoke"],
+    "Keys the what-if's miss-ratio curve tracks; divided by its sample rate, the distinct keys read.",
+)
 CORRELATOR_WINDOWS = counter(
     "correlator", "correlator_windows_total", "", [], "Windows the correlator closed and published."
 )

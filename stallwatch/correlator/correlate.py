@@ -14,7 +14,7 @@ from stallwatch.batch import Verdict
 from stallwatch.catalogue import CAUSES
 from stallwatch.correlator.attribution import Reads, Steps, attribute, gpu_idle_in_stalls
 from stallwatch.correlator.intervals import composite_key
-from stallwatch.correlator.results import GpuRow, JobRow, RankRow, WindowResult
+from stallwatch.correlator.results import GpuRow, JobRow, RankRow, WhatIfCurve, WindowResult
 from stallwatch.correlator.verdicts import LatencySplit, join_spoke
 from stallwatch.correlator.warmup import JobWindow, WarmupSettings, WarmupTracker
 from stallwatch.correlator.whatif import MissRatioCurve
@@ -36,8 +36,8 @@ class CorrelatorSettings:
     max_buffered_events: int = 600_000
     spoke_join_tolerance_s: float = 1.0
     cache_capacity_bytes: int | None = None
-    whatif_sample_rate: float = 0.1
-    whatif_max_keys: int = 1024
+    whatif_sample_rate: float = 1.0  # the initial rate: every key until the cap, then it lowers itself
+    whatif_max_keys: int = 8192
     warmup: WarmupSettings = field(default_factory=WarmupSettings)
 
 
@@ -94,7 +94,8 @@ class WindowCorrelator:
         retired = tuple(self.warmup.expire(end))
         for job in retired:
             self._first_seen.pop(job, None)
-        return WindowResult(start, end, ranks, gpus, jobs, whatif, retired)
+        curve = WhatIfCurve(self.whatif.sample_rate, self.whatif.keys) if self.whatif.references else None
+        return WindowResult(start, end, ranks, gpus, jobs, whatif, retired, curve)
 
     def _verdicts(self, reads: dict[str, np.ndarray], window: WindowInput) -> np.ndarray:
         """Each read's verdict: its own, else the spoke's, else the learnt latency split's."""

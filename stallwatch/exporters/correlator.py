@@ -51,7 +51,8 @@ def add_settings_arguments(group: argparse._ArgumentGroup, prefix: str) -> None:
                        metavar="BYTES", help="the spoke's capacity, for the cache what-if (default: none, no what-if)")
     group.add_argument(f"--{prefix}whatif-sample-rate", dest="correlator_whatif_sample_rate", type=_sample_rate,
                        default=defaults.whatif_sample_rate, metavar="RATIO",
-                       help="initial share of keys the what-if samples; it lowers itself to bound memory "
+                       help="initial share of keys the what-if samples; it lowers itself once it tracks its cap "
+                       "of keys, to bound memory "
                        "(default: %(default)s)")
     group.add_argument(f"--{prefix}record", dest="correlator_record", default=None, metavar="PATH",
                        help="append every closed window to PATH as a JSON line")

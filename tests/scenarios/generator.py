@@ -88,7 +88,7 @@ class Generated:
     truth: Truth
 
 
-class _Lru:
+class LruCache:
     def __init__(self, capacity: int) -> None:
         self.capacity, self.used = capacity, 0
         self.items: OrderedDict[int, int] = OrderedDict()
@@ -106,7 +106,7 @@ class _Lru:
 
 
 def exact_lru_hit_ratio(reads: Sequence[tuple[int, int]], capacity: float) -> float:
-    cache = _Lru(int(capacity))
+    cache = LruCache(int(capacity))
     hits = sum(cache.access(key, size) for key, size in reads)
     return hits / len(reads) if reads else 0.0
 
@@ -133,7 +133,7 @@ class _Rank:
 
 def generate(scenario: Scenario) -> Generated:
     rng = random.Random(scenario.seed)
-    cache = _Lru(scenario.cache_bytes)
+    cache = LruCache(scenario.cache_bytes)
     truth = Truth()
     reads: list[tuple] = []
     spoke: list[tuple] = []
@@ -170,7 +170,7 @@ def generate(scenario: Scenario) -> Generated:
         t, _, index, k, i = heapq.heappop(heap)
         while evictions and evictions[0] <= t:
             evictions.pop(0)
-            cache = _Lru(scenario.cache_bytes)
+            cache = LruCache(scenario.cache_bytes)
         state = ranks[index]
         spec = state.spec
         worker = k % spec.workers
@@ -257,8 +257,9 @@ def _start_next(state: _Rank, index: int, worker: int, free_at: float, heap: lis
 
 
 def _gpu_samples(ranks: list[_Rank], scenario: Scenario, end: float) -> list[tuple]:
-    """(ts, period, gpu, util) rows, scenario seconds, as the agent's gpu collector emits them."""
-    now = [0.0]
+    """(ts, period, gpu, util) rows, scenario seconds, as the agent's gpu collector emits them. The
+    agent runs from a second before the jobs start, as it would: its samples from then are kept."""
+    now = [-1.0]
     wall_zero = 1_700_000_000.0
     spans: dict[int, list[tuple[float, float]]] = defaultdict(list)
     for state in ranks:
@@ -270,7 +271,8 @@ def _gpu_samples(ranks: list[_Rank], scenario: Scenario, end: float) -> list[tup
     nvml = FakeNVML(gpus, clock=lambda: wall_zero + now[0], sample_period=scenario.gpu_period_s,
                     pcie_latency=0.0, sampling=sampling)
     emitted: list[Batch] = []
-    collector = GpuCollector(nvml, pcie_interval=0.0, sink=emitted.append, clock=lambda: now[0], start=False)
+    collector = GpuCollector(nvml, pcie_interval=0.0, sink=emitted.append, clock=lambda: wall_zero + now[0],
+                             start=False)
     rows = []
     while now[0] <= end + 1.0:
         collector.poll()
