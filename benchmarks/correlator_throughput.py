@@ -18,10 +18,10 @@ import numpy as np
 
 from stallwatch.batch import Batch, Verdict
 from stallwatch.catalogue import CAUSES
-from stallwatch.correlator.correlate import CorrelatorSettings
-from stallwatch.correlator.pipeline import Correlator
+from stallwatch.correlator.pipeline import CorrelatorPipeline
 from stallwatch.correlator.reference import NaiveAttributor
 from stallwatch.correlator.results import WindowResult
+from stallwatch.correlator.settings import CorrelatorSettings
 
 READS_PER_BATCH = 64  # e.g. images of 1 MiB: 8 ranks x 10 steps/s x 64 = 5,120 reads/s per node
 STEP_NS = 100_000_000
@@ -81,7 +81,7 @@ def vectorised(batches: list[Batch]) -> tuple[float, np.ndarray]:
         for row in result.ranks:
             totals = totals + np.array(row.stall_s)
 
-    correlator = Correlator(CorrelatorSettings(cache_capacity_bytes=64 << 30), listeners=[add])
+    correlator = CorrelatorPipeline(CorrelatorSettings(cache_capacity_bytes=64 << 30), listeners=[add])
     started = time.process_time()
     correlator.run(batches)
     return time.process_time() - started, totals

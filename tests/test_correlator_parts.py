@@ -14,15 +14,16 @@ from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry, generate_latest
 
 from stallwatch import catalogue
-from stallwatch.batch import Batch
+from stallwatch.batch import Batch, Interner
 from stallwatch.correlator.attribution import Reads, Steps, attribute, gpu_idle_in_stalls
-from stallwatch.correlator.correlate import CorrelatorSettings
-from stallwatch.correlator.eventfile import EventFileError, EventWriter, read_events
+from stallwatch.correlator.eventfile import EventFileError, EventFileWriter, read_events
 from stallwatch.correlator.intervals import overlap_join, union_length
-from stallwatch.correlator.pipeline import Correlator
+from stallwatch.correlator.live import LiveCorrelator
+from stallwatch.correlator.metrics import whatif_spoke_label
+from stallwatch.correlator.pipeline import CorrelatorPipeline
 from stallwatch.correlator.results import WindowResult
 from stallwatch.correlator.reuse import reuse_distances
-from stallwatch.correlator.service import CorrelatorService
+from stallwatch.correlator.settings import CorrelatorSettings
 from stallwatch.correlator.verdicts import LatencySplit
 from stallwatch.correlator.whatif import MissRatioCurve
 from stallwatch.correlator.windows import MERGE_EVENTS, SCHEMAS, EventTimeWindows
@@ -187,7 +188,7 @@ def _steps(job: int, wait_start_s: list[float], wait_s: float, compute_s: float)
 
 def test_late_events_beyond_the_lateness_are_counted_not_attributed() -> None:
     windows: list[WindowResult] = []
-    correlator = Correlator(CorrelatorSettings(window_s=1.0, lateness_s=0.5), listeners=[windows.append])
+    correlator = CorrelatorPipeline(CorrelatorSettings(window_s=1.0, lateness_s=0.5), listeners=[windows.append])
     correlator.emit(_steps(0, [0.1, 0.3], 0.05, 0.05))
     correlator.emit(_steps(0, [3.0], 0.05, 0.05))  # the watermark passes 2.5 s: windows [0,1) and [1,2) close
     correlator.emit(_steps(0, [0.5, 2.1], 0.05, 0.05))  # 0.5 s is late; 2.1 s is within the lateness
@@ -210,8 +211,8 @@ def _reads(end_s: list[float]) -> Batch:
 
 def test_past_its_cap_the_window_store_sheds_whole_batches_and_counts_every_event() -> None:
     windows: list[WindowResult] = []
-    correlator = Correlator(CorrelatorSettings(window_s=1.0, lateness_s=5.0, max_buffered_events=10),
-                            listeners=[windows.append])
+    correlator = CorrelatorPipeline(CorrelatorSettings(window_s=1.0, lateness_s=5.0, max_buffered_events=10),
+                                    listeners=[windows.append])
     sent = [_steps(0, [0.1 * i for i in range(6)], 0.01, 0.01), _steps(0, [0.7] * 6, 0.01, 0.01),
             _steps(0, [0.8] * 4, 0.01, 0.01), _steps(0, [0.9], 0.01, 0.01)]
     for batch in sent:
@@ -223,7 +224,7 @@ def test_past_its_cap_the_window_store_sheds_whole_batches_and_counts_every_even
 
 
 def test_at_its_cap_the_store_lets_go_of_used_context_before_shedding_open_windows() -> None:
-    correlator = Correlator(CorrelatorSettings(window_s=1.0, lateness_s=0.5, max_buffered_events=10))
+    correlator = CorrelatorPipeline(CorrelatorSettings(window_s=1.0, lateness_s=0.5, max_buffered_events=10))
     correlator.emit(_reads([0.1 + 0.01 * i for i in range(8)]))
     correlator.emit(_steps(0, [3.0], 0.01, 0.01))  # the watermark passes 2.5 s: [0, 1) closes with its reads
     correlator.emit(_reads([2.6 + 0.01 * i for i in range(8)]))  # fits once the used reads of [0, 1) go
@@ -254,7 +255,7 @@ def test_merged_compact_chunks_hand_over_exactly_what_came_in(spread_s: float) -
 
 
 def test_malformed_batches_are_counted_and_the_pipeline_goes_on() -> None:
-    correlator = Correlator()
+    correlator = CorrelatorPipeline()
     correlator.emit(Batch("step", {"job": np.zeros(3, np.int32)}))
     correlator.emit(Batch("nonsense", {"x": np.zeros(2)}))
     good = _steps(0, [0.0], 0.1, 0.1)
@@ -272,7 +273,7 @@ def _scenario_batches() -> list[Batch]:
 def _recorded_scenario(path: Path) -> list[Batch]:
     """The small scenario's batches, also written to an event file at `path`."""
     batches = _scenario_batches()
-    writer = EventWriter(path)
+    writer = EventFileWriter(path)
     for batch in batches:
         writer.write(batch)
     writer.close()
@@ -299,7 +300,7 @@ def test_stallwatch_correlate_replays_a_recorded_file_like_the_live_pipeline(tmp
     path = tmp_path / "events.bin"
     batches = _recorded_scenario(path)
     live: list[WindowResult] = []
-    Correlator(listeners=[live.append]).run(batches)
+    CorrelatorPipeline(listeners=[live.append]).run(batches)
     done = subprocess.run([sys.executable, "-m", "stallwatch", "correlate", str(path)], cwd=ROOT,
                           capture_output=True, text=True, timeout=120, check=True)
     rows = [line for line in done.stdout.splitlines() if line]
@@ -310,12 +311,29 @@ def test_stallwatch_correlate_replays_a_recorded_file_like_the_live_pipeline(tmp
     assert bad.returncode == 1 and "error" in bad.stderr
 
 
+def test_the_whatif_is_labelled_by_the_spokes_the_spoke_collectors_interned() -> None:
+    spokes = Interner()
+    assert whatif_spoke_label(spokes) == "default"
+    spokes.intern("edge")
+    assert whatif_spoke_label(spokes) == "edge"
+    spokes.intern("varnish")
+    assert whatif_spoke_label(spokes) == "edge+varnish"
+
+
+def test_stallwatch_correlate_takes_its_flags_from_the_correlator_not_the_agent() -> None:
+    probe = ("import sys, stallwatch.correlator.replay; "
+             "print(sorted(m for m in sys.modules if m.startswith('stallwatch.exporters')))")
+    done = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=60,
+                          check=True)
+    assert done.stdout.strip() == "[]"
+
+
 def test_service_takes_batches_from_many_threads_and_serves_catalogue_metrics(tmp_path: Path) -> None:
     batches = _scenario_batches()
     newest = max(int(b.columns[{"step": "compute_end_ns", "read": "end_ns", "spoke_request": "end_ns",
                                  "gpu_util": "ts_ns"}[b.kind]].max()) for b in batches)
-    service = CorrelatorService(CorrelatorSettings(cache_capacity_bytes=1 << 30), record_path=tmp_path / "w.jsonl",
-                                clock_ns=lambda: newest + 10 * 10**9, start=False)
+    service = LiveCorrelator(CorrelatorSettings(cache_capacity_bytes=1 << 30), windows_path=tmp_path / "w.jsonl",
+                             clock_ns=lambda: newest + 10 * 10**9, start=False)
     threads = [threading.Thread(target=lambda part=part: [service.submit(b) for b in part])
                for part in (batches[0::3], batches[1::3], batches[2::3])]
     for thread in threads:
@@ -340,7 +358,7 @@ def test_service_takes_batches_from_many_threads_and_serves_catalogue_metrics(tm
 
 
 def test_service_drops_and_counts_past_its_backlog() -> None:
-    service = CorrelatorService(max_backlog_events=10, start=False)
+    service = LiveCorrelator(max_backlog_events=10, start=False)
     service.submit(_steps(0, [0.0] * 8, 0.1, 0.1))
     service.submit(_steps(0, [0.0] * 8, 0.1, 0.1))
     service.drain()
@@ -349,7 +367,7 @@ def test_service_drops_and_counts_past_its_backlog() -> None:
 
 
 def test_service_counts_what_the_window_store_sheds() -> None:
-    service = CorrelatorService(CorrelatorSettings(max_buffered_events=10), clock_ns=lambda: BASE_NS, start=False)
+    service = LiveCorrelator(CorrelatorSettings(max_buffered_events=10), clock_ns=lambda: BASE_NS, start=False)
     service.submit(_steps(0, [0.0] * 8, 0.1, 0.1))
     service.submit(_steps(0, [0.0] * 3, 0.1, 0.1))
     service.drain()
@@ -357,7 +375,7 @@ def test_service_counts_what_the_window_store_sheds() -> None:
     assert 'stallwatch_correlator_dropped_events_total{kind="step",reason="window_full"} 3.0' in text
 
 
-def _registry(service: CorrelatorService) -> CollectorRegistry:
+def _registry(service: LiveCorrelator) -> CollectorRegistry:
     registry = CollectorRegistry()
     registry.register(service)
     return registry

@@ -25,7 +25,7 @@ class EventFileError(ValueError):
     """A file that is not a stallwatch event file, or is damaged; the message says where."""
 
 
-class EventWriter:
+class EventFileWriter:
     """Appends batches to an event file; safe to call from several threads."""
 
     def __init__(self, path: str | Path) -> None:

@@ -10,16 +10,26 @@ from typing import Any
 from prometheus_client.core import Metric
 
 from stallwatch import catalogue
+from stallwatch.batch import Interner
 from stallwatch.catalogue import CAUSES, PHASES
-from stallwatch.correlator.results import Names, WhatIfCurve, WindowResult
+from stallwatch.correlator.results import NameLookup, WhatIfCurve, WindowResult
+
+NO_SPOKE = "default"
+
+
+def whatif_spoke_label(spokes: Interner) -> str:
+    """The what-if's `spoke` label: the spoke names the spoke collectors interned, in order, joined by
+    `+` (the what-if replays all of the node's reads, it cannot tell spokes apart), or `default` when
+    reads arrive but no spoke collector named a spoke."""
+    return "+".join(spokes.name(ident) for ident in range(len(spokes))) or NO_SPOKE
 
 
 class CorrelatorMetrics:
     """Thread-safe: `observe` runs on the pipeline's thread, `collect` on the scrape's."""
 
-    def __init__(self, job_name: Names = str, spoke_name: str = "default") -> None:
-        self._job_name = job_name
-        self._spoke = spoke_name
+    def __init__(self, job_names: NameLookup = str, spokes: Interner | None = None) -> None:
+        self._job_names = job_names
+        self._spokes = spokes if spokes is not None else Interner()
         self._lock = threading.Lock()
         self._stall: dict[tuple[str, ...], float] = defaultdict(float)
         self._compute: dict[tuple[str, ...], float] = defaultdict(float)
@@ -37,7 +47,7 @@ class CorrelatorMetrics:
         self._dropped: dict[tuple[str, str], int] = {}
 
     def observe(self, result: WindowResult) -> None:
-        name = self._job_name
+        name = self._job_names
         with self._lock:
             self._windows += 1
             for r in result.ranks:
@@ -77,6 +87,7 @@ class CorrelatorMetrics:
 
     def collect(self) -> Iterator[Metric]:
         c = catalogue
+        spoke = whatif_spoke_label(self._spokes)  # read at scrape time: spoke collectors intern after this is built
         with self._lock:
             curve = self._whatif_curve
             tables: list[tuple[Any, Mapping[tuple[str, ...], float]]] = [
@@ -88,9 +99,9 @@ class CorrelatorMetrics:
                 (c.WARMUP_IDLE_GPU_SECONDS.family(), {(j,): v for j, v in self._warmup_idle.items()}),
                 (c.WARMUP_HUB_BYTES.family(), {(j,): v for j, v in self._warmup_bytes.items()}),
                 (c.WARMUP_REGRESSIONS.family(), {(j,): v for j, v in self._regressions.items()}),
-                (c.CACHE_WHATIF_HIT_RATIO.family(), {(self._spoke, f"{f:g}"): v for f, v in self._whatif.items()}),
-                (c.CACHE_WHATIF_SAMPLING.family(), {(self._spoke,): curve.sample_rate} if curve else {}),
-                (c.CACHE_WHATIF_KEYS.family(), {(self._spoke,): curve.keys} if curve else {}),
+                (c.CACHE_WHATIF_HIT_RATIO.family(), {(spoke, f"{f:g}"): v for f, v in self._whatif.items()}),
+                (c.CACHE_WHATIF_SAMPLING.family(), {(spoke,): curve.sample_rate} if curve else {}),
+                (c.CACHE_WHATIF_KEYS.family(), {(spoke,): curve.keys} if curve else {}),
                 (c.CORRELATOR_WINDOWS.family(), {(): self._windows}),
                 (c.CORRELATOR_LATE_EVENTS.family(), {(k,): v for k, v in self._late.items()}),
                 (c.CORRELATOR_DROPPED_EVENTS.family(), {k: v for k, v in self._dropped.items()}),

@@ -1,13 +1,13 @@
 """The correlator as a streamz pipeline whose elements are columnar batches.
 
-    source ──map(window)──> flatten ──map(correlate)──> sinks (metrics, recorder, ...)
+    source ──map(window)──> flatten ──map(analyse)────> sinks (metrics, window file, ...)
       Batch | Watermark | Flush      WindowInput            WindowResult
 
 streamz carries micro-batches, never single events: each element is a whole `Batch` (thousands of
 events), a `Watermark` (the agent's clock says windows up to here may close) or `Flush` (end of an
 offline file). Windows are event-time windows of our own (windows.py); streamz's `timed_window`
 would window by arrival time. The pipeline is single-threaded: feed it from one thread
-(service.py queues batches from the agent's many threads).
+(live.py queues batches from the agent's many threads).
 """
 
 from __future__ import annotations
@@ -20,8 +20,9 @@ from dataclasses import dataclass
 from streamz import Stream
 
 from stallwatch.batch import Batch
-from stallwatch.correlator.correlate import CorrelatorSettings, WindowCorrelator, seconds_to_ns
 from stallwatch.correlator.results import WindowResult
+from stallwatch.correlator.settings import CorrelatorSettings, seconds_to_ns
+from stallwatch.correlator.window_analysis import WindowAnalyser
 from stallwatch.correlator.windows import EventTimeWindows, MalformedBatchError, WindowInput, validate
 
 log = logging.getLogger(__name__)
@@ -45,7 +46,7 @@ def event_count(batch: Batch) -> int:
     return max((getattr(column, "size", 0) for column in batch.columns.values()), default=0)
 
 
-class Correlator:
+class CorrelatorPipeline:
     """Feed `Batch`es (and `Watermark`s or a final `Flush`); every closed window goes to `listeners`.
 
     With `event_time_watermark` (offline files) the newest event time, less the lateness, closes
@@ -61,12 +62,12 @@ class Correlator:
                                         lookback_ns=seconds_to_ns(s.lookback_s),
                                         retention_ns=seconds_to_ns(s.retention_s),
                                         max_buffered_events=s.max_buffered_events)
-        self.correlate = WindowCorrelator(self.settings)
+        self.analyse = WindowAnalyser(self.settings)
         self.malformed: Counter[str] = Counter()  # events dropped with their batch, by kind
         self._event_time_watermark = event_time_watermark
         self.source = Stream()
         # streamz holds downstream nodes weakly: keep the chain alive even with no listener.
-        self.results = self.source.map(self._close_windows).flatten().map(self.correlate)
+        self.results = self.source.map(self._close_windows).flatten().map(self.analyse)
         for listener in listeners:
             self.results.sink(listener)
 

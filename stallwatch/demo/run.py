@@ -152,8 +152,9 @@ class Demo:
             "--gpu.fake-devices", "1", "--gpu.fake-trace", str(work / "gpu.trace"), "--gpu.interval", "0.5",
             "--events.socket", str(work / "events.sock"),
             "--collector.spoke_nginx", "--spoke_nginx.log", str(spoke.access_log), "--spoke_nginx.name", SPOKE_NAME,
-            "--correlator.spoke-name", SPOKE_NAME, "--correlator.cache-capacity", str(self.s.cache_bytes),
-            "--correlator.window", str(self.s.window_seconds), "--correlator.record", str(work / "windows.jsonl"),
+            "--correlator.cache-capacity", str(self.s.cache_bytes),
+            "--correlator.window", str(self.s.window_seconds),
+            "--correlator.record-windows", str(work / "windows.jsonl"),
         ]
         log = (work / "agent.log").open("w")
         agent = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, text=True)

@@ -44,8 +44,8 @@ from stallwatch.batch import OVERFLOW, Batch, BatchSink, Interner, discard
 from stallwatch.client import wire
 from stallwatch.client.transport import DEFAULT_SOCKET
 from stallwatch.exporters.collector import CollectorContext, register_collector
-from stallwatch.exporters.config import positive_int
 from stallwatch.exporters.events_decode import Decoded, RejectedBatchError, decode, peek_events
+from stallwatch.flags import positive_int
 
 log = logging.getLogger(__name__)
 

@@ -32,7 +32,7 @@ from prometheus_client.core import Metric
 from stallwatch import catalogue
 from stallwatch.batch import Batch, BatchSink, discard
 from stallwatch.exporters.collector import CollectorContext, register_collector
-from stallwatch.exporters.config import positive_float
+from stallwatch.flags import positive_float
 
 log = logging.getLogger(__name__)
 

@@ -30,9 +30,9 @@ from prometheus_client.core import Metric
 from stallwatch import catalogue
 from stallwatch.batch import Batch, BatchSink, Verdict, discard
 from stallwatch.exporters.collector import CollectorContext, register_collector
-from stallwatch.exporters.config import non_negative_float
 from stallwatch.exporters.logtail import LogTailer
 from stallwatch.exporters.spokes import collector_errors
+from stallwatch.flags import non_negative_float
 from stallwatch.keys import read_key
 
 log = logging.getLogger(__name__)

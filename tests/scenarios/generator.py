@@ -258,8 +258,8 @@ def _start_next(state: _Rank, index: int, worker: int, free_at: float, heap: lis
 
 def _gpu_samples(ranks: list[_Rank], scenario: Scenario, end: float) -> list[tuple]:
     """(ts, period, gpu, util) rows, scenario seconds, as the agent's gpu collector emits them. The
-    agent runs from a second before the jobs start, as it would: its samples from then are kept."""
-    now = [-1.0]
+    agent runs from 5 s before the jobs start, as it would: its samples from then are kept."""
+    now = [-5.0]
     wall_zero = 1_700_000_000.0
     spans: dict[int, list[tuple[float, float]]] = defaultdict(list)
     for state in ranks:
