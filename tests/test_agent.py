@@ -15,7 +15,7 @@ from prometheus_client.core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
 from stallwatch import catalogue
-from stallwatch.batch import Batch, discard
+from stallwatch.eventbatch import EventBatch, discard
 from stallwatch.exporters.agent import _build
 from stallwatch.exporters.collector import Collector, CollectorContext, CollectorSpec
 from stallwatch.exporters.config import ConfigError
@@ -127,10 +127,10 @@ def test_unknown_command_and_help() -> None:
 
 
 def test_event_consumers_are_built_first_and_each_takes_every_other_collectors_batches() -> None:
-    received: list[Batch] = []
+    received: list[EventBatch] = []
 
     class Consumer:
-        def submit(self, batch: Batch) -> None:
+        def submit(self, batch: EventBatch) -> None:
             received.append(batch)
 
         def collect(self) -> list[Metric]:
@@ -140,7 +140,7 @@ def test_event_consumers_are_built_first_and_each_takes_every_other_collectors_b
 
     class Producer(Consumer):
         def __init__(self, context: CollectorContext) -> None:
-            context.sink(Batch("gpu_util", {}))
+            context.sink(EventBatch("gpu_util", {}))
 
     def consumer(_: CollectorContext) -> Consumer:
         return Consumer()

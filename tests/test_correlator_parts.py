@@ -14,7 +14,6 @@ from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry, generate_latest
 
 from stallwatch import catalogue
-from stallwatch.batch import Batch, Interner
 from stallwatch.correlator.attribution import Reads, Steps, attribute, gpu_idle_in_stalls
 from stallwatch.correlator.eventfile import EventFileError, EventFileWriter, read_events
 from stallwatch.correlator.intervals import overlap_join, union_length
@@ -26,7 +25,8 @@ from stallwatch.correlator.reuse import reuse_distances
 from stallwatch.correlator.settings import CorrelatorSettings
 from stallwatch.correlator.verdicts import LatencySplit
 from stallwatch.correlator.whatif import MissRatioCurve
-from stallwatch.correlator.windows import MERGE_EVENTS, SCHEMAS, EventTimeWindows
+from stallwatch.correlator.windows import MERGE_EVENTS, EventTimeWindows
+from stallwatch.eventbatch import SCHEMAS, EventBatch, Interner, MalformedEventBatchError
 from tests.scenarios.generator import BASE_NS, JobSpec, LruCache, Scenario, exact_lru_hit_ratio, generate
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -176,14 +176,14 @@ def test_latency_split_finds_two_clusters_and_refuses_one() -> None:
     assert 3e6 < split.threshold_ns < 60e6
 
 
-def _steps(job: int, wait_start_s: list[float], wait_s: float, compute_s: float) -> Batch:
+def _steps(job: int, wait_start_s: list[float], wait_s: float, compute_s: float) -> EventBatch:
     ws = (np.array(wait_start_s) * 1e9).astype(np.int64) + BASE_NS
     n = ws.size
-    return Batch("step", {"job": np.full(n, job, np.int32), "rank": np.zeros(n, np.int32),
-                          "gpu": np.zeros(n, np.int16),
-                          "batch": np.arange(n, dtype=np.int64), "wait_start_ns": ws,
-                          "wait_end_ns": ws + int(wait_s * 1e9),
-                          "compute_end_ns": ws + int((wait_s + compute_s) * 1e9)})
+    return EventBatch("step", {"job": np.full(n, job, np.int32), "rank": np.zeros(n, np.int32),
+                               "gpu": np.zeros(n, np.int16),
+                               "batch": np.arange(n, dtype=np.int64), "wait_start_ns": ws,
+                               "wait_end_ns": ws + int(wait_s * 1e9),
+                               "compute_end_ns": ws + int((wait_s + compute_s) * 1e9)})
 
 
 def test_late_events_beyond_the_lateness_are_counted_not_attributed() -> None:
@@ -192,21 +192,23 @@ def test_late_events_beyond_the_lateness_are_counted_not_attributed() -> None:
     correlator.emit(_steps(0, [0.1, 0.3], 0.05, 0.05))
     correlator.emit(_steps(0, [3.0], 0.05, 0.05))  # the watermark passes 2.5 s: windows [0,1) and [1,2) close
     correlator.emit(_steps(0, [0.5, 2.1], 0.05, 0.05))  # 0.5 s is late; 2.1 s is within the lateness
-    correlator.emit(Batch("gpu_util", {"ts_ns": np.array([BASE_NS], np.int64), "period_ns": np.array([1], np.int64),
-                                       "gpu": np.zeros(1, np.int16), "util": np.zeros(1, np.float32)}))
+    correlator.emit(EventBatch("gpu_util", {"ts_ns": np.array([BASE_NS], np.int64),
+                                            "period_ns": np.array([1], np.int64),
+                                            "gpu": np.zeros(1, np.int16), "util": np.zeros(1, np.float32)}))
     correlator.run([])
     assert correlator.windows.late == {"step": 1, "gpu_util": 1}
     steps = {(w.start_ns - BASE_NS) // 10**9: sum(r.steps for r in w.ranks) for w in windows}
     assert steps == {0: 2, 2: 1, 3: 1}  # [1, 2) held no event at all: skipped, not published
 
 
-def _reads(end_s: list[float]) -> Batch:
+def _reads(end_s: list[float]) -> EventBatch:
     end = (np.array(end_s) * 1e9).astype(np.int64) + BASE_NS
     n = end.size
-    return Batch("read", {"job": np.zeros(n, np.int32), "rank": np.zeros(n, np.int32), "worker": np.zeros(n, np.int16),
-                          "batch": np.arange(n, dtype=np.int64), "key": np.arange(n, dtype=np.uint64),
-                          "bytes": np.full(n, 4096, np.int64), "start_ns": end - 1_000_000, "end_ns": end,
-                          "verdict": np.zeros(n, np.int8)})
+    return EventBatch("read", {"job": np.zeros(n, np.int32), "rank": np.zeros(n, np.int32),
+                               "worker": np.zeros(n, np.int16),
+                               "batch": np.arange(n, dtype=np.int64), "key": np.arange(n, dtype=np.uint64),
+                               "bytes": np.full(n, 4096, np.int64), "start_ns": end - 1_000_000, "end_ns": end,
+                               "verdict": np.zeros(n, np.int8)})
 
 
 def test_past_its_cap_the_window_store_sheds_whole_batches_and_counts_every_event() -> None:
@@ -250,27 +252,44 @@ def test_merged_compact_chunks_hand_over_exactly_what_came_in(spread_s: float) -
     assert windows.buffered("read") == n
     (closed,) = windows.flush()
     for name, column in reads.items():
-        assert closed.context["read"][name].dtype == SCHEMAS["read"][name]
+        assert closed.context["read"][name].dtype == SCHEMAS["read"].columns[name]
         assert np.array_equal(closed.context["read"][name], column), name
+
+
+def test_event_batches_are_built_to_the_contract() -> None:
+    good = {"ts_ns": [1, 2], "period_ns": [1, 1], "gpu": [0, 3], "util": np.array([0.5, 1.0])}
+    batch = EventBatch.of("gpu_util", good)
+    assert {name: column.dtype for name, column in batch.columns.items()} == dict(SCHEMAS["gpu_util"].columns)
+    assert len(batch) == 2
+    for kind, columns, problem in (
+        ("gpu_util", {**good, "utilisation": [0.5, 1.0]}, "does not name: utilisation"),
+        ("gpu_util", {**good, "gpu": [0]}, "unequal length"),
+        ("gpu_util", {**good, "gpu": [0, 2**15]}, "gpu"),
+        ("gpu_util", {**good, "ts_ns": np.array([1.0, 2.0])}, "ts_ns"),
+        ("gpu_util", {name: good[name] for name in ("ts_ns", "gpu", "util")}, r"lacks column\(s\) period_ns"),
+        ("gpu", good, "unknown batch kind"),
+    ):
+        with pytest.raises(MalformedEventBatchError, match=problem):
+            EventBatch.of(kind, columns)
 
 
 def test_malformed_batches_are_counted_and_the_pipeline_goes_on() -> None:
     correlator = CorrelatorPipeline()
-    correlator.emit(Batch("step", {"job": np.zeros(3, np.int32)}))
-    correlator.emit(Batch("nonsense", {"x": np.zeros(2)}))
+    correlator.emit(EventBatch("step", {"job": np.zeros(3, np.int32)}))
+    correlator.emit(EventBatch("nonsense", {"x": np.zeros(2)}))
     good = _steps(0, [0.0], 0.1, 0.1)
     uneven = dict(good.columns, rank=np.zeros(5, np.int32))
-    correlator.emit(Batch("step", uneven))
+    correlator.emit(EventBatch("step", uneven))
     correlator.emit(good)
     assert correlator.malformed == {"step": 8, "nonsense": 2}
     assert sum(len(chunk.columns["job"]) for chunk in correlator.windows._buffers["step"]) == 1
 
 
-def _scenario_batches() -> list[Batch]:
+def _scenario_batches() -> list[EventBatch]:
     return generate(Scenario([JobSpec(0, steps=300, preprocess_s=0.05)], cache_bytes=1 << 30, seed=5)).batches
 
 
-def _recorded_scenario(path: Path) -> list[Batch]:
+def _recorded_scenario(path: Path) -> list[EventBatch]:
     """The small scenario's batches, also written to an event file at `path`."""
     batches = _scenario_batches()
     writer = EventFileWriter(path)

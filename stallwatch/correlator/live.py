@@ -21,13 +21,13 @@ from pathlib import Path
 
 from prometheus_client.core import Metric
 
-from stallwatch.batch import Batch, Interner
 from stallwatch.correlator.eventfile import EventFileWriter
 from stallwatch.correlator.metrics import CorrelatorMetrics
 from stallwatch.correlator.pipeline import CorrelatorPipeline, Watermark, event_count
 from stallwatch.correlator.results import NameLookup
 from stallwatch.correlator.settings import CorrelatorSettings, seconds_to_ns
 from stallwatch.correlator.windowfile import WindowFileWriter
+from stallwatch.eventbatch import EventBatch, Interner
 
 log = logging.getLogger(__name__)
 
@@ -81,7 +81,7 @@ class LiveCorrelator:
         self._tick_s = tick_s
         self._max_backlog = max_backlog_events
         self._lock = threading.Lock()
-        self._queue: list[Batch] = []
+        self._queue: list[EventBatch] = []
         self._queued_events = 0
         self._dropped: Counter[tuple[str, str]] = Counter()
         self._stop = threading.Event()
@@ -90,7 +90,7 @@ class LiveCorrelator:
             self._thread = threading.Thread(target=self._run, name="stallwatch-correlator", daemon=True)
             self._thread.start()
 
-    def submit(self, batch: Batch) -> None:
+    def submit(self, batch: EventBatch) -> None:
         """The agent's batch sink: never blocks beyond a list append, never raises."""
         rows = event_count(batch)
         with self._lock:

@@ -10,9 +10,9 @@ from typing import Any
 from prometheus_client.core import Metric
 
 from stallwatch import catalogue
-from stallwatch.batch import Interner
 from stallwatch.catalogue import CAUSES, PHASES
 from stallwatch.correlator.results import NameLookup, WhatIfCurve, WindowResult
+from stallwatch.eventbatch import Interner
 
 NO_SPOKE = "default"
 

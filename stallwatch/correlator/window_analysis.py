@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from stallwatch.batch import Verdict
 from stallwatch.catalogue import CAUSES
 from stallwatch.correlator.attribution import Reads, Steps, attribute, gpu_idle_in_stalls
 from stallwatch.correlator.intervals import composite_key
@@ -18,6 +17,7 @@ from stallwatch.correlator.verdicts import LatencySplit, join_spoke
 from stallwatch.correlator.warmup import JobWindow, WarmupTracker
 from stallwatch.correlator.whatif import MissRatioCurve
 from stallwatch.correlator.windows import WindowInput
+from stallwatch.eventbatch import Verdict
 
 WHATIF_FACTORS = (0.5, 1.0, 2.0, 4.0)
 

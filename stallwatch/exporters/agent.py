@@ -13,7 +13,7 @@ from prometheus_client.core import Metric
 from prometheus_client.registry import CollectorRegistry
 
 from stallwatch import __version__, catalogue
-from stallwatch.batch import BatchSink, discard
+from stallwatch.eventbatch import EventSink, discard
 
 # Importing a collector module registers it by name.
 from stallwatch.exporters import (  # noqa: F401
@@ -55,7 +55,7 @@ def _build(specs: Sequence[CollectorSpec], context: CollectorContext) -> dict[st
     A file named by a flag that is missing or malformed is a ConfigError, once what was built is closed.
     """
     collectors: dict[str, Collector] = {}
-    sinks: list[BatchSink] = []
+    sinks: list[EventSink] = []
     try:
         for spec in specs:
             if spec.consumer is not None:

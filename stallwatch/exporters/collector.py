@@ -21,7 +21,7 @@ from prometheus_client.core import Metric
 from prometheus_client.registry import Collector as PromCollector
 
 from stallwatch import catalogue
-from stallwatch.batch import Batch, BatchSink, Interner, discard
+from stallwatch.eventbatch import EventBatch, EventSink, Interner, discard
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +34,7 @@ class Collector(Protocol):
 
 class EventConsumer(Collector, Protocol):
     @property
-    def submit(self) -> BatchSink:
+    def submit(self) -> EventSink:
         """Takes one batch from any collector's thread: never blocks, never raises."""
 
 
@@ -48,7 +48,7 @@ class CollectorContext:
     """
 
     options: argparse.Namespace
-    sink: BatchSink
+    sink: EventSink
     jobs: Interner = field(default_factory=Interner)
     spokes: Interner = field(default_factory=Interner)
 
@@ -71,7 +71,7 @@ class CollectorSpec:
 _REGISTRY: dict[str, CollectorSpec] = {}
 
 
-def fan_out(sinks: Sequence[BatchSink]) -> BatchSink:
+def fan_out(sinks: Sequence[EventSink]) -> EventSink:
     """One sink handing each batch to all of `sinks` (none: batches are discarded)."""
     if not sinks:
         return discard
@@ -79,7 +79,7 @@ def fan_out(sinks: Sequence[BatchSink]) -> BatchSink:
         return sinks[0]
     every = tuple(sinks)
 
-    def to_every(batch: Batch) -> None:
+    def to_every(batch: EventBatch) -> None:
         for sink in every:
             sink(batch)
 

@@ -18,7 +18,7 @@ MB = 1 << 20
 SCENARIOS = {
     "cold → warm": lambda seed: Scenario([JobSpec(0, steps=1200, workers=4, compute_s=0.05, preprocess_s=0.02)],
                                          cache_bytes=800 * MB, seed=seed),
-    "thrash (3× the cache)": lambda seed: Scenario([JobSpec(0, steps=1200)], cache_bytes=400 * MB // 3, seed=seed),
+    "thrash (3 times the cache)": lambda seed: Scenario([JobSpec(0, steps=1200)], cache_bytes=400 * MB // 3, seed=seed),
     "CPU-bound, warm": lambda seed: Scenario([JobSpec(0, steps=500, workers=2, preprocess_s=0.3, compute_s=0.04)],
                                              cache_bytes=800 * MB, prewarm=True, seed=seed),
     "30 s hub outage": lambda seed: Scenario([JobSpec(0, steps=2000, new_item_fraction=0.05)],
