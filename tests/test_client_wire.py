@@ -33,7 +33,8 @@ def steps(draw: st.DrawFn) -> wire.Step:
     compute_end = NOW - draw(st.integers(0, 10**10))
     wait_end = compute_end - draw(durations)
     wait_start = max(wait_end - draw(durations), NOW - HOUR + 1)
-    return (draw(batches), wait_start, min(wait_end, compute_end), compute_end)
+    ready = draw(st.one_of(st.just(-1), st.integers(wait_start, compute_end)))
+    return (draw(batches), wait_start, min(wait_end, compute_end), compute_end, ready)
 
 
 @st.composite
@@ -101,22 +102,23 @@ def test_a_flipped_byte_never_crashes_the_decoder(data: st.DataObject) -> None:
 
 
 SOURCE = wire.Source("job-a", 1, 0, 2)
-STEP = (7, NOW - 300, NOW - 200, NOW - 100)
+STEP = (7, NOW - 300, NOW - 200, NOW - 100, NOW - 250)
 READ = (7, 42, 4096, NOW - 50, NOW - 10, wire.VERDICT_MISS)
 
 
 @pytest.mark.parametrize(("batch", "reason"), [
-    (b"\x02" + encode(SOURCE, [STEP], [])[1:], "bad_version"),
+    (b"\x01" + encode(SOURCE, [STEP], [])[1:], "bad_version"),  # a client of the version before
     (encode(SOURCE, [STEP], [])[:3] + b"\x01\x00" + encode(SOURCE, [STEP], [])[5:], "unknown_string"),
     (encode(wire.Source("bad\nname", 0), [STEP], []), "bad_string"),
     (encode(wire.Source("x" * (wire.MAX_JOB_NAME + 1), 0), [STEP], []), "bad_string"),
     (encode(wire.Source("job", -1), [STEP], []), "bad_value"),
     (encode(SOURCE, [], [(*READ[:5], 5)]), "bad_value"),
     (encode(SOURCE, [], [(7, 42, -1, *READ[3:])]), "bad_value"),
-    (encode(SOURCE, [(7, NOW - 100, NOW - 200, NOW)], []), "bad_timestamp"),
+    (encode(SOURCE, [(7, NOW - 100, NOW - 200, NOW, -1)], []), "bad_timestamp"),
+    (encode(SOURCE, [(7, NOW - 300, NOW - 200, NOW - 100, NOW + 10)], []), "bad_timestamp"),
     (encode(SOURCE, [], [(*READ[:3], NOW - 10, NOW + 10, 0)]), "bad_timestamp"),
     (encode(SOURCE, [STEP], [], mono_ns=NOW + 60 * 10**9, wall_ns=WALL + 60 * 10**9), "bad_timestamp"),
-    (encode(SOURCE, [(7, NOW - 2 * HOUR, NOW - 200, NOW - 100)], []), "bad_timestamp"),
+    (encode(SOURCE, [(7, NOW - 2 * HOUR, NOW - 200, NOW - 100, -1)], []), "bad_timestamp"),
 ], ids=lambda value: value if isinstance(value, str) else "")
 def test_each_check_rejects_with_its_reason(batch: bytes, reason: str) -> None:
     with pytest.raises(RejectedBatchError) as rejected:
@@ -127,8 +129,9 @@ def test_each_check_rejects_with_its_reason(batch: bytes, reason: str) -> None:
 def test_a_client_in_another_time_namespace_is_moved_onto_the_agents_clock() -> None:
     ahead = 5_000 * 10**9  # the container's monotonic clock reads 5000 s more than the node's
     its_step = (STEP[0], *(value + ahead for value in STEP[1:]))
-    decoded = decode(encode(SOURCE, [its_step], [], mono_ns=NOW + ahead), NOW, WALL)
-    assert rows(decoded.steps, wire.STEP_FIELDS) == [STEP]
+    not_handed = (*its_step[:4], -1)  # an unknown handover stays unknown
+    decoded = decode(encode(SOURCE, [its_step, not_handed], [], mono_ns=NOW + ahead), NOW, WALL)
+    assert rows(decoded.steps, wire.STEP_FIELDS) == [STEP, (*STEP[:4], -1)]
 
 
 def test_verdict_numbers_match_the_batch_contract() -> None:

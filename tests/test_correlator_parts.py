@@ -58,23 +58,25 @@ def test_overlap_join_matches_brute_force(left: list[tuple[int, int, int]], righ
 
 
 def test_worked_example_of_the_docs() -> None:
-    """docs/attribution.md: a 100 ms wait on batch 5; a miss 10-40 ms, a hit 30-60 ms, busy until 100."""
+    """docs/attribution.md: a 100 ms wait on batch 5; a miss 10-40 ms, a hit 30-60 ms, handed over at 90."""
     ms = 1_000_000
 
     def a(*values: int) -> np.ndarray:
         return np.array(values, dtype=np.int64)
 
     steps = Steps(job=a(0), rank=a(0), gpu=a(0), batch=a(5), wait_start=a(0), wait_end=a(100 * ms),
-                  compute_end=a(150 * ms))
+                  compute_end=a(150 * ms), ready=a(90 * ms))
     tagged = Reads(job=a(0, 0), rank=a(0, 0), batch=a(5, 5), start=a(10 * ms, 30 * ms), end=a(40 * ms, 60 * ms),
                    miss=np.array([True, False]))
     split = attribute(steps, tagged, threshold_ns=ms)
-    assert (split.cause_ns[0] / ms).tolist() == [30, 20, 40, 10]
+    assert (split.cause_ns[0] / ms).tolist() == [30, 20, 30, 10, 10]
     untagged = Reads(tagged.job, tagged.rank, a(-1, -1), tagged.start, tagged.end, tagged.miss)
-    assert (attribute(steps, untagged, threshold_ns=ms).cause_ns[0] / ms).tolist() == [30, 20, 0, 50]
+    assert (attribute(steps, untagged, threshold_ns=ms).cause_ns[0] / ms).tolist() == [30, 20, 0, 10, 40]
+    unknown_handover = Steps(**{**vars(steps), "ready": a(-1)})
+    assert (attribute(unknown_handover, tagged, threshold_ns=ms).cause_ns[0] / ms).tolist() == [30, 20, 40, 0, 10]
     idle = gpu_idle_in_stalls(steps, split, sample_ts=a(50 * ms, 100 * ms), sample_period=a(50 * ms, 50 * ms),
                               sample_gpu=a(0, 0), sample_util=np.zeros(2, np.float32))
-    assert (idle[0] / ms).tolist() == [30, 20, 40, 10]
+    assert (idle[0] / ms).tolist() == [30, 20, 30, 10, 10]
 
 
 def test_gpu_samples_cover_their_real_period_and_never_give_more_idle_than_they_saw() -> None:
@@ -86,7 +88,7 @@ def test_gpu_samples_cover_their_real_period_and_never_give_more_idle_than_they_
         return np.array(values, dtype=np.int64)
 
     steps = Steps(job=a(0, 0), rank=a(0, 1), gpu=a(0, 0), batch=a(1, 1), wait_start=a(200 * ms, 300 * ms),
-                  wait_end=a(400 * ms, 500 * ms), compute_end=a(950 * ms, 950 * ms))
+                  wait_end=a(400 * ms, 500 * ms), compute_end=a(950 * ms, 950 * ms), ready=a(-1, -1))
     split = attribute(steps, Reads(a(), a(), a(), a(), a(), np.zeros(0, bool)), threshold_ns=ms)
     idle = gpu_idle_in_stalls(steps, split, sample_ts=a(100 * ms, 900 * ms), sample_period=a(100 * ms, 400 * ms),
                               sample_gpu=a(0, 0), sample_util=np.array([1.0, 0.5], np.float32))
@@ -183,7 +185,8 @@ def _steps(job: int, wait_start_s: list[float], wait_s: float, compute_s: float)
                                "gpu": np.zeros(n, np.int16),
                                "batch": np.arange(n, dtype=np.int64), "wait_start_ns": ws,
                                "wait_end_ns": ws + int(wait_s * 1e9),
-                               "compute_end_ns": ws + int((wait_s + compute_s) * 1e9)})
+                               "compute_end_ns": ws + int((wait_s + compute_s) * 1e9),
+                               "ready_ns": np.full(n, -1, np.int64)})
 
 
 def test_late_events_beyond_the_lateness_are_counted_not_attributed() -> None:

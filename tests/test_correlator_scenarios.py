@@ -24,7 +24,7 @@ WINDOW_S = 5.0
 # No shrinking: one example simulates a minute of a node; a failure prints its seeds to rerun.
 FEW = settings(max_examples=4, deadline=None, phases=(Phase.explicit, Phase.reuse, Phase.generate))
 seeds = st.integers(0, 2**16)
-REMOTE, CACHE, PREPROCESS, OTHER = (CAUSES.index(c) for c in CAUSES)
+REMOTE, CACHE, PREPROCESS, DELIVERY, OTHER = (CAUSES.index(c) for c in CAUSES)
 
 
 def assert_every_rank_close(outcome: Outcome) -> None:
@@ -236,3 +236,17 @@ def test_a_regression_of_a_partly_missing_steady_job_is_caught_within_a_window(
     left = next(start for start, phase in phases if start + WINDOW_S > at and phase != "steady")
     assert left - at <= WINDOW_S
     assert job_state(outcome, 0)[1] >= 1
+
+
+@FEW
+@given(seed=seeds, delivery=st.floats(0.01, 0.08), prewarm=st.booleans())
+def test_delivery_after_the_worker_handed_the_batch_over_is_its_own_cause(
+        seed: int, delivery: float, prewarm: bool) -> None:
+    """Large batches: each takes tens of ms from its worker to the trainer. The handover stamp splits
+    it off, so preprocessing keeps only the worker's own time."""
+    spec = JobSpec(0, steps=800, workers=3, preprocess_s=0.03, delivery_s=delivery)
+    outcome = correlate(Scenario([spec], cache_bytes=800 * MB, prewarm=prewarm, seed=seed))
+    assert_every_rank_close(outcome)
+    assert_gpu_idle_close(outcome)
+    stall = outcome.stall_by_rank()[(0, 0)]
+    assert stall[DELIVERY] > 0.1 * stall.sum()

@@ -50,7 +50,7 @@ class Monitored(Generic[T]):
                     yield item
                 finally:
                     compute_end = clock()
-                    record((index, wait_start, wait_end, compute_end))
+                    record((index, wait_start, wait_end, compute_end, -1))
                 index += 1
                 wait_start = compute_end
         finally:

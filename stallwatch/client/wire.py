@@ -24,7 +24,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from itertools import starmap
 
-VERSION = 1
+VERSION = 2  # 2: a step carries ready_ns
 
 # Where batches travel: the agent binds this Unix datagram socket (`--events.socket`), clients send
 # to the path in SOCKET_ENV or, without it, to this default.
@@ -49,6 +49,7 @@ STEP_FIELDS: tuple[tuple[str, str], ...] = (
     ("wait_start_ns", "q"),
     ("wait_end_ns", "q"),
     ("compute_end_ns", "q"),
+    ("ready_ns", "q"),  # when a loader worker handed the step's batch over; -1 unknown
 )
 READ_FIELDS: tuple[tuple[str, str], ...] = (
     ("batch", "q"),
@@ -79,7 +80,7 @@ MAX_JOB_NAME = 128
 # send buffer (net.core.wmem_default, 208 KB here), and sending costs one syscall per 512 events.
 MAX_EVENTS = 512
 
-Step = tuple[int, int, int, int]
+Step = tuple[int, int, int, int, int]
 Read = tuple[int, int, int, int, int, int]
 
 

@@ -1,8 +1,11 @@
-"""Split every stall's seconds among `remote_fetch`, `cache_read`, `preprocess` and `other`.
+"""Split every stall's seconds among `remote_fetch`, `cache_read`, `preprocess`, `delivery`, `other`.
 
 A stall is a loader wait [wait_start, wait_end] longer than the threshold. Each instant of it gets
 one cause, so the causes always sum to the stall:
 
+- Delivery, when the step says when its batch was handed over (the loader worker finished it at
+  `ready`): every instant after it is `delivery` (the batch travelling to the trainer: pickling, the
+  result queue, pin-memory, unpickling); the rules below split the wait up to it.
 - Critical path, when the step's batch has tagged reads: the trainer waiting on batch k waits on the
   worker producing batch k. From the first read of batch k on, that worker is busy with it: an
   instant covered by a missed read of batch k is `remote_fetch`, else by a hit `cache_read`, else
@@ -24,7 +27,7 @@ import numpy.typing as npt
 from stallwatch.catalogue import CAUSES
 from stallwatch.correlator.intervals import F64, I64, composite_key, covered_and_subset, equal_join, overlap_join
 
-REMOTE, CACHE, PREPROCESS, OTHER = range(len(CAUSES))
+REMOTE, CACHE, PREPROCESS, DELIVERY, OTHER = range(len(CAUSES))
 
 
 @dataclass(frozen=True)
@@ -36,6 +39,7 @@ class Steps:
     wait_start: I64
     wait_end: I64
     compute_end: I64
+    ready: I64  # when a loader worker handed the step's batch over; -1 unknown
 
     def __len__(self) -> int:
         return int(self.job.size)
@@ -61,7 +65,7 @@ class Attribution:
     wait_ns: I64
     compute_ns: I64
     stalled: npt.NDArray[np.bool_]
-    cause_ns: I64  # shape (steps, 4); all zero where not stalled
+    cause_ns: I64  # shape (steps, len(CAUSES)); all zero where not stalled
 
 
 def attribute(steps: Steps, reads: Reads, threshold_ns: int) -> Attribution:
@@ -73,7 +77,9 @@ def attribute(steps: Steps, reads: Reads, threshold_ns: int) -> Attribution:
     stall_index = np.flatnonzero(stalled)
     if stall_index.size == 0:
         return Attribution(wait, compute, stalled, causes)
-    ws, we = steps.wait_start[stall_index], steps.wait_end[stall_index]
+    ws, waited = steps.wait_start[stall_index], steps.wait_end[stall_index]
+    ready = steps.ready[stall_index]
+    we = np.where(ready >= 0, np.clip(ready, ws, waited), waited)  # the worker's part of the wait ends here
     m = stall_index.size
     # One packing for both sides so equal (job, rank) gets equal keys.
     owner_all = composite_key(np.concatenate((steps.job[stall_index], reads.job)),
@@ -118,7 +124,8 @@ def attribute(steps: Steps, reads: Reads, threshold_ns: int) -> Attribution:
     split[:, REMOTE] = missed
     split[:, CACHE] = cover - missed
     split[:, PREPROCESS] = np.where(on_path, np.maximum(busy - cover, 0), 0)
-    split[:, OTHER] = (we - ws) - split[:, :OTHER].sum(axis=1)
+    split[:, DELIVERY] = waited - we
+    split[:, OTHER] = (waited - ws) - split[:, :OTHER].sum(axis=1)
     causes[stall_index] = split
     return Attribution(wait, compute, stalled, causes)
 

@@ -51,7 +51,7 @@ class WindowAnalyser:
         miss = verdict == Verdict.MISS
         st = window.steps
         steps = Steps(*(st[name].astype(np.int64) for name in
-                        ("job", "rank", "gpu", "batch", "wait_start_ns", "wait_end_ns", "compute_end_ns")))
+                        ("job", "rank", "gpu", "batch", "wait_start_ns", "wait_end_ns", "compute_end_ns", "ready_ns")))
         reads = Reads(raw["job"], raw["rank"], raw["batch"],
                       raw["start_ns"], raw["end_ns"], miss)
         attribution = attribute(steps, reads, seconds_to_ns(s.stall_threshold_s))

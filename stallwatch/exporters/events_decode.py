@@ -114,6 +114,9 @@ def _check_times(sent_ns: int, steps: Records, reads: Records) -> None:
     for start, end in spans:
         if len(start) and ((start < oldest) | (start > end) | (end > sent_ns)).any():
             raise RejectedBatchError("bad_timestamp", "event outside the batch's time range or ending before it starts")
+    ready = steps["ready_ns"]
+    if ((ready != -1) & ((ready < oldest) | (ready > sent_ns))).any():
+        raise RejectedBatchError("bad_timestamp", "a batch handed over outside the batch's time range")
 
 
 def _shift(records: Records, fields: Sequence[str], offset_ns: int) -> Records:
@@ -152,6 +155,8 @@ def decode(data: bytes, now_ns: int, wall_now_ns: int) -> Decoded:
     if not now_ns - MAX_QUEUE_AGE_NS <= mono_ns + clock_offset <= now_ns + FUTURE_SLACK_NS:
         raise RejectedBatchError("bad_timestamp", "batch sent too long ago or in the future")
     if clock_offset:
-        steps = _shift(steps, ("wait_start_ns", "wait_end_ns", "compute_end_ns"), clock_offset)
+        known = steps["ready_ns"] != -1
+        steps = _shift(steps, ("wait_start_ns", "wait_end_ns", "compute_end_ns", "ready_ns"), clock_offset)
+        steps["ready_ns"][~known] = -1
         reads = _shift(reads, ("start_ns", "end_ns"), clock_offset)
     return Decoded(wire.Source(strings[job], rank, gpu, worker), dropped, steps, reads)

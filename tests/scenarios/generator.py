@@ -47,6 +47,7 @@ class JobSpec:
     new_item_fraction: float = 0.0  # reads of never-seen items (a streaming dataset): always misses
     compute_s: float = 0.05
     preprocess_s: float = 0.01
+    delivery_s: float = 0.0  # from the worker handing a batch over to the trainer having it (pickling, queues)
     first_gpu: int = 0
     tagged: bool = True
     verdicts: str = "read"  # where the verdict is known: "read" (header), "spoke" (log) or "latency"
@@ -122,7 +123,8 @@ class _Rank:
     gpu: int
     order: list[int]
     skews: list[float]
-    ready: dict[int, float] = field(default_factory=dict)
+    ready: dict[int, float] = field(default_factory=dict)  # batch -> when the trainer can have it
+    handed_over: dict[int, float] = field(default_factory=dict)  # batch -> when its worker finished it
     queues: list[deque[tuple[float, int]]] = field(default_factory=list)  # per worker: (dispatched at, batch)
     busy: list[bool] = field(default_factory=list)
     segments: dict[int, list[tuple[float, float, int]]] = field(default_factory=dict)  # batch -> (s, e, cause)
@@ -177,8 +179,10 @@ def generate(scenario: Scenario) -> Generated:
         if i == spec.reads_per_batch:  # the batch's reads are done: preprocess, then it is ready
             done = t + spec.preprocess_s
             state.segments[k].append((t, done, CAUSES.index("preprocess")))
+            state.segments[k].append((done, done + spec.delivery_s, CAUSES.index("delivery")))
             state.busy[worker] = False
-            state.ready[k] = done
+            state.handed_over[k] = done
+            state.ready[k] = done + spec.delivery_s
             seq = _advance_trainer(state, index, heap, seq)
             seq = _start_next(state, index, worker, done, heap, seq)
             continue
@@ -207,7 +211,9 @@ def generate(scenario: Scenario) -> Generated:
     for state in ranks:
         spec = state.spec
         for k, ws, we, ce in state.steps:
-            steps.append((spec.job, state.rank, state.gpu, k, ws, we, ce))
+            # The client stamps the handover inside the batch, which only a tagged (batched) loader has.
+            handover = state.handed_over[k] if spec.tagged else -1.0
+            steps.append((spec.job, state.rank, state.gpu, k, ws, we, ce, handover))
             split = np.zeros(len(CAUSES))
             for s, e, cause in state.segments[k]:
                 split[cause] += max(0.0, min(e, we) - max(s, ws))
@@ -290,6 +296,7 @@ def _gpu_samples(ranks: list[_Rank], scenario: Scenario, end: float) -> list[tup
 
 # Rows are tuples in the contract's column order; times and durations in them are seconds.
 _TIMES = frozenset({"wait_start_ns", "wait_end_ns", "compute_end_ns", "start_ns", "end_ns", "ts_ns"})
+_OPTIONAL_TIMES = frozenset({"ready_ns"})  # times that may be unknown: negative, -1
 _DURATIONS = frozenset({"duration_ns", "upstream_ns", "period_ns"})  # negative: -1, "none"
 BASE_NS = 10**12  # monotonic clocks do not start at zero
 
@@ -311,6 +318,9 @@ def _arrange(
             values = [row[position] for row in rows]
             if name in _TIMES:
                 columns[name] = (np.array(values) * NS).round().astype(np.int64) + BASE_NS
+            elif name in _OPTIONAL_TIMES:
+                at = np.array(values)
+                columns[name] = np.where(at < 0, -1, (at * NS).round().astype(np.int64) + BASE_NS)
             elif name in _DURATIONS:
                 columns[name] = np.where(np.array(values) < 0, -1, (np.array(values) * NS).round()).astype(np.int64)
             else:
