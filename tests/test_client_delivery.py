@@ -185,7 +185,7 @@ def test_a_flood_beyond_the_queue_limit_is_dropped_and_counted(socket_path: str)
     try:
         def batch(events: int) -> bytes:
             now = time.monotonic_ns()
-            return wire.encode(wire.Source("flood", 0), [(0, now - 3, now - 2, now - 1)] * events, [], events, 0, 0,
+            return wire.encode(wire.Source("flood", 0), [(0, now - 3, now - 2, now - 1, -1)] * events, [], events, 0, 0,
                                now, time.time_ns())
 
         collector._receiver.enqueue(batch(1))  # the receive thread's entry point, called here to control the timing

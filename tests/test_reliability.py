@@ -57,7 +57,7 @@ def test_ten_thousand_jobs_and_ranks_stay_under_the_series_bound(tmp_path: Path)
     collector = EventsCollector(str(tmp_path / "events.sock"), jobs=Interner(64), rank_limit=64)
     try:
         now = time.monotonic_ns()
-        batches = [wire.encode(wire.Source(f"job-{n}-" + "x" * 100, n), [(0, now - 3, now - 2, now - 1)], [], 1, 0,
+        batches = [wire.encode(wire.Source(f"job-{n}-" + "x" * 100, n), [(0, now - 3, now - 2, now - 1, -1)], [], 1, 0,
                                0, now, time.time_ns()) for n in range(10_000)]
         collector.process(batches)
         registry = CollectorRegistry()

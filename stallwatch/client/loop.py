@@ -22,8 +22,9 @@ class Monitored(Generic[T]):
     buffered events are flushed at its end.
 
     Steps are numbered in arrival order from 0 each epoch, unless `tagged`: then the wrapped loader
-    yields `(batch_index, batch)` pairs (the PyTorch integration tags each batch in the worker that
-    built it), the step records that index and the loop gets the batch alone.
+    yields `(batch_index, handed_over_ns, batch)` (the PyTorch integration tags each batch in the
+    worker that built it, and stamps when the worker finished it), the step records the index and
+    the handover and the loop gets the batch alone. Untagged steps record the handover as -1.
     """
 
     def __init__(self, iterable: Iterable[Any], channel: Channel, tagged: bool = False) -> None:
@@ -39,18 +40,18 @@ class Monitored(Generic[T]):
 
     def _steps(self, items: Iterator[Any]) -> Iterator[T]:
         clock, record, tagged = time.monotonic_ns, self._channel.step, self._tagged
-        index = 0
+        index, handed_over = 0, -1
         wait_start = clock()
         try:
             for item in items:
                 wait_end = clock()
                 if tagged:
-                    index, item = item  # noqa: PLW2901
+                    index, handed_over, item = item  # noqa: PLW2901
                 try:
                     yield item
                 finally:
                     compute_end = clock()
-                    record((index, wait_start, wait_end, compute_end, -1))
+                    record((index, wait_start, wait_end, compute_end, handed_over))
                 index += 1
                 wait_start = compute_end
         finally:

@@ -17,6 +17,7 @@ same holds without automatic batching (`batch_size=None`).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
@@ -97,8 +98,10 @@ class _TaggedCollate:
     def __init__(self, collate: Callable[[list[Any]], Any]) -> None:
         self._collate = collate
 
-    def __call__(self, samples: list[Any]) -> tuple[int, Any]:
-        return reads.current_batch(), self._collate(samples)
+    def __call__(self, samples: list[Any]) -> tuple[int, int, Any]:
+        batch = self._collate(samples)
+        # The worker hands the batch over now: what the trainer waits after this is its delivery.
+        return reads.current_batch(), time.monotonic_ns(), batch
 
 
 def instrument(

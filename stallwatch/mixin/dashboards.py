@@ -59,7 +59,7 @@ def training(t: Thresholds) -> Dashboard:
     return Dashboard(
         uid=TRAINING_UID, title="stallwatch / Training input stalls",
         description="Is training waiting for its data, why, and since when: stalls per job and rank, attributed "
-                    "to remote fetches, cache reads, preprocessing or other causes.",
+                    "to remote fetches, cache reads, preprocessing, delivery or other causes.",
         variables=(JOB_VARIABLE, NODE_VARIABLE, GPU_VARIABLE),
         annotations=(Annotation(
             "Steady state changes",
@@ -79,7 +79,7 @@ def training(t: Thresholds) -> Dashboard:
                               by("spoke", "sum", rate(c.SPOKE_REQUESTS, RATE))), "spoke {{spoke}} misses"),
                       ), width=24),
                 Panel("Stall seconds by cause",
-                      "Where do the stalls come from: remote fetches, cache reads, preprocessing or unknown?",
+                      "Where do the stalls come from: remote fetches, cache reads, preprocessing, delivery or unknown?",
                       Viz.TIMESERIES, "s",
                       (Query(by("cause", "sum", rate(c.STALL_SECONDS, RATE, JOB, NODE)), "{{cause}}"),),
                       stacked=True),

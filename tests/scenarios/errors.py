@@ -21,6 +21,8 @@ SCENARIOS = {
     "thrash (3 times the cache)": lambda seed: Scenario([JobSpec(0, steps=1200)], cache_bytes=400 * MB // 3, seed=seed),
     "CPU-bound, warm": lambda seed: Scenario([JobSpec(0, steps=500, workers=2, preprocess_s=0.3, compute_s=0.04)],
                                              cache_bytes=800 * MB, prewarm=True, seed=seed),
+    "large batches, 30 ms delivery": lambda seed: Scenario(
+        [JobSpec(0, steps=800, workers=3, preprocess_s=0.03, delivery_s=0.03)], cache_bytes=800 * MB, seed=seed),
     "30 s hub outage": lambda seed: Scenario([JobSpec(0, steps=2000, new_item_fraction=0.05)],
                                              cache_bytes=800 * MB, prewarm=True, outages=[(40.0, 70.0)], seed=seed),
     "two jobs, three ranks": lambda seed: Scenario(
