@@ -4,7 +4,8 @@ A spatially sampled miss-ratio curve (SHARDS, Waldspurger et al., FAST '15), fix
 read is sampled when a hash of its key falls below a threshold T (rate R = T / 2^64), so every
 reference to a sampled key is seen and reuse distances among sampled keys, scaled by 1/R, estimate
 the true ones. T starts at 2^64, every key sampled, so a working set of up to `max_keys` keys gets
-the exact curve; when more than `max_keys` keys are tracked, T is lowered and the keys above it are
+the exact curve; when a batch would bring the tracked keys past `max_keys`, T is lowered first, to
+the rate at which the tracked and the batch's keys fill 7/8 of the cap, and the keys above it are
 dropped: memory stays bounded whatever the working set. Reuse distances are in bytes (a reference
 hits an LRU cache of C bytes when the distinct bytes used since its last use, itself included, fit
 in C) and land in a log-spaced histogram, so any capacity can be asked after the fact.
@@ -18,8 +19,7 @@ satisfy it (each item once per epoch); a few very hot keys make the estimate swi
 they happen to be sampled.
 
 All of it is array work: a batch's sampled references and the tracked keys (in recency order, one
-reference each) form one sequence whose exact reuse distances come from `reuse.reuse_distances`,
-cut where the tracked keys would pass the cap so that T drops exactly there.
+reference each) form one sequence whose exact reuse distances come from `reuse.reuse_distances`.
 """
 
 from __future__ import annotations
@@ -78,32 +78,22 @@ class MissRatioCurve:
         fetched = sizes > 0
         self.failed += int(fetched.size - fetched.sum())
         hashes, sizes = _mix(keys[fetched]), sizes[fetched].astype(np.int64)
-        while hashes.size:
-            chosen = self._sampled(hashes)
+        chosen = self._sampled(hashes)
+        hashes, sizes = hashes[chosen], sizes[chosen]
+        distinct = np.union1d(self._keys, hashes)
+        if distinct.size > self._max_keys:
+            # The batch would pass the cap: T drops first, to keep 7/8 of the cap of these keys.
+            self._threshold = int(distinct[self._max_keys * 7 // 8])
+            kept = self._keys < np.uint64(self._threshold)
+            self._keys, self._sizes = self._keys[kept], self._sizes[kept]
+            chosen = hashes < np.uint64(self._threshold)
             hashes, sizes = hashes[chosen], sizes[chosen]
-            cut = self._room(hashes)
-            self._reference(hashes[:cut], sizes[:cut])
-            hashes, sizes = hashes[cut:], sizes[cut:]
-            if self._keys.size > self._max_keys:
-                self._lower_threshold()
+        self._reference(hashes, sizes)
 
     def _sampled(self, hashes: npt.NDArray[np.uint64]) -> npt.NDArray[np.bool_]:
         if self._threshold >= _FULL:
             return np.ones(hashes.size, dtype=bool)
         return hashes < np.uint64(self._threshold)
-
-    def _room(self, hashes: npt.NDArray[np.uint64]) -> int:
-        """How many of these references fit before the tracked keys pass the cap (that one included)."""
-        allowed = self._max_keys - self._keys.size + 1
-        prefix = 8 * allowed  # look no further than needed: the cut comes early in a large working set
-        while True:
-            _, first = np.unique(hashes[:prefix], return_index=True)
-            new = np.sort(first[~np.isin(hashes[first], self._keys)])
-            if new.size >= allowed:
-                return int(new[allowed - 1]) + 1
-            if prefix >= hashes.size:
-                return int(hashes.size)
-            prefix *= 4
 
     def _reference(self, hashes: npt.NDArray[np.uint64], sizes: npt.NDArray[np.int64]) -> None:
         """Fold references at one sampling rate into the histogram; the tracked keys precede them."""
@@ -129,13 +119,6 @@ class MissRatioCurve:
     def _bins(distance: npt.NDArray[np.float64]) -> npt.NDArray[np.int64]:
         bins = (np.log2(np.maximum(distance, 1.0)) * _BINS_PER_OCTAVE).astype(np.int64)
         return np.minimum(bins, _BINS_PER_OCTAVE * _OCTAVES - 1)
-
-    def _lower_threshold(self) -> None:
-        """Keep the smallest 7/8 of tracked hashes: T drops to the smallest of the rest."""
-        keep = self._keys.size * 7 // 8
-        self._threshold = int(np.sort(self._keys)[keep])
-        kept = self._keys < np.uint64(self._threshold)
-        self._keys, self._sizes = self._keys[kept], self._sizes[kept]
 
     def hit_ratio(self, capacity_bytes: float) -> float | None:
         """Estimated LRU hit ratio at this capacity; None before any reference."""
