@@ -24,6 +24,7 @@ from stallwatch.correlator.results import WindowResult
 from stallwatch.correlator.reuse import reuse_distances
 from stallwatch.correlator.settings import CorrelatorSettings
 from stallwatch.correlator.verdicts import LatencySplit
+from stallwatch.correlator.warmup import JobWindow, WarmupTracker
 from stallwatch.correlator.whatif import MissRatioCurve
 from stallwatch.correlator.windows import MERGE_EVENTS, EventTimeWindows
 from stallwatch.eventbatch import SCHEMAS, EventBatch, Interner, MalformedEventBatchError
@@ -167,6 +168,25 @@ def test_whatif_stays_within_five_points_of_exact_lru_whatever_the_working_set(w
     for factor, want in exact.items():
         got = curve.hit_ratio(factor * capacity)
         assert got is not None and abs(got - want) <= 0.05, f"{factor}x: {got:.3f} against exact LRU {want:.3f}"
+
+
+def _window(hits: int, reads: int = 95, steps: int = 40) -> JobWindow:
+    empty = np.zeros(0, dtype=np.int64)
+    return JobWindow(steps=steps, ranks=1, step_seconds=np.full(steps, 0.12), step_quarter=np.arange(steps) % 4,
+                     reads=reads, hits=hits, hub_bytes=0, stall_idle_gpu_seconds=0.0, stall_start_ns=empty,
+                     stall_end_ns=empty)
+
+
+def test_a_hit_ratio_alternating_by_window_keeps_steady_and_an_eviction_leaves_it_at_once() -> None:
+    """The demo's job with a spoke at 85 % of its dataset: windows alternate 0.73 and 1.0 of ~95 reads."""
+    tracker = WarmupTracker()
+    window_ns = 5 * 10**9
+    phases = []
+    for i, hits in enumerate([90, 88, 69, 95, 69, 95, 66, 93, 69, 95, 5]):
+        state = tracker.update(0, i * window_ns, (i + 1) * window_ns, _window(hits), 0, complete=True)
+        phases.append(state.phase)
+    assert phases[:-1] == ["steady"] * 10 and state.regressions == 1
+    assert phases[-1] == "cold"  # 5 hits of 95: evicted, caught in its own window
 
 
 def test_latency_split_finds_two_clusters_and_refuses_one() -> None:

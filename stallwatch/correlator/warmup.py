@@ -10,8 +10,10 @@ Per closed window a job is
 - `transition` in between.
 Each threshold has hysteresis: a phase is entered at its threshold and left only past it by a margin
 (`hit_ratio_hysteresis` below a hit-ratio threshold, `dispersion_hysteresis` times `max_dispersion`),
-so a job whose hit ratio or step time wobbles around a threshold from window to window keeps its
-phase, while a real change (an eviction, a hub outage) crosses the margin at once.
+and steady is left on the hit ratio of this window's and the previous window's reads together. So a
+job whose hit ratio or step time wobbles from window to window (a working set that partly fits hits
+unevenly within an epoch) keeps its phase, while a real change (an eviction, a hub outage) crosses
+the margin in the window it begins in.
 Leaving `steady` is a regression (evictions, thrash, hub trouble), counted only on the cache's
 evidence. A fall on the hit ratio counts at once. When it leaves on pace alone (few or no steps: a
 stall in progress, or the job ended) the phase turns `transition` at once but the regression is
@@ -72,6 +74,8 @@ class JobWarmup:
     ranks: int = 0
     phase: str = COLD
     hit_ratio: float | None = None
+    latest: tuple[int, int] = (0, 0)  # hits and reads of the latest window with reads
+    reads: tuple[int, int] = (0, 0)  # hits and reads of the latest two windows with reads
     steady_pace: float | None = None  # steps per rank per window while steady
     time_to_steady_s: float | None = None
     idle_gpu_seconds: float = 0.0
@@ -93,6 +97,8 @@ class WarmupTracker:
             state = self.jobs[job] = JobWarmup(first_event_ns=first_event_ns, last_step_ns=end_ns)
         if seen.reads:
             state.hit_ratio = seen.hits / seen.reads
+            state.reads = (state.latest[0] + seen.hits, state.latest[1] + seen.reads)
+            state.latest = (seen.hits, seen.reads)
         if seen.steps:
             state.last_step_ns = end_ns
             state.ranks = seen.ranks
@@ -128,6 +134,8 @@ class WarmupTracker:
         if ratio < s.cold_hit_ratio - (0.0 if state.phase == COLD else margin):
             return COLD, HIT_RATIO
         steady = state.phase == STEADY
+        if steady:  # staying steady is judged on two windows' reads: one window's wobble is not a change
+            ratio = state.reads[0] / state.reads[1]
         if ratio < s.steady_hit_ratio - (margin if steady else 0.0):
             return TRANSITION, HIT_RATIO
         if steady and state.steady_pace is not None and complete:
