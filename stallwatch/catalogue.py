@@ -2,7 +2,8 @@
 
 Exporters, the correlator, dashboards, alerts, the metrics reference (docs/metrics.md) and the tests
 all read these definitions; nothing else spells a metric name. Labels are bounded by design: job, rank,
-gpu, spoke, cause and a few small enumerations, never a path, URL, pid or batch id.
+gpu, spoke, cause and a few small enumerations, never a path, URL, pid or batch id. Pod names appear on
+one info series per allocated GPU device only (stallwatch_gpu_pod_info), never on a measurement.
 """
 
 from __future__ import annotations
@@ -157,6 +158,21 @@ GPU_PROCESSES = gauge("gpu", "gpu_processes", "", ["gpu"], "Compute processes ru
 GPU_NVML_ERRORS = counter(
     "gpu", "gpu_nvml_errors_total", "", ["gpu", "call", "error"],
     "NVML calls that failed, by function and error (gpu is empty for calls not tied to a device).",
+)
+
+# --- pods (the kubelet's pod-resources API) ---------------------------------------------------------
+GPU_POD_INFO = gauge(
+    "pods", "gpu_pod_info", "", ["gpu", "device", "resource", "namespace", "pod", "container"],
+    "Always 1 for each GPU device the kubelet allocated to a running container; device is the device "
+    "plugin's id (GPU-... or MIG-...), gpu the index of the physical GPU it lives on (empty when NVML "
+    "does not know it). Join on gpu for pod labels; the series goes when the pod does.",
+)
+PODS_KUBELET_UP = gauge(
+    "pods", "pods_kubelet_up", "", [], "1 if the last List call to the kubelet's pod-resources API succeeded."
+)
+PODS_KUBELET_ERRORS = counter(
+    "pods", "pods_kubelet_errors_total", "", ["code"],
+    "List calls to the kubelet's pod-resources API that failed, by gRPC status code (lower case).",
 )
 
 # --- host (psutil) -----------------------------------------------------------------------------------

@@ -20,7 +20,9 @@ UNIT_SUFFIXES = {
 BOUNDED_LABELS = {
     "job", "rank", "gpu", "uuid", "name", "spoke", "cause", "phase", "collector", "version", "direction",
     "reason", "xid", "call", "error", "mode", "interface", "device", "verdict", "result", "source", "kind",
-    "label", "capacity_factor",
+    "label", "capacity_factor", "code",
+    # pod labels only on stallwatch_gpu_pod_info: one series per allocated GPU device of the node
+    "resource", "namespace", "pod", "container",
 }
 
 

@@ -16,7 +16,8 @@ CALLED = [
     "nvmlDeviceGetMemoryInfo", "nvmlDeviceGetPowerUsage", "nvmlDeviceGetTotalEnergyConsumption",
     "nvmlDeviceGetClockInfo", "nvmlDeviceGetPcieThroughput", "nvmlDeviceGetTemperature",
     "nvmlDeviceGetCurrentClocksEventReasons", "nvmlDeviceGetComputeRunningProcesses", "nvmlEventSetCreate",
-    "nvmlDeviceRegisterEvents", "nvmlEventSetWait", "nvmlEventSetFree",
+    "nvmlDeviceRegisterEvents", "nvmlEventSetWait", "nvmlEventSetFree", "nvmlDeviceGetMigMode",
+    "nvmlDeviceGetMaxMigDeviceCount", "nvmlDeviceGetMigDeviceHandleByIndex",
 ]
 
 

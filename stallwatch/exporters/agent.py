@@ -22,6 +22,7 @@ from stallwatch.exporters import (  # noqa: F401
     events,
     gpu,
     host,
+    pods,
     spoke_nfs,
     spoke_nginx,
     spoke_openmetrics,

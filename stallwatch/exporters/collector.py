@@ -20,6 +20,7 @@ from prometheus_client.registry import Collector as PromCollector
 
 from stallwatch import catalogue
 from stallwatch.batch import BatchSink, Interner
+from stallwatch.exporters.devices import GpuDirectory
 
 log = logging.getLogger(__name__)
 
@@ -36,13 +37,15 @@ class CollectorContext:
 
     `jobs` and `spokes` turn training-job and spoke names into the small ids batches carry; the agent
     hands every collector the same two, so the correlator reads names back from what the receiver and
-    the spoke collectors interned.
+    the spoke collectors interned. `gpus` is where the gpu collector says which GPU each device id
+    (GPU and MIG UUIDs) belongs to, for the pods collector.
     """
 
     options: argparse.Namespace
     sink: BatchSink
     jobs: Interner = field(default_factory=Interner)
     spokes: Interner = field(default_factory=Interner)
+    gpus: GpuDirectory = field(default_factory=GpuDirectory)
 
 
 Factory = Callable[[CollectorContext], Collector]

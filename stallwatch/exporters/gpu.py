@@ -33,6 +33,7 @@ from stallwatch import catalogue
 from stallwatch.batch import Batch, BatchSink, discard
 from stallwatch.exporters.collector import CollectorContext, register_collector
 from stallwatch.exporters.config import positive_float
+from stallwatch.exporters.devices import GpuDirectory
 
 log = logging.getLogger(__name__)
 
@@ -107,10 +108,12 @@ class GpuCollector:
         pcie_interval: float = 10.0,
         idle_threshold: float = 0.05,
         sink: BatchSink = discard,
+        directory: GpuDirectory | None = None,
         clock: Callable[[], float] = time.monotonic,
         start: bool = True,
     ) -> None:
         self._nvml = nvml
+        self._directory = directory
         self._interval = interval
         self._pcie_interval = pcie_interval
         self._idle_threshold = idle_threshold
@@ -170,6 +173,8 @@ class GpuCollector:
             for device in devices:
                 device.uuid = str(nvml.nvmlDeviceGetUUID(device.handle))
                 device.name = str(nvml.nvmlDeviceGetName(device.handle))
+            if self._directory is not None:
+                self._directory.publish({uuid: d.label for d in devices for uuid in (d.uuid, *self._mig_uuids(d))})
         except nvml.NVMLError as error:
             self._count_error("", "nvmlInit", error)
             if not self._said_no_gpu:
@@ -188,6 +193,28 @@ class GpuCollector:
         self._said_no_gpu = False
         self._start_thread(self._watch_xids, "stallwatch-gpu-xid")
         return True
+
+    def _mig_uuids(self, device: _Device) -> list[str]:
+        """The UUIDs of the GPU's MIG devices (none when MIG is off or unsupported), read once at start:
+        changing the MIG layout needs a GPU reset, which NVML reports as a lost GPU."""
+        nvml = self._nvml
+        try:
+            current, _pending = nvml.nvmlDeviceGetMigMode(device.handle)
+            if current != nvml.NVML_DEVICE_MIG_ENABLE:
+                return []
+            slots = nvml.nvmlDeviceGetMaxMigDeviceCount(device.handle)
+        except nvml.NVMLError as error:
+            if getattr(error, "value", None) != nvml.NVML_ERROR_NOT_SUPPORTED:
+                self._count_error(device.label, "nvmlDeviceGetMigMode", error)
+            return []
+        uuids = []
+        for slot in range(slots):
+            try:
+                uuids.append(str(nvml.nvmlDeviceGetUUID(nvml.nvmlDeviceGetMigDeviceHandleByIndex(device.handle, slot))))
+            except nvml.NVMLError as error:
+                if getattr(error, "value", None) != nvml.NVML_ERROR_NOT_FOUND:  # an empty slot
+                    self._count_error(device.label, "nvmlDeviceGetMigDeviceHandleByIndex", error)
+        return uuids
 
     # --- polling -------------------------------------------------------------------------------
     def poll(self) -> None:
@@ -356,11 +383,6 @@ class GpuCollector:
             nvml.nvmlEventSetFree(event_set)
 
     # --- what others read ----------------------------------------------------------------------
-    def pid_to_gpu(self) -> dict[int, int]:
-        """Which GPU each compute process runs on (the correlator maps pid -> rank with it)."""
-        with self._lock:
-            return {pid: d.index for d in self._devices for pid in (d.reading.pids or ())}
-
     def collect(self) -> Iterator[Metric]:
         c = catalogue
         with self._lock:
@@ -455,6 +477,7 @@ def _from_context(context: CollectorContext) -> GpuCollector:
         pcie_interval=options.gpu_pcie_interval,
         idle_threshold=options.gpu_idle_threshold,
         sink=context.sink,
+        directory=context.gpus,
     )
 
 
