@@ -1,7 +1,7 @@
 """Every metric stallwatch exposes, defined once.
 
 Exporters, the correlator, dashboards, alerts, the metrics reference (docs/metrics.md) and the tests
-all read these definitions; nothing else spells a metric name. Labels are bounded by design: job, rank,
+all read these definitions; nothing else spells a metric name. Labels are bounded by design: training_job, rank,
 gpu, spoke, cause and a few small enumerations, never a path, URL, pid or batch id. Pod names appear on
 one info series per allocated GPU device only (stallwatch_gpu_pod_info), never on a measurement.
 """
@@ -20,6 +20,9 @@ from prometheus_client.core import (
 )
 
 PREFIX = "stallwatch_"
+# The training job's label. Not `job`, which Prometheus gives every series it scrapes (the scrape job):
+# both coexist without honor_labels, as dcgm-exporter keeps its HPC job in `hpc_job`.
+TRAINING_JOB = "training_job"
 
 
 class Kind(Enum):
@@ -204,22 +207,22 @@ HOST_DISK_IO_SECONDS = counter(
 
 # --- loader: the training client and the agent's event receiver ---------------------------------------
 LOADER_WAIT = histogram(
-    "loader", "loader_wait_seconds", "seconds", ["job", "rank"],
+    "loader", "loader_wait_seconds", "seconds", [TRAINING_JOB, "rank"],
     "Time the training loop waited in next(loader) for a batch.",
 )
 STEP_COMPUTE = histogram(
-    "loader", "step_compute_seconds", "seconds", ["job", "rank"],
+    "loader", "step_compute_seconds", "seconds", [TRAINING_JOB, "rank"],
     "Time from receiving a batch to asking for the next one (the step's work).",
 )
 DATASET_READS = counter(
-    "loader", "dataset_reads_total", "", ["job", "rank", "verdict"],
+    "loader", "dataset_reads_total", "", [TRAINING_JOB, "rank", "verdict"],
     "Dataset reads by loader workers, by the cache's verdict (hit, miss, unknown) as the reader saw it.",
 )
 DATASET_READ_BYTES = counter(
-    "loader", "dataset_read_bytes_total", "bytes", ["job", "rank"], "Bytes read by loader workers."
+    "loader", "dataset_read_bytes_total", "bytes", [TRAINING_JOB, "rank"], "Bytes read by loader workers."
 )
 DATASET_READ_DURATION = histogram(
-    "loader", "dataset_read_duration_seconds", "seconds", ["job", "rank"],
+    "loader", "dataset_read_duration_seconds", "seconds", [TRAINING_JOB, "rank"],
     "Duration of single dataset reads in loader workers.",
 )
 RECEIVER_BATCHES = counter(
@@ -234,12 +237,12 @@ RECEIVER_DROPPED_EVENTS = counter(
     "Events the agent dropped after receiving them (queue full under a flood, or in a rejected batch).",
 )
 CLIENT_DROPPED_EVENTS = counter(
-    "loader", "client_dropped_events_total", "", ["job", "rank"],
+    "loader", "client_dropped_events_total", "", [TRAINING_JOB, "rank"],
     "Events training clients could not send (agent absent or slow), as the clients report them.",
 )
 RECEIVER_FOLDED_LABELS = counter(
     "loader", "receiver_folded_label_values_total", "", ["label"],
-    "Batches whose job name (label=job) or (job, rank) pair (label=rank) was past the per-node cap and was "
+    "Batches whose job name (label=training_job) or (job, rank) pair (label=rank) was past the per-node cap and was "
     "folded into the value __other__.",
 )
 RECEIVER_UP = gauge(
@@ -310,36 +313,37 @@ SPOKE_NFS_READ_ERRORS = counter(
 CAUSES = ("remote_fetch", "cache_read", "preprocess", "other")
 PHASES = ("cold", "transition", "steady")
 STALL_SECONDS = counter(
-    "correlator", "stall_seconds_total", "seconds", ["job", "rank", "cause"],
+    "correlator", "stall_seconds_total", "seconds", [TRAINING_JOB, "rank", "cause"],
     "Loader-wait seconds above the stall threshold, each attributed to exactly one cause.",
 )
 COMPUTE_SECONDS = counter(
-    "correlator", "compute_seconds_total", "seconds", ["job", "rank"], "Seconds the rank spent computing."
+    "correlator", "compute_seconds_total", "seconds", [TRAINING_JOB, "rank"], "Seconds the rank spent computing."
 )
 INPUT_BOUND_RATIO = gauge(
-    "correlator", "input_bound_ratio", "ratio", ["job", "rank"],
+    "correlator", "input_bound_ratio", "ratio", [TRAINING_JOB, "rank"],
     "Share of step time spent waiting for input over the last window: wait / (wait + compute).",
 )
 GPU_STALL_IDLE_SECONDS = counter(
-    "correlator", "gpu_stall_idle_seconds_total", "seconds", ["job", "gpu", "cause"],
+    "correlator", "gpu_stall_idle_seconds_total", "seconds", [TRAINING_JOB, "gpu", "cause"],
     "GPU idle seconds (from NVML samples) during stalls of the rank on that GPU, by the stall's cause.",
 )
 WARMUP_PHASE = gauge(
-    "correlator", "warmup_phase", "", ["job", "phase"], "1 for the job's current phase: cold, transition, steady."
+    "correlator", "warmup_phase", "", [TRAINING_JOB, "phase"],
+    "1 for the job's current phase: cold, transition, steady."
 )
 WARMUP_TIME_TO_STEADY = gauge(
-    "correlator", "warmup_time_to_steady_seconds", "seconds", ["job"],
+    "correlator", "warmup_time_to_steady_seconds", "seconds", [TRAINING_JOB],
     "Seconds from the job's first event to its first steady window.",
 )
 WARMUP_IDLE_GPU_SECONDS = gauge(
-    "correlator", "warmup_idle_gpu_seconds", "seconds", ["job"],
+    "correlator", "warmup_idle_gpu_seconds", "seconds", [TRAINING_JOB],
     "GPU idle seconds during stalls from the job's start until steady state: the warm-up's cost.",
 )
 WARMUP_HUB_BYTES = gauge(
-    "correlator", "warmup_hub_bytes", "bytes", ["job"], "Bytes fetched from the hub until steady state."
+    "correlator", "warmup_hub_bytes", "bytes", [TRAINING_JOB], "Bytes fetched from the hub until steady state."
 )
 WARMUP_REGRESSIONS = counter(
-    "correlator", "warmup_regressions_total", "", ["job"],
+    "correlator", "warmup_regressions_total", "", [TRAINING_JOB],
     "Times the job fell out of steady state (eviction, thrash, hub trouble).",
 )
 CACHE_WHATIF_HIT_RATIO = gauge(

@@ -86,8 +86,8 @@ def test_each_step_times_the_wait_and_the_work_after_it(agent: tuple[EventsColle
     assert (waits >= 20_000_000).all() and (computes >= 10_000_000).all()
     assert (columns["wait_start_ns"][1:] == columns["compute_end_ns"][:-1]).all()  # no gap, no overlap
     metrics = samples(collector)
-    assert metrics[("stallwatch_loader_wait_seconds_count", (("job", "steps"), ("rank", "2")))] == 3
-    assert metrics[("stallwatch_loader_wait_seconds_sum", (("job", "steps"), ("rank", "2")))] >= 0.06
+    assert metrics[("stallwatch_loader_wait_seconds_count", (("rank", "2"), ("training_job", "steps")))] == 3
+    assert metrics[("stallwatch_loader_wait_seconds_sum", (("rank", "2"), ("training_job", "steps")))] >= 0.06
 
 
 def test_break_and_exceptions_end_the_step_that_was_running(agent: tuple[EventsCollector, Received]) -> None:
@@ -114,7 +114,7 @@ def test_reads_carry_bytes_times_and_verdict(agent: tuple[EventsCollector, Recei
     assert list(columns["bytes"]) == [1234, 0]
     assert list(columns["verdict"]) == [wire.VERDICT_MISS, wire.VERDICT_UNKNOWN]
     job = source_from_environment()
-    labels = (("job", job.job), ("rank", str(job.rank)))
+    labels = (("rank", str(job.rank)), ("training_job", job.job))
     assert samples(collector)[("stallwatch_dataset_reads_total", (*labels[:1], *labels[1:], ("verdict", "miss")))] == 1
 
 
@@ -168,7 +168,7 @@ def test_after_an_agent_restart_the_client_delivers_again_and_reports_its_drops(
             return received.rows("step") > 0
 
         assert wait_for(one_more_step_arrives, seconds=20)
-        labels = (("job", "restart"), ("rank", "0"))
+        labels = (("rank", "0"), ("training_job", "restart"))
         assert samples(second)[("stallwatch_client_dropped_events_total", labels)] >= 7
     finally:
         second.close()

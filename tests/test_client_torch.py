@@ -148,7 +148,7 @@ def test_loader_waits_and_worker_reads_reach_the_agent_per_rank(agent: str, file
         }
 
     def labels(rank: int, **extra: str) -> tuple[tuple[str, str], ...]:
-        return tuple(sorted({"job": "e2e", "rank": str(rank), **extra}.items()))
+        return tuple(sorted({"training_job": "e2e", "rank": str(rank), **extra}.items()))
 
     def everything_arrived() -> bool:
         metrics = scrape(agent)

@@ -8,10 +8,13 @@ PrometheusRule and dashboard templates whatever `make generate` has produced so 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import socket
 import ssl
 import subprocess
+import sys
+import tempfile
 import urllib.error
 import urllib.request
 from collections import Counter
@@ -25,11 +28,12 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from stallwatch.demo.stack import free_port, query, start_prometheus, wait_for
 from stallwatch.exporters import agent  # noqa: F401  (registers the collectors this checkout has)
 from stallwatch.exporters.collector import registered
 from stallwatch.mixin.config import Thresholds
 from stallwatch.mixin.generate import ARTIFACTS, CHART_COPIES, chart_copies
-from tests.conftest import ROOT, start_agent, stop_agent
+from tests.conftest import ROOT, require_binary, start_agent, stop_agent
 from tests.test_security import self_signed
 
 CHART = ROOT / "helm" / "stallwatch"
@@ -261,10 +265,10 @@ def test_prometheus_rules_pass_promtool_and_keep_their_templates(
     assert base.startswith("https://")
     for manifest in manifests:
         groups = manifest["spec"]["groups"]
-        # `{{ $labels.job }}` and friends reach Prometheus exactly as generated, not consumed by helm.
+        # `{{ $labels.training_job }}` and friends reach Prometheus exactly as generated, not consumed by helm.
         assert groups == with_runbook_base(yaml.safe_load(sources[groups[0]["name"]].read_text())["groups"], base)
     fixture = next(m for m in manifests if m["spec"]["groups"][0]["name"] == "stallwatch-fixture")
-    assert "{{ $labels.job }}" in fixture["spec"]["groups"][0]["rules"][1]["annotations"]["description"]
+    assert "{{ $labels.training_job }}" in fixture["spec"]["groups"][0]["rules"][1]["annotations"]["description"]
 
 
 def rules_by_name(manifests: list[Manifest]) -> dict[str, dict[str, Any]]:
@@ -326,6 +330,44 @@ def test_the_rules_select_the_agents_under_any_release_name(helm: str, chart: Pa
     assert rules_by_name(renamed)["StallwatchFixtureAgentDown"]["expr"] == 'up{job="gpu-agent"} == 0'
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("release", ["stallwatch", "gpu-mon"])
+def test_the_rendered_rules_find_the_agents_on_a_real_prometheus(
+    helm: str, chart: Path, tmp_path: Path, release: str
+) -> None:
+    """Scraped as the ServiceMonitor makes Prometheus scrape them (job from jobLabel, no honor_labels), the
+    agents keep the training job in training_job, and the rendered agent-down rule fires for a dead one."""
+    manifests = render_release(helm, chart, release, "--set-json",
+                               'prometheusRule.alerts={"StallwatchAgentDown":{"for":"1s"}}')
+    assert the(manifests, "ServiceMonitor")["spec"]["endpoints"][0]["honorLabels"] is False
+    job = scrape_job(manifests)
+    rule_files = []
+    for manifest in of_kind(manifests, "PrometheusRule"):
+        rule_files.append(tmp_path / f"{manifest['metadata']['name']}.yaml")
+        rule_files[-1].write_text(yaml.safe_dump({"groups": manifest["spec"]["groups"]}))
+    socket_path = Path(tempfile.mkdtemp(prefix="sw-")) / "events.sock"
+    running = start_agent(["--gpu.fake-devices=1", f"--events.socket={socket_path}"], tmp_path / "agent.log")
+    dead = f"127.0.0.1:{free_port()}"
+    prometheus = start_prometheus(require_binary("prometheus", "prometheus"), tmp_path / "prometheus",
+                                  [running.base.removeprefix("http://"), dead], rule_files, job=job)
+    try:
+        training = "from stallwatch.client import monitor\nimport time\n" \
+                   "for _ in monitor(range(40), job='resnet50', rank=0):\n    time.sleep(0.01)\n"
+        subprocess.run([sys.executable, "-c", training], check=True, timeout=60, cwd=ROOT,
+                       env=dict(os.environ, STALLWATCH_SOCKET=str(socket_path)))
+        both = f'stallwatch_loader_wait_seconds_count{{job="{job}", training_job="resnet50"}}'
+        wait_for("the training job's series", lambda: bool(query(prometheus.url, both)["data"]["result"]), 60,
+                 log=prometheus.log)
+        down = f'ALERTS{{alertname="StallwatchAgentDown", alertstate="firing", job="{job}"}}'
+        wait_for("StallwatchAgentDown", lambda: bool(query(prometheus.url, down)["data"]["result"]), 60,
+                 log=prometheus.log)
+        [alert] = query(prometheus.url, down)["data"]["result"]
+        assert alert["metric"]["instance"] == dead  # the live agent is not reported down
+    finally:
+        prometheus.close()
+        stop_agent(running)
+
+
 def test_a_job_label_the_service_lacks_is_refused(helm: str, chart: Path) -> None:
     result = run_helm(helm, "template", "stallwatch", str(chart), "--set", "serviceMonitor.jobLabel=team")
     assert result.returncode != 0 and 'serviceMonitor.jobLabel: the Service has no label "team"' in result.stderr
@@ -369,7 +411,7 @@ def test_dashboards_reach_the_grafana_sidecar_unchanged(rendered: dict[str, list
             [(file_name, text)] = config_map["data"].items()
             assert text == sources[file_name].rstrip("\n")
             json.loads(text)
-    assert "{{job}}" in dashboard_maps(rendered["defaults"])[0]["data"]["Fixture_Overview.json"]
+    assert "{{training_job}}" in dashboard_maps(rendered["defaults"])[0]["data"]["Fixture_Overview.json"]
     kps = dashboard_maps(rendered["kube-prometheus-stack"])[0]
     assert kps["metadata"]["annotations"] == {"grafana_folder": "GPU training"}
 
@@ -543,13 +585,17 @@ def test_probes_work_with_the_web_config_on(helm: str, chart: Path, tmp_path: Pa
         stop_agent(running)
 
 
-def test_example_training_pod_matches_the_chart(rendered: dict[str, list[Manifest]]) -> None:
-    pod = yaml.safe_load((ROOT / "docs" / "training-pod.yaml").read_text())
+def test_example_training_job_matches_the_chart(rendered: dict[str, list[Manifest]]) -> None:
+    job = yaml.safe_load((ROOT / "docs" / "training-job.yaml").read_text())
     for version in KUBERNETES_VERSIONS:
-        kubernetes_validate.validate(pod, version, strict=True)
+        kubernetes_validate.validate(job, version, strict=True)
     config = agent_config(rendered["defaults"])
+    pod = job["spec"]["template"]
     socket_volume = next(v for v in pod["spec"]["volumes"] if "hostPath" in v)
     [trainer] = pod["spec"]["containers"]
+    # the Job's name, set by the Job controller on its pods, names the training job
+    [named] = [e for e in trainer["env"] if e["name"] == "STALLWATCH_JOB"]
+    assert named["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.labels['batch.kubernetes.io/job-name']"
     mount = next(m for m in trainer["volumeMounts"] if m["name"] == socket_volume["name"])
     socket = next(e["value"] for e in trainer["env"] if e["name"] == "STALLWATCH_SOCKET")
     host_dir = next(v for v in pod_spec(rendered["defaults"])["volumes"] if v["name"] == "socket")["hostPath"]["path"]

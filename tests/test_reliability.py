@@ -66,12 +66,13 @@ def test_ten_thousand_jobs_and_ranks_stay_under_the_series_bound(tmp_path: Path)
     finally:
         collector.close()
     print(f"{len(samples)} samples from 10,000 distinct jobs and ranks")
-    pairs = {(dict(ls)["job"], dict(ls)["rank"]) for (n, ls) in samples if n == "stallwatch_loader_wait_seconds_count"}
+    pairs = {(dict(ls)["training_job"], dict(ls)["rank"]) for (n, ls) in samples
+             if n == "stallwatch_loader_wait_seconds_count"}
     assert len(pairs) == 65 and ("__other__", "__other__") in pairs  # 64 kept, everything else in one
     per_pair = 3 * (len(c.LATENCY_BUCKETS) + 3) + 3 + 1 + 1  # 3 histograms, reads by verdict, bytes, drops
     assert len(samples) <= (64 + 64 + 1) * per_pair + 50, len(samples)
     assert of(samples, "stallwatch_loader_wait_seconds_count") == 10_000  # folded, not lost
-    assert of(samples, "stallwatch_receiver_folded_label_values_total", label="job") == 10_000 - 64
+    assert of(samples, "stallwatch_receiver_folded_label_values_total", label="training_job") == 10_000 - 64
     assert of(samples, "stallwatch_receiver_folded_label_values_total", label="rank") == 10_000 - 64
 
 
@@ -135,7 +136,7 @@ def test_training_runs_through_an_agent_crash_and_its_losses_are_counted(
         second = agent_factory("--no-collector.gpu", "--no-collector.host", "--events.socket", path)
 
         def reported() -> float:
-            return of(scrape(second.url), "stallwatch_client_dropped_events_total", job="crash", rank="3")
+            return of(scrape(second.url), "stallwatch_client_dropped_events_total", training_job="crash", rank="3")
 
         deadline = time.monotonic() + 20  # the client retries an absent agent after a pause
         channel = transport.sender().channel(wire.Source("crash", 3, -1, -1))

@@ -115,12 +115,12 @@ def start_alertmanager(binary: str, workdir: Path, webhook_url: str, group_wait:
 def start_prometheus(binary: str, workdir: Path, targets: Sequence[str], rule_files: Sequence[Path],
                      alertmanager: str | None = None, interval_seconds: int = 1,
                      job: str = "stallwatch") -> Server:
-    """Scrape `targets` as `job` (honouring the agents' own `job` label: the training job's name)."""
+    """Scrape `targets` as `job` (the agents carry the training job as `training_job`: no collision)."""
     workdir.mkdir(parents=True, exist_ok=True)
     config: dict[str, Any] = {
         "global": {"scrape_interval": f"{interval_seconds}s", "evaluation_interval": f"{interval_seconds}s"},
         "rule_files": [str(p) for p in rule_files],
-        "scrape_configs": [{"job_name": job, "honor_labels": True, "static_configs": [{"targets": list(targets)}]}],
+        "scrape_configs": [{"job_name": job, "static_configs": [{"targets": list(targets)}]}],
     }
     if alertmanager is not None:
         config["alerting"] = {"alertmanagers": [{"static_configs": [{"targets": [alertmanager.split("//")[1]]}]}]}

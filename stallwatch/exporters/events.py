@@ -310,7 +310,7 @@ class EventsCollector:
                 events.add_metric([kind], count)
             for reason, count in sorted(self._dropped.items()):
                 dropped.add_metric([reason], count)
-            folded.add_metric(["job"], self._jobs.folded)
+            folded.add_metric([catalogue.TRAINING_JOB], self._jobs.folded)
             folded.add_metric(["rank"], self._ranks_folded)
         up.add_metric([], 1.0 if self._socket is not None else 0.0)
         yield from (wait, compute, read_duration, reads, read_bytes, client_dropped, batches, events, dropped,

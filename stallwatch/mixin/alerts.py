@@ -25,17 +25,18 @@ def _lost_ratio(lost: c.AnyMetricDef, window: str) -> str:
 
 
 def training_alerts(t: Thresholds) -> tuple[AlertRule, ...]:
-    remote_idle = by("job", "sum", gpu_stall_idle_rule(t).record + '{cause="remote_fetch"}')
-    not_steady = by("job", "max", selector(c.WARMUP_PHASE, 'phase!="steady"'))
-    gpus_per_job = by("job", "count", by("job, instance, gpu", "group", selector(c.GPU_STALL_IDLE_SECONDS)))
+    remote_idle = by("training_job", "sum", gpu_stall_idle_rule(t).record + '{cause="remote_fetch"}')
+    not_steady = by("training_job", "max", selector(c.WARMUP_PHASE, 'phase!="steady"'))
+    gpus_per_job = by("training_job", "count",
+                      by("training_job, instance, gpu", "group", selector(c.GPU_STALL_IDLE_SECONDS)))
     return (
         AlertRule(
             name=f"{ALERT_PREFIX}GPUsStarvedByRemoteFetches",
-            expr=f"{remote_idle} / on (job) {gpus_per_job} > {t.gpu_remote_fetch_idle_ratio}",
+            expr=f"{remote_idle} / on (training_job) {gpus_per_job} > {t.gpu_remote_fetch_idle_ratio}",
             for_=t.gpu_starved_for, severity="warning",
             summary="GPUs sit idle while training waits on reads that missed the spoke.",
-            description="GPUs of job {{ $labels.job }} spent {{ $value | humanizePercentage }} of their time idle "
-                        "during stalls attributed to remote fetches from the hub.",
+            description="GPUs of job {{ $labels.training_job }} spent {{ $value | humanizePercentage }} of their "
+                        "time idle during stalls attributed to remote fetches from the hub.",
             runbook="The correlator saw the job's GPUs idle while its ranks waited for batches whose critical "
                     "path went through reads that missed the spoke and went to the hub.\n\n"
                     "Check: the *Training input stalls* dashboard (stall seconds by cause, GPU idle by cause), "
@@ -49,7 +50,7 @@ def training_alerts(t: Thresholds) -> tuple[AlertRule, ...]:
             expr=f"{input_bound_rule(t).record} >= {t.input_bound_ratio}",
             for_=t.input_bound_for, severity="warning",
             summary="Training spends a large share of its step time waiting for input.",
-            description="Job {{ $labels.job }} waits for input {{ $value | humanizePercentage }} of its step "
+            description="Job {{ $labels.training_job }} waits for input {{ $value | humanizePercentage }} of its step "
                         "time (highly input-bound).",
             runbook="The ranks' loader wait divided by wait plus compute is above the threshold: the input "
                     "pipeline, not the model, sets the pace (TensorFlow's input-pipeline analyzer calls 20 % or "
@@ -65,7 +66,7 @@ def training_alerts(t: Thresholds) -> tuple[AlertRule, ...]:
             expr=f"{not_steady} == 1",
             for_=t.warmup_budget, severity="warning",
             summary="A job's warm-up takes longer than its budget.",
-            description=f"Job {{{{ $labels.job }}}} has not reached steady state within {t.warmup_budget}.",
+            description=f"Job {{{{ $labels.training_job }}}} has not reached steady state within {t.warmup_budget}.",
             runbook="The correlator still sees the job cold or in transition (hit ratio or step time not yet "
                     "stable) after the warm-up budget.\n\n"
                     "Check: the warm-up phase timeline and the warm-up cost panels on *Training input stalls*; "

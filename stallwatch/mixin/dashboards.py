@@ -24,7 +24,7 @@ from stallwatch.mixin.grafana import (
 )
 from stallwatch.mixin.promql import by, increase, quantile, rate, selector
 
-JOB, NODE, GPU, SPOKE = 'job=~"$job"', 'instance=~"$node"', 'gpu=~"$gpu"', 'spoke=~"$spoke"'
+JOB, NODE, GPU, SPOKE = 'training_job=~"$job"', 'instance=~"$node"', 'gpu=~"$gpu"', 'spoke=~"$spoke"'
 RATE, RANGE = "$__rate_interval", "$__range"
 REMOTE = f'cause="{c.CAUSES[0]}"'
 HUB, CACHE = 'source="hub"', 'source="cache"'
@@ -32,18 +32,24 @@ PRICE_VARIABLE = "egress_price_usd_per_gb"
 
 TRAINING_UID, SPOKE_UID, GPU_NODE_UID = "stallwatch-training", "stallwatch-spoke", "stallwatch-gpu-node"
 
-JOB_VARIABLE = Variable("job", "Training job", f"label_values({c.INPUT_BOUND_RATIO.name}, job)")
+JOB_VARIABLE = Variable("job", "Training job", f"label_values({c.INPUT_BOUND_RATIO.name}, {c.TRAINING_JOB})")
+JOB_LEGEND = "{{" + c.TRAINING_JOB + "}}"
 NODE_VARIABLE = Variable("node", "Node", f"label_values({c.BUILD_INFO.name}, instance)",
                          description="Agents by their scrape address")
 GPU_VARIABLE = Variable("gpu", "GPU", f'label_values({selector(c.GPU_INFO, NODE)}, gpu)')
 SPOKE_VARIABLE = Variable("spoke", "Spoke", f"label_values({c.SPOKE_REQUESTS.name}, spoke)")
 
 
+def per_job_max(metric: c.AnyMetricDef) -> Query:
+    """A warm-up figure of each job (every rank's agent reports the same)."""
+    return Query(by(c.TRAINING_JOB, "max", selector(metric, JOB)), JOB_LEGEND)
+
+
 def _phase_code() -> str:
     """The job's warm-up phase as a number (index in catalogue.PHASES) for a state timeline."""
     terms = []
     for code, phase in enumerate(c.PHASES):
-        in_phase = by("job", "max", selector(c.WARMUP_PHASE, JOB, f'phase="{phase}"'))
+        in_phase = by("training_job", "max", selector(c.WARMUP_PHASE, JOB, f'phase="{phase}"'))
         terms.append(f"({in_phase} == 1) * 0 + {code}")
     return " or ".join(f"({term})" for term in terms)
 
@@ -55,7 +61,8 @@ def _hit_ratio(hits: str, every: str) -> str:
 def training(t: Thresholds) -> Dashboard:
     stall_share_remote = (f'{by("", "sum", increase(c.STALL_SECONDS, RANGE, JOB, NODE, REMOTE))} / '
                           f'{by("", "sum", increase(c.STALL_SECONDS, RANGE, JOB, NODE))}')
-    worst_ranks = "topk(10, " + by("job, instance, rank", "sum", increase(c.STALL_SECONDS, RANGE, JOB, NODE)) + ")"
+    worst_ranks = "topk(10, " + by("training_job, instance, rank", "sum",
+                                   increase(c.STALL_SECONDS, RANGE, JOB, NODE)) + ")"
     return Dashboard(
         uid=TRAINING_UID, title="stallwatch / Training input stalls",
         description="Is training waiting for its data, why, and since when: stalls per job and rank, attributed "
@@ -64,7 +71,7 @@ def training(t: Thresholds) -> Dashboard:
         annotations=(Annotation(
             "Steady state changes",
             "changes(" + selector(c.WARMUP_PHASE, JOB, 'phase="steady"') + "[2m]) > 0",
-            "{{job}} entered or left steady state", "green"),),
+            "{{training_job}} entered or left steady state", "green"),),
         rows=(
             Row("Is training waiting for its data?", (
                 Panel("GPU utilization, loader wait and spoke misses",
@@ -72,8 +79,8 @@ def training(t: Thresholds) -> Dashboard:
                       "at the same moment?", Viz.TIMESERIES, "percentunit", (
                           Query(by("instance, gpu", "avg", selector(c.GPU_UTILIZATION, NODE, GPU)),
                                 "GPU {{gpu}} busy ({{instance}})"),
-                          Query(by("job, rank", "sum", rate(c.LOADER_WAIT, RATE, JOB, NODE, suffix="_sum")),
-                                "{{job}}/{{rank}} waiting for a batch"),
+                          Query(by("training_job, rank", "sum", rate(c.LOADER_WAIT, RATE, JOB, NODE, suffix="_sum")),
+                                "{{training_job}}/{{rank}} waiting for a batch"),
                           Query("1 - " + _hit_ratio(
                               by("spoke", "sum", rate(c.SPOKE_REQUESTS, RATE, 'result="hit"')),
                               by("spoke", "sum", rate(c.SPOKE_REQUESTS, RATE))), "spoke {{spoke}} misses"),
@@ -87,7 +94,8 @@ def training(t: Thresholds) -> Dashboard:
                       f"Which ranks spend more than {t.input_bound_moderate_ratio:.0%} (moderately) or "
                       f"{t.input_bound_ratio:.0%} (highly input-bound) of their step time waiting?",
                       Viz.TIMESERIES, "percentunit",
-                      (Query(by("job, rank", "max", selector(c.INPUT_BOUND_RATIO, JOB, NODE)), "{{job}}/{{rank}}"),),
+                      (Query(by("training_job, rank", "max", selector(c.INPUT_BOUND_RATIO, JOB, NODE)),
+                             JOB_LEGEND + "/{{rank}}"),),
                       thresholds=(t.input_bound_moderate_ratio, t.input_bound_ratio)),
                 Panel("GPU idle during stalls, by cause",
                       "How many GPU-seconds per second sit idle while ranks stall, and on what?",
@@ -103,19 +111,20 @@ def training(t: Thresholds) -> Dashboard:
             )),
             Row("Warm-up", (
                 Panel("Warm-up phase", "Is each job cold, in transition or steady, and when did it change?",
-                      Viz.STATE_TIMELINE, "none", (Query(_phase_code(), "{{job}}"),), width=24, states=c.PHASES),
+                      Viz.STATE_TIMELINE, "none", (Query(_phase_code(), JOB_LEGEND),), width=24, states=c.PHASES),
                 Panel("Time to steady", "How long did each job take from its first event to steady state?",
-                      Viz.STAT, "s", (Query(by("job", "max", selector(c.WARMUP_TIME_TO_STEADY, JOB)), "{{job}}"),),
+                      Viz.STAT, "s", (per_job_max(c.WARMUP_TIME_TO_STEADY),),
                       width=6),
                 Panel("Warm-up cost in idle GPU time", "How many GPU-seconds idled in stalls before steady state?",
-                      Viz.STAT, "s", (Query(by("job", "max", selector(c.WARMUP_IDLE_GPU_SECONDS, JOB)), "{{job}}"),),
+                      Viz.STAT, "s", (per_job_max(c.WARMUP_IDLE_GPU_SECONDS),),
                       width=6),
                 Panel("Warm-up cost in hub bytes", "How many bytes came from the hub before steady state?",
-                      Viz.STAT, "bytes", (Query(by("job", "max", selector(c.WARMUP_HUB_BYTES, JOB)), "{{job}}"),),
+                      Viz.STAT, "bytes", (per_job_max(c.WARMUP_HUB_BYTES),),
                       width=6),
                 Panel("Falls out of steady state", "Did a job leave steady state (eviction, thrash, hub trouble)?",
                       Viz.STAT, "short",
-                      (Query(by("job", "sum", increase(c.WARMUP_REGRESSIONS, RANGE, JOB)), "{{job}}"),), width=6),
+                      (Query(by(c.TRAINING_JOB, "sum", increase(c.WARMUP_REGRESSIONS, RANGE, JOB)), JOB_LEGEND),),
+                      width=6),
             )),
             Row("Worst ranks", (
                 Panel("Worst ranks by stall seconds", "Which ranks stalled longest in the time range?",
