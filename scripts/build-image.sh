@@ -47,8 +47,10 @@ if [ -z "${BASE:-}" ]; then
   context=$cache/context
   rm -rf "$context" && mkdir -p "$context"
   tar -c --exclude=__pycache__ pyproject.toml README.md stallwatch | tar -x -C "$context"
+  # Built from the copy, not the checkout: setuptools' build/ of the checkout may hold modules of older trees.
   "${PYTHON:-.venv/bin/python}" -m pip wheel --quiet --disable-pip-version-check --wheel-dir "$context/wheels" \
-    ".[kubernetes]"
+    "$(cd "$context" && pwd)[kubernetes]"
+  rm -rf "$context/build" "$context"/*.egg-info
   set -- --build-arg WHEELS=wheels "$context"
 else
   set -- .

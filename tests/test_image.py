@@ -6,6 +6,7 @@ and installs the package from wheels built here. The first run takes about a min
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -92,9 +93,15 @@ def test_the_agent_in_the_image_is_scraped_over_http(container: str) -> None:
         assert f'stallwatch_build_info{{version="{__version__}"}} 1.0' in body
         assert 'stallwatch_scrape_collector_success{collector="host"} 1.0' in body
     finally:
-        os.killpg(agent.pid, signal.SIGTERM)
+        stop_group(agent)
+
+
+def stop_group(process: subprocess.Popen[str]) -> None:
+    """buildah run and the agent under it, started in a session of their own."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGTERM)
         try:
-            agent.wait(timeout=20)
+            process.wait(timeout=20)
         except subprocess.TimeoutExpired:
-            os.killpg(agent.pid, signal.SIGKILL)
-            agent.wait(timeout=10)
+            os.killpg(process.pid, signal.SIGKILL)
+    process.wait(timeout=10)
