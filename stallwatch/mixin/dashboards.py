@@ -49,7 +49,7 @@ def _phase_code() -> str:
     """The job's warm-up phase as a number (index in catalogue.PHASES) for a state timeline."""
     terms = []
     for code, phase in enumerate(c.PHASES):
-        in_phase = by("training_job", "max", selector(c.WARMUP_PHASE, JOB, f'phase="{phase}"'))
+        in_phase = by(c.TRAINING_JOB, "max", selector(c.WARMUP_PHASE, JOB, f'phase="{phase}"'))
         terms.append(f"({in_phase} == 1) * 0 + {code}")
     return " or ".join(f"({term})" for term in terms)
 
@@ -238,6 +238,12 @@ def gpu_node() -> Dashboard:
                     Query(by(per_gpu, "max", selector(c.GPU_MEMORY_USED, NODE, GPU)), "{{gpu}} used ({{instance}})"),
                     Query(by(per_gpu, "max", selector(c.GPU_MEMORY_TOTAL, NODE, GPU)), "{{gpu}} total ({{instance}})"),
                 )),
+            )),
+            Row("Pods", (
+                Panel("GPUs by pod", "Which namespace, pod and container hold each GPU or MIG device (the "
+                      "kubelet's allocation; empty without the pods collector)?", Viz.TABLE, "none",
+                      (Query(by("instance, gpu, device, namespace, pod, container", "max",
+                                selector(c.GPU_POD_INFO, NODE, GPU))),), width=24),
             )),
             Row("Power, clocks, PCIe", (
                 Panel("Power", "How much power does each GPU draw (instantaneous and from the energy counter)?",
