@@ -56,5 +56,10 @@ else
   set -- .
 fi
 echo "building $image from $BASE"
+previous=$(buildah images --quiet --no-trunc "$image" 2>/dev/null || true)
 buildah bud --quiet --layers=false --build-arg "BASE=$BASE" -f Containerfile -t "$image" "$@" >/dev/null
+# The image this tag named before is left without a name: remove it (unless a container still uses it).
+if [ -n "$previous" ] && [ "$previous" != "$(buildah images --quiet --no-trunc "$image")" ]; then
+  buildah rmi "$previous" >/dev/null 2>&1 || true
+fi
 buildah images --format '{{.Name}}:{{.Tag}} {{.Size}}' "$image"
