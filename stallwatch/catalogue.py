@@ -20,9 +20,10 @@ from prometheus_client.core import (
 )
 
 PREFIX = "stallwatch_"
-# The training job's label. Not `job`, which Prometheus gives every series it scrapes (the scrape job):
-# both coexist without honor_labels, as dcgm-exporter keeps its HPC job in `hpc_job`.
-TRAINING_JOB = "training_job"
+# The label naming the training job on loader and correlator metrics. Not `job`, which Prometheus gives
+# every series it scrapes (the scrape job): both coexist without honor_labels, as dcgm-exporter keeps its
+# HPC job in `hpc_job`. Rules and dashboards refer to it by this name, never by spelling it.
+JOB_LABEL = "training_job"
 
 
 class Kind(Enum):
@@ -207,22 +208,22 @@ HOST_DISK_IO_SECONDS = counter(
 
 # --- loader: the training client and the agent's event receiver ---------------------------------------
 LOADER_WAIT = histogram(
-    "loader", "loader_wait_seconds", "seconds", [TRAINING_JOB, "rank"],
+    "loader", "loader_wait_seconds", "seconds", [JOB_LABEL, "rank"],
     "Time the training loop waited in next(loader) for a batch.",
 )
 STEP_COMPUTE = histogram(
-    "loader", "step_compute_seconds", "seconds", [TRAINING_JOB, "rank"],
+    "loader", "step_compute_seconds", "seconds", [JOB_LABEL, "rank"],
     "Time from receiving a batch to asking for the next one (the step's work).",
 )
 DATASET_READS = counter(
-    "loader", "dataset_reads_total", "", [TRAINING_JOB, "rank", "verdict"],
+    "loader", "dataset_reads_total", "", [JOB_LABEL, "rank", "verdict"],
     "Dataset reads by loader workers, by the cache's verdict (hit, miss, unknown) as the reader saw it.",
 )
 DATASET_READ_BYTES = counter(
-    "loader", "dataset_read_bytes_total", "bytes", [TRAINING_JOB, "rank"], "Bytes read by loader workers."
+    "loader", "dataset_read_bytes_total", "bytes", [JOB_LABEL, "rank"], "Bytes read by loader workers."
 )
 DATASET_READ_DURATION = histogram(
-    "loader", "dataset_read_duration_seconds", "seconds", [TRAINING_JOB, "rank"],
+    "loader", "dataset_read_duration_seconds", "seconds", [JOB_LABEL, "rank"],
     "Duration of single dataset reads in loader workers.",
 )
 RECEIVER_BATCHES = counter(
@@ -237,7 +238,7 @@ RECEIVER_DROPPED_EVENTS = counter(
     "Events the agent dropped after receiving them (queue full under a flood, or in a rejected batch).",
 )
 CLIENT_DROPPED_EVENTS = counter(
-    "loader", "client_dropped_events_total", "", [TRAINING_JOB, "rank"],
+    "loader", "client_dropped_events_total", "", [JOB_LABEL, "rank"],
     "Events training clients could not send (agent absent or slow), as the clients report them.",
 )
 RECEIVER_FOLDED_LABELS = counter(
@@ -275,8 +276,20 @@ SPOKE_CACHE_SIZE = gauge("spoke", "spoke_cache_size_bytes", "bytes", ["spoke"], 
 SPOKE_CACHE_CAPACITY = gauge(
     "spoke", "spoke_cache_capacity_bytes", "bytes", ["spoke"], "Bytes the spoke may hold in cache."
 )
-SPOKE_HUB_RTT = gauge(
-    "spoke", "spoke_hub_rtt_seconds", "seconds", ["spoke"], "Round-trip time from the spoke to its hub."
+# The node agent's active probe of each spoke's hub (collector hub_probe), as blackbox_exporter's
+# probe_* series: hub latency even while nothing misses.
+SPOKE_HUB_PROBE_DURATION = gauge(
+    "spoke", "spoke_hub_probe_duration_seconds", "seconds", ["spoke", "phase"],
+    "Duration of the last probe of the spoke's hub from this node, by phase: connect (TCP handshake, one "
+    "network round trip) and http (the HEAD or ranged GET, request sent to response headers).",
+)
+SPOKE_HUB_PROBE_SUCCESS = gauge(
+    "spoke", "spoke_hub_probe_success", "", ["spoke"], "1 if the last probe of the spoke's hub succeeded, else 0."
+)
+SPOKE_HUB_PROBE_FAILURES = counter(
+    "spoke", "spoke_hub_probe_failures_total", "", ["spoke", "reason"],
+    "Probes of the spoke's hub that failed, by reason: connect (refused, unreachable, DNS), timeout, tls "
+    "(handshake or certificate), protocol (not an HTTP answer), status (an HTTP status of 400 or more).",
 )
 SPOKE_COLLECTOR_ERRORS = counter(
     "spoke", "spoke_collector_errors_total", "", ["spoke", "reason"],
@@ -313,37 +326,37 @@ SPOKE_NFS_READ_ERRORS = counter(
 CAUSES = ("remote_fetch", "cache_read", "preprocess", "other")
 PHASES = ("cold", "transition", "steady")
 STALL_SECONDS = counter(
-    "correlator", "stall_seconds_total", "seconds", [TRAINING_JOB, "rank", "cause"],
+    "correlator", "stall_seconds_total", "seconds", [JOB_LABEL, "rank", "cause"],
     "Loader-wait seconds above the stall threshold, each attributed to exactly one cause.",
 )
 COMPUTE_SECONDS = counter(
-    "correlator", "compute_seconds_total", "seconds", [TRAINING_JOB, "rank"], "Seconds the rank spent computing."
+    "correlator", "compute_seconds_total", "seconds", [JOB_LABEL, "rank"], "Seconds the rank spent computing."
 )
 INPUT_BOUND_RATIO = gauge(
-    "correlator", "input_bound_ratio", "ratio", [TRAINING_JOB, "rank"],
+    "correlator", "input_bound_ratio", "ratio", [JOB_LABEL, "rank"],
     "Share of step time spent waiting for input over the last window: wait / (wait + compute).",
 )
 GPU_STALL_IDLE_SECONDS = counter(
-    "correlator", "gpu_stall_idle_seconds_total", "seconds", [TRAINING_JOB, "gpu", "cause"],
+    "correlator", "gpu_stall_idle_seconds_total", "seconds", [JOB_LABEL, "gpu", "cause"],
     "GPU idle seconds (from NVML samples) during stalls of the rank on that GPU, by the stall's cause.",
 )
 WARMUP_PHASE = gauge(
-    "correlator", "warmup_phase", "", [TRAINING_JOB, "phase"],
+    "correlator", "warmup_phase", "", [JOB_LABEL, "phase"],
     "1 for the job's current phase: cold, transition, steady."
 )
 WARMUP_TIME_TO_STEADY = gauge(
-    "correlator", "warmup_time_to_steady_seconds", "seconds", [TRAINING_JOB],
+    "correlator", "warmup_time_to_steady_seconds", "seconds", [JOB_LABEL],
     "Seconds from the job's first event to its first steady window.",
 )
 WARMUP_IDLE_GPU_SECONDS = gauge(
-    "correlator", "warmup_idle_gpu_seconds", "seconds", [TRAINING_JOB],
+    "correlator", "warmup_idle_gpu_seconds", "seconds", [JOB_LABEL],
     "GPU idle seconds during stalls from the job's start until steady state: the warm-up's cost.",
 )
 WARMUP_HUB_BYTES = gauge(
-    "correlator", "warmup_hub_bytes", "bytes", [TRAINING_JOB], "Bytes fetched from the hub until steady state."
+    "correlator", "warmup_hub_bytes", "bytes", [JOB_LABEL], "Bytes fetched from the hub until steady state."
 )
 WARMUP_REGRESSIONS = counter(
-    "correlator", "warmup_regressions_total", "", [TRAINING_JOB],
+    "correlator", "warmup_regressions_total", "", [JOB_LABEL],
     "Times the job fell out of steady state (eviction, thrash, hub trouble).",
 )
 CACHE_WHATIF_HIT_RATIO = gauge(

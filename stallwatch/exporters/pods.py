@@ -26,8 +26,9 @@ from prometheus_client.core import Metric
 
 from stallwatch import catalogue
 from stallwatch.exporters.collector import CollectorContext, register_collector
-from stallwatch.exporters.config import ConfigError, positive_float
+from stallwatch.exporters.config import ConfigError
 from stallwatch.exporters.devices import GpuDirectory
+from stallwatch.flags import positive_float
 
 log = logging.getLogger(__name__)
 

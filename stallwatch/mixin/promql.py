@@ -11,8 +11,11 @@ import re
 
 from stallwatch.catalogue import AnyMetricDef, Kind
 
-# Prometheus attaches these to every scraped series (the training job is `training_job`, so nothing collides).
-TARGET_LABELS = ("instance", "job")
+# Prometheus attaches these to every scraped series (the training job is catalogue.JOB_LABEL, so nothing
+# collides with the scrape job). `node` (the node's name) and `cluster` are target labels the shipped
+# scrape configs and the chart's ServiceMonitor add; where a scrape lacks them, a `=~".*"` matcher still
+# matches.
+TARGET_LABELS = ("instance", "job", "node", "cluster")
 HISTOGRAM_SUFFIXES = ("_bucket", "_sum", "_count")
 _MATCHER = re.compile(r'^(?P<label>[a-zA-Z_]\w*)(=~|!~|!=|=)"(?:[^"\\]|\\.)*"$')
 
