@@ -17,7 +17,8 @@ import pytest
 import yaml
 
 from stallwatch import __version__
-from tests.conftest import ROOT, AgentProcess, require_binary
+from stallwatch.harness import AgentProcess
+from tests.conftest import ROOT, require_binary
 
 DEPLOY = ROOT / "deploy"
 

@@ -28,12 +28,13 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from stallwatch.demo.stack import free_port, query, start_prometheus, wait_for
+from stallwatch.demo.stack import query, start_prometheus
 from stallwatch.exporters import agent  # noqa: F401  (registers the collectors this checkout has)
 from stallwatch.exporters.collector import registered
+from stallwatch.harness import free_port, start_agent, stop_agent, wait_for
 from stallwatch.mixin.config import Thresholds
 from stallwatch.mixin.generate import ARTIFACTS, CHART_COPIES, chart_copies
-from tests.conftest import ROOT, require_binary, start_agent, stop_agent
+from tests.conftest import ROOT, require_binary
 from tests.test_security import self_signed
 
 CHART = ROOT / "helm" / "stallwatch"

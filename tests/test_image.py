@@ -10,7 +10,6 @@ import contextlib
 import os
 import re
 import signal
-import socket
 import subprocess
 import time
 import urllib.request
@@ -20,6 +19,7 @@ import pytest
 import yaml
 
 from stallwatch import __version__
+from stallwatch.harness import free_port
 from tests.conftest import ROOT, require_binary
 
 IMAGE = "localhost/stallwatch:test"
@@ -31,13 +31,6 @@ def buildah(*args: str, timeout: float = 120) -> str:
                             env=BUILDAH_ENV, timeout=timeout)
     assert result.returncode == 0, result.stderr
     return result.stdout.strip()
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port: int = probe.getsockname()[1]
-        return port
 
 
 def test_the_chart_defaults_to_the_image_make_image_builds() -> None:

@@ -26,7 +26,8 @@ from stallwatch.exporters.gpu import GpuCollector
 from stallwatch.exporters.kubelet import api_pb2
 from stallwatch.exporters.nvml_fake import FakeGpu, FakeNVML
 from stallwatch.exporters.pods import PodsCollector
-from tests.conftest import ROOT, AgentProcess, start_agent, stop_agent
+from stallwatch.harness import AgentProcess, start_agent, stop_agent
+from tests.conftest import ROOT
 
 GPU0, GPU1 = "GPU-8e5cf1f8-9a3b-4a1e-b0c7-2f0d8c6b1a01", "GPU-8e5cf1f8-9a3b-4a1e-b0c7-2f0d8c6b1a02"
 MIG_A, MIG_B = "MIG-3c2b8f4e-6d1a-5e9f-8a7b-1c2d3e4f5a60", "MIG-3c2b8f4e-6d1a-5e9f-8a7b-1c2d3e4f5a61"
