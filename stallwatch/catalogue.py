@@ -178,6 +178,11 @@ PODS_KUBELET_ERRORS = counter(
     "pods", "pods_kubelet_errors_total", "", ["code"],
     "List calls to the kubelet's pod-resources API that failed, by gRPC status code (lower case).",
 )
+PODS_DROPPED_ALLOCATIONS = counter(
+    "pods", "pods_dropped_allocations_total", "", [],
+    "GPU device allocations left out of stallwatch_gpu_pod_info, summed over answers, because the kubelet "
+    "listed more than the per-node cap (a broken kubelet or device plugin).",
+)
 
 # --- host (psutil) -----------------------------------------------------------------------------------
 HOST_CPU_SECONDS = counter(

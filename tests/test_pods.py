@@ -21,6 +21,7 @@ import pytest
 from prometheus_client.core import Metric
 
 from stallwatch import catalogue
+from stallwatch.exporters import pods
 from stallwatch.exporters.devices import GpuDirectory
 from stallwatch.exporters.gpu import GpuCollector
 from stallwatch.exporters.kubelet import api_pb2
@@ -137,6 +138,21 @@ def test_time_sliced_replicas_and_unknown_devices(kubelet: Kubelet, socket_path:
     try:
         collector.refresh()
         assert {(s[0], s[4]) for s in info_series(list(collector.collect()))} == {("0", "a"), ("0", "b"), ("", "c")}
+    finally:
+        collector.close()
+
+
+def test_allocations_past_the_cap_are_counted(kubelet: Kubelet, socket_path: Path, directory: GpuDirectory,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(pods, "MAX_SERIES", 2)
+    kubelet.pods = [pod("ml", name, ("t", "nvidia.com/gpu", [f"GPU-{name}"])) for name in "abc"]
+    collector = PodsCollector(socket_path, directory, start=False)
+    try:
+        collector.refresh()
+        collector.refresh()
+        families = list(collector.collect())
+        assert len(info_series(families)) == 2
+        assert value(families, catalogue.PODS_DROPPED_ALLOCATIONS.name) == 2  # one left out per answer
     finally:
         collector.close()
 

@@ -101,7 +101,7 @@ class PodsCollector:
         self._allocations: list[Allocation] = []
         self._up = False
         self._errors: dict[str, int] = {}
-        self._said_too_many = False
+        self._dropped = 0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         if start:
@@ -130,20 +130,20 @@ class PodsCollector:
                 self._errors[code] = self._errors.get(code, 0) + 1
             return
         allocations = gpu_allocations(response)
-        if len(allocations) > MAX_SERIES:
-            if not self._said_too_many:
-                log.warning("pods collector: the kubelet lists %d GPU devices; keeping the first %d",
-                            len(allocations), MAX_SERIES)
-                self._said_too_many = True
-            allocations = allocations[:MAX_SERIES]
+        dropped = max(0, len(allocations) - MAX_SERIES)
+        if dropped and not self._dropped:
+            log.warning("pods collector: the kubelet lists %d GPU device allocations; keeping the first %d",
+                        len(allocations), MAX_SERIES)
+        allocations = allocations[:MAX_SERIES]
         with self._lock:
+            self._dropped += dropped
             if not self._up:
                 log.info("pods collector: kubelet answers, %d GPU device(s) allocated", len(allocations))
             self._up, self._allocations = True, allocations
 
     def collect(self) -> Iterator[Metric]:
         with self._lock:
-            allocations, up, errors = list(self._allocations), self._up, dict(self._errors)
+            allocations, up, errors, dropped = list(self._allocations), self._up, dict(self._errors), self._dropped
         info = catalogue.GPU_POD_INFO.family()
         for a in allocations:
             info.add_metric([self._directory.gpu_of(a.device), a.device, a.resource, a.namespace, a.pod,
@@ -153,7 +153,9 @@ class PodsCollector:
         failures = catalogue.PODS_KUBELET_ERRORS.family()
         for code, count in sorted(errors.items()):
             failures.add_metric([code], count)
-        yield from (info, kubelet_up, failures)
+        left_out = catalogue.PODS_DROPPED_ALLOCATIONS.family()
+        left_out.add_metric([], dropped)
+        yield from (info, kubelet_up, failures, left_out)
 
     def close(self) -> None:
         self._stop.set()
