@@ -261,7 +261,7 @@ SPOKE_HUB_RTT = gauge(
 )
 SPOKE_COLLECTOR_ERRORS = counter(
     "spoke", "spoke_collector_errors_total", "", ["spoke", "reason"],
-    "Problems reading the spoke's statistics: malformed log lines, failed scrapes, timeouts.",
+    "Problems reading the spoke's statistics: malformed, oversize or lost log lines, failed scrapes, timeouts.",
 )
 # NFS client view of a spoke mounted over NFS (/proc/self/mountstats, READ operations only): the
 # spoke's latency as the node sees it, where the spoke itself has no hit/miss counter.

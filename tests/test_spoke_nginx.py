@@ -7,6 +7,7 @@ import os
 import shutil
 import subprocess
 import time
+import tracemalloc
 from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -368,3 +369,86 @@ def test_metric_names_come_from_the_catalogue(tmp_path: Path) -> None:
     names = {family.name for family in make_collector(tmp_path / "none.log", []).collect()}
     spoke = {m.name.removesuffix("_total") for m in catalogue.by_subsystem("spoke")}
     assert names <= spoke
+
+
+@needs_nginx
+@pytest.mark.slow
+def test_two_rotations_between_polls_and_a_log_never_reopened_lose_nothing(spoke: tuple[Nginx, Hub]) -> None:
+    nginx, _ = spoke
+    log = nginx.access_log
+    collector = NginxSpokeCollector(str(log), "spoke-a", interval=0, rotate_wait=0.3)
+    total = 0
+
+    def requests(count: int, written_to: Path) -> None:
+        nonlocal total
+        before = lines_in(written_to)
+        for _ in range(count):
+            get(nginx.url("/data/a.bin"))
+        total += count
+        wait_for(lambda: lines_in(written_to) == before + count)
+
+    def shift() -> None:
+        """logrotate's numbered rotation: .2 -> .3, .1 -> .2, then the log -> .1."""
+        for index in range(4, 0, -1):
+            older = log.with_name(f"access.log.{index}")
+            if older.exists():
+                older.rename(log.with_name(f"access.log.{index + 1}"))
+        log.rename(log.with_name("access.log.1"))
+
+    def rotate_and_reopen() -> None:
+        nonlocal total
+        shift()
+        nginx.reopen()
+        while not log.exists() or lines_in(log) == 0:  # each probe is a request like any other
+            get(nginx.url("/data/a.bin"))
+            total += 1
+            time.sleep(0.05)
+
+    requests(3, log)
+    collector.poll()
+    rotate_and_reopen()
+    requests(3, log)
+    rotate_and_reopen()  # the second rotation before the next poll: the middle file was never seen
+    requests(4, log)
+    collector.poll()
+    time.sleep(0.4)
+    collector.poll()
+
+    # Renamed without a reopen (logrotate's `create` without a postrotate): nginx keeps writing to the
+    # renamed file, long after rotate_wait, while the new log stays empty.
+    shift()
+    log.touch()
+    requests(2, log.with_name("access.log.1"))
+    collector.poll()
+    time.sleep(0.4)
+    collector.poll()
+    requests(3, log.with_name("access.log.1"))
+    time.sleep(0.4)
+    collector.poll()
+    seen = samples(collector)
+    assert sum(v for k, v in seen.items() if k[0] == "stallwatch_spoke_requests_total") == total
+    assert not any(k[0] == "stallwatch_spoke_collector_errors_total" for k in seen)
+    collector.close()
+
+
+def test_a_line_over_the_limit_is_skipped_counted_and_never_held(tmp_path: Path) -> None:
+    log, problems = tmp_path / "access.log", []
+    tailer = LogTailer(str(log), max_line_bytes=1000, on_problem=problems.append)
+    tracemalloc.start()
+    with log.open("ab") as writer:
+        writer.write(b"short\n" + b"x" * 600)
+        writer.flush()
+        assert tailer.read_lines() == [b"short"]
+        held_before = tracemalloc.get_traced_memory()[0]
+        for _ in range(16):  # 16 MiB more of the same line, over many polls
+            writer.write(b"x" * (1 << 20))
+            writer.flush()
+            assert tailer.read_lines() == []
+        held = tracemalloc.get_traced_memory()[0] - held_before
+        tracemalloc.stop()
+        assert held < 256 << 10
+        writer.write(b"x\nnext\n" + b"y" * 2000 + b"\nlast\n")
+        writer.flush()
+        assert tailer.read_lines() == [b"next", b"last"]
+    assert problems == ["oversize_line", "oversize_line"]
+    tailer.close()
