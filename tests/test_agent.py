@@ -85,7 +85,7 @@ def test_config_file_sets_options_and_flags_win(
     ("args", "config", "message"),
     [
         (["--bogus"], None, "unrecognized arguments: --bogus"),
-        (["--gpu.interval", "-1"], None, "must be > 0"),
+        (["--gpu.interval", "-1"], None, "must be in (0, 60]"),
         (["--web.listen-address", "nowhere"], None, "is not [HOST]:PORT"),
         (["--config.file", "{config}"], "collector.gpu: [", "not valid YAML at line"),
         (["--config.file", "{config}"], "colector.gpu: true", "unknown option 'colector.gpu'"),

@@ -3,17 +3,23 @@
 The file is a flat mapping of flag names without their dashes (`web.listen-address: ":9842"`,
 `collector.gpu: false`, `gpu.interval: 0.25`); flags on the command line win over the file. Every
 mistake, in a flag or in the file, is a `ConfigError` with a one-line message.
+
+Every number is range-checked by its flag type (finite, within bounds), and every YAML file the agent
+reads (this one, `--web.config.file`, mapping files) goes through `load_yaml`, which bounds the time
+and memory any content can cost: at most 1 MiB, no aliases (the "billion laughs"), nesting at most 32
+deep, and messages that quote at most a few dozen characters of a value.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
-from collections.abc import Mapping, Sequence
-from pathlib import Path
+import math
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NoReturn
 
 import yaml
+from yaml.composer import ComposerError
 
 from stallwatch.exporters.collector import CollectorSpec
 
@@ -21,26 +27,68 @@ DEFAULT_PORT = 9842
 DEFAULT_LISTEN_ADDRESS = f":{DEFAULT_PORT}"
 
 
-def positive_float(text: str) -> float:
-    """Flag type: a number > 0 (argparse reports the message as a one-line error)."""
+# No interval, timeout, window or retention of the agent means anything past a week; the bound also
+# keeps every duration far inside int64 nanoseconds.
+MAX_SECONDS = 7 * 86400.0
+# No count (events queued or buffered, jobs, ranks) past a billion would fit the agent's memory anyway.
+MAX_COUNT = 10**9
+MAX_BYTES = 2**62  # byte sizes stay int64
+MAX_YAML_BYTES = 1 << 20
+MAX_YAML_DEPTH = 32
+
+
+def shown(value: object, limit: int = 40) -> str:
+    """A value as a message may quote it: its repr, cut to `limit` characters."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def _finite(text: str) -> float:
     value = float(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be a finite number, got {shown(text)}")
     return value
 
 
-def non_negative_float(text: str) -> float:
-    value = float(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
-    return value
+def bounded_float(low: float, high: float, *, above: bool = False) -> Callable[[str], float]:
+    """Flag type: a finite number in [low, high], or in (low, high] when `above` (argparse reports
+    the message as a one-line error)."""
+    interval = f"{'(' if above else '['}{low:g}, {high:g}]"
+
+    def number(text: str) -> float:
+        value = _finite(text)
+        if value < low or (above and value == low) or value > high:
+            raise argparse.ArgumentTypeError(f"must be in {interval}, got {shown(text)}")
+        return value
+
+    return number
 
 
-def positive_int(text: str) -> int:
-    value = int(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
-    return value
+def bounded_int(low: int, high: int) -> Callable[[str], int]:
+    """Flag type: an integer in [low, high]."""
+
+    def integer(text: str) -> int:
+        value = int(text)
+        if not low <= value <= high:
+            what = "a positive integer" if low == 1 else "an integer"
+            raise argparse.ArgumentTypeError(f"must be {what} in [{low}, {high:_}], got {shown(text)}")
+        return value
+
+    return integer
+
+
+positive_float = bounded_float(0, MAX_SECONDS, above=True)  # a duration in seconds
+non_negative_float = bounded_float(0, MAX_SECONDS)  # a duration in seconds, 0 allowed
+positive_int = bounded_int(1, MAX_COUNT)
+ratio = bounded_float(0, 1)
+
+
+def byte_size(text: str) -> int:
+    """Flag type: a number of bytes (`1e12` allowed), at least 1 and at most 2**62."""
+    value = _finite(text)
+    if not 1 <= value <= MAX_BYTES:
+        raise argparse.ArgumentTypeError(f"must be a number of bytes in [1, 2**62], got {shown(text)}")
+    return int(value)
 
 
 class ConfigError(Exception):
@@ -76,18 +124,62 @@ def build_parser(collectors: Mapping[str, CollectorSpec]) -> argparse.ArgumentPa
     return parser
 
 
-def _load_file(parser: argparse.ArgumentParser, path: str) -> dict[str, Any]:
+class _BoundedLoader(yaml.SafeLoader):
+    """safe_load without aliases and with bounded nesting, so no content costs unbounded time, memory
+    or stack: through aliases a few hundred bytes can stand for billions of values."""
+
+    _depth = 0
+
+    def compose_node(self, parent: Any, index: Any) -> Any:
+        if self.check_event(yaml.AliasEvent):
+            self._refuse("aliases (*name) are not allowed")
+        if self._depth >= MAX_YAML_DEPTH:
+            self._refuse(f"nested deeper than {MAX_YAML_DEPTH} levels")
+        self._depth += 1
+        try:
+            return super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
+
+    def _refuse(self, problem: str) -> NoReturn:
+        event = self.peek_event()  # type: ignore[no-untyped-call]
+        raise ComposerError(None, None, problem, event.start_mark)
+
+
+def read_bounded(path: str) -> str:
+    """The text of a configuration file of at most MAX_YAML_BYTES (so /dev/zero is an error, not a hang)."""
     try:
-        document = yaml.safe_load(Path(path).read_text())
+        with open(path, "rb") as file:
+            data = file.read(MAX_YAML_BYTES + 1)
     except OSError as error:
         raise ConfigError(f"{path}: cannot read: {error.strerror}") from error
+    if len(data) > MAX_YAML_BYTES:
+        raise ConfigError(f"{path}: larger than {MAX_YAML_BYTES >> 10} KiB, not a configuration file")
+    try:
+        return data.decode()
     except UnicodeDecodeError as error:
         raise ConfigError(f"{path}: not UTF-8 text (byte {error.start})") from error
+
+
+def parse_yaml(text: str, origin: str) -> Any:
+    """A YAML document, bounded as `_BoundedLoader` is; every problem is a one-line `ConfigError`."""
+    try:
+        return yaml.load(text, Loader=_BoundedLoader)
     except yaml.YAMLError as error:
         where = getattr(error, "problem_mark", None)
         line = f" at line {where.line + 1}" if where is not None else ""
         problem = getattr(error, "problem", None) or "not valid YAML"
-        raise ConfigError(f"{path}: not valid YAML{line}: {problem}") from error
+        raise ConfigError(f"{origin}: not valid YAML{line}: {shown(problem, 80)}") from error
+    except ValueError as error:  # a scalar int() refuses, such as an integer of more than 4,300 digits
+        raise ConfigError(f"{origin}: not valid YAML: {shown(str(error), 80)}") from error
+
+
+def load_yaml(path: str) -> Any:
+    return parse_yaml(read_bounded(path), path)
+
+
+def _load_file(parser: argparse.ArgumentParser, path: str) -> dict[str, Any]:
+    document = load_yaml(path)
     if document is None:
         return {}
     if not isinstance(document, dict):
@@ -98,19 +190,19 @@ def _load_file(parser: argparse.ArgumentParser, path: str) -> dict[str, Any]:
         value = raw
         action = actions.get(str(key))
         if action is None or key in ("config.file", "help"):
-            raise ConfigError(f"{path}: unknown option {key!r}")
+            raise ConfigError(f"{path}: unknown option {shown(key)}")
         if isinstance(action, argparse.BooleanOptionalAction):
             if not isinstance(value, bool):
-                raise ConfigError(f"{path}: {key} must be true or false, got {value!r}")
+                raise ConfigError(f"{path}: {key} must be true or false, got {shown(value)}")
         elif value is None or isinstance(value, list | dict):
-            raise ConfigError(f"{path}: {key} needs one value, got {value!r}")
+            raise ConfigError(f"{path}: {key} needs one value, got {shown(value)}")
         elif action.type is None:
             value = str(value)
         else:
             try:
                 value = action.type(str(value))  # type: ignore[operator]
             except (ValueError, argparse.ArgumentTypeError) as error:
-                raise ConfigError(f"{path}: {key}: {error}") from error
+                raise ConfigError(f"{path}: {key}: {shown(str(error), 120)}") from error
         if action.choices is not None and value not in action.choices:
             raise ConfigError(f"{path}: {key} must be one of {', '.join(map(str, action.choices))}")
         values[action.dest] = value

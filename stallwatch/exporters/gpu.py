@@ -32,7 +32,7 @@ from prometheus_client.core import Metric
 from stallwatch import catalogue
 from stallwatch.batch import Batch, BatchSink, discard
 from stallwatch.exporters.collector import CollectorContext, register_collector
-from stallwatch.exporters.config import positive_float
+from stallwatch.exporters.config import bounded_float, bounded_int, non_negative_float, ratio
 
 log = logging.getLogger(__name__)
 
@@ -419,16 +419,17 @@ _READING_GAUGES = (
 
 
 def _add_arguments(group: argparse._ArgumentGroup) -> None:
-    group.add_argument("--gpu.interval", dest="gpu_interval", type=positive_float, default=0.5,
-                       metavar="SECONDS", help="how often NVML is polled (default: %(default)s)")
-    group.add_argument("--gpu.pcie-interval", dest="gpu_pcie_interval", type=float, default=10.0,
+    group.add_argument("--gpu.interval", dest="gpu_interval", type=bounded_float(0, 60, above=True), default=0.5,
+                       metavar="SECONDS", help="how often NVML is polled, at most 60 (default: %(default)s)")
+    group.add_argument("--gpu.pcie-interval", dest="gpu_pcie_interval", type=non_negative_float, default=10.0,
                        metavar="SECONDS", help="how often PCIe throughput is read, 0 to never; each read "
                        "blocks ~20 ms per GPU (default: %(default)s)")
-    group.add_argument("--gpu.idle-threshold", dest="gpu_idle_threshold", type=float, default=0.05,
+    group.add_argument("--gpu.idle-threshold", dest="gpu_idle_threshold", type=ratio, default=0.05,
                        metavar="RATIO", help="a utilization sample at or below this counts as idle "
                        "(default: %(default)s)")
-    group.add_argument("--gpu.fake-devices", dest="gpu_fake_devices", type=int, default=0, metavar="N",
-                       help="emulate N GPUs with stallwatch's fake NVML instead of the real one (demos, tests)")
+    group.add_argument("--gpu.fake-devices", dest="gpu_fake_devices", type=bounded_int(0, 64), default=0,
+                       metavar="N", help="emulate N GPUs with stallwatch's fake NVML instead of the real one "
+                       "(demos, tests)")
     group.add_argument("--gpu.fake-trace", dest="gpu_fake_trace", type=Path, default=None, metavar="FILE",
                        help="the emulated GPUs are busy exactly in the compute spans a training job appends "
                        "to FILE (the demo's emulated job does)")

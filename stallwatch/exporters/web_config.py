@@ -32,9 +32,8 @@ from pathlib import Path
 from typing import Any
 
 import bcrypt
-import yaml
 
-from stallwatch.exporters.config import ConfigError
+from stallwatch.exporters.config import ConfigError, load_yaml, shown
 
 _CLIENT_AUTH = {
     "NoClientCert": ssl.CERT_NONE,
@@ -91,21 +90,14 @@ class WebConfig:
 
 def load_web_config(path: str) -> WebConfig:
     file = Path(path)
-    try:
-        document = yaml.safe_load(file.read_text())
-    except OSError as error:
-        raise ConfigError(f"{path}: cannot read: {error.strerror}") from error
-    except UnicodeDecodeError as error:
-        raise ConfigError(f"{path}: not UTF-8 text (byte {error.start})") from error
-    except yaml.YAMLError as error:
-        raise ConfigError(f"{path}: not valid YAML") from error
+    document = load_yaml(path)
     if document is None:
         return WebConfig()
     if not isinstance(document, dict):
         raise ConfigError(f"{path}: expected a mapping with tls_server_config and/or basic_auth_users")
     unknown = set(map(str, document)) - _TOP_KEYS
     if unknown:
-        raise ConfigError(f"{path}: unknown key {sorted(unknown)[0]!r} (known: {', '.join(sorted(_TOP_KEYS))})")
+        raise ConfigError(f"{path}: unknown key {shown(sorted(unknown)[0])} (known: {', '.join(sorted(_TOP_KEYS))})")
     tls = document.get("tls_server_config")
     users = document.get("basic_auth_users")
     return WebConfig(
@@ -120,7 +112,7 @@ def _tls_context(section: Any, file: Path) -> ssl.SSLContext:
         raise ConfigError(f"{where}: expected a mapping")
     unknown = set(map(str, section)) - _TLS_KEYS
     if unknown:
-        raise ConfigError(f"{where}: unknown key {sorted(unknown)[0]!r}")
+        raise ConfigError(f"{where}: unknown key {shown(sorted(unknown)[0])}")
     if not section.get("cert_file") or not section.get("key_file"):
         raise ConfigError(f"{where}: cert_file and key_file are both required")
     client_auth = str(section.get("client_auth_type") or "NoClientCert")
@@ -158,10 +150,9 @@ def _basic_auth(section: Any, path: str) -> BasicAuth:
         raise ConfigError(f"{path}: basic_auth_users: expected a mapping of user names to bcrypt hashes")
     users: dict[str, bytes] = {}
     for user, hashed in section.items():
-        text = str(hashed)
-        if not text.startswith(("$2a$", "$2b$", "$2y$")) or len(text) != 60:
-            raise ConfigError(f"{path}: basic_auth_users: the hash of {str(user)!r} is not a bcrypt hash")
-        users[str(user)] = text.encode()
+        if not isinstance(hashed, str) or not hashed.startswith(("$2a$", "$2b$", "$2y$")) or len(hashed) != 60:
+            raise ConfigError(f"{path}: basic_auth_users: the hash of {shown(user)} is not a bcrypt hash")
+        users[str(user)] = hashed.encode()
     return BasicAuth(users)
 
 
