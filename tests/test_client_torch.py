@@ -17,9 +17,9 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 from torch.utils.data import DataLoader, Dataset
 
-from stallwatch.batch import Batch
 from stallwatch.client import RecordedFile, transport
 from stallwatch.client.torch import instrument
+from stallwatch.eventbatch import EventBatch
 from stallwatch.exporters.events import EventsCollector
 from stallwatch.keys import read_key
 
@@ -177,7 +177,7 @@ def test_loader_waits_and_worker_reads_reach_the_agent_per_rank(agent: str, file
 
 def test_every_read_is_tagged_with_the_batch_it_served_even_out_of_order(tmp_path: Path, files: list[Path]) -> None:
     socket_path = tmp_path / "events.sock"
-    received: list[Batch] = []
+    received: list[EventBatch] = []
     collector = EventsCollector(str(socket_path), sink=received.append)
     transport.configure(str(socket_path))
     try:

@@ -20,8 +20,8 @@ from prometheus_client.exposition import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from stallwatch import catalogue as c
-from stallwatch.batch import Interner
 from stallwatch.client import monitor, transport, wire
+from stallwatch.eventbatch import Interner
 from stallwatch.exporters.collector import ScrapeCollector
 from stallwatch.exporters.events import EventsCollector
 from stallwatch.exporters.gpu import GpuCollector
@@ -75,10 +75,6 @@ def test_ten_thousand_jobs_and_ranks_stay_under_the_series_bound(tmp_path: Path)
 
 
 # --- collector flags and configuration files ------------------------------------------------------
-# The correlator's flags move to stallwatch/correlator/settings.py; there they take config.byte_size.
-CORRELATOR_BYTES = pytest.mark.xfail(strict=True, reason="--correlator.cache-capacity does not use byte_size yet")
-
-
 @pytest.mark.parametrize(("flags", "message"), [
     (["--events.queue-limit", "0"], "must be a positive integer"),
     (["--events.rank-limit", "many"], "invalid"),
@@ -108,8 +104,8 @@ CORRELATOR_BYTES = pytest.mark.xfail(strict=True, reason="--correlator.cache-cap
     (["--correlator.lateness", "inf"], "--correlator.lateness"),
     (["--correlator.retention", "1e308"], "--correlator.retention"),
     (["--correlator.cache-capacity", "nan"], "--correlator.cache-capacity"),
-    pytest.param(["--correlator.cache-capacity", "inf"], "--correlator.cache-capacity", marks=CORRELATOR_BYTES),
-    pytest.param(["--correlator.cache-capacity", "1e308"], "--correlator.cache-capacity", marks=CORRELATOR_BYTES),
+    (["--correlator.cache-capacity", "inf"], "--correlator.cache-capacity"),
+    (["--correlator.cache-capacity", "1e308"], "--correlator.cache-capacity"),
     (["--collector.spoke_openmetrics", "--spoke_openmetrics.url", "http://127.0.0.1:1/",
       "--spoke_openmetrics.mapping", "/nonexistent/mapping.yaml"], "collector spoke_openmetrics:"),
     (["--collector.spoke_qumulo", "--spoke_qumulo.url", "https://127.0.0.1:1/", "--spoke_qumulo.ca-file",
@@ -127,7 +123,7 @@ def test_bad_collector_flags_are_one_line_and_exit_2(tmp_path: Path, flags: list
     ("gpu.interval: " + "9" * 5000 + "\n", "4300 digits"),
     ("gpu.interval: .nan\n", "gpu.interval"),
     ("correlator.window: 1e308\n", "correlator.window"),
-    pytest.param("correlator.cache-capacity: .inf\n", "correlator.cache-capacity", marks=CORRELATOR_BYTES),
+    ("correlator.cache-capacity: .inf\n", "correlator.cache-capacity"),
     ("log.level: " + "x" * 100_000 + "\n", "log.level must be one of"),
 ])
 def test_bad_config_files_are_one_line_and_exit_2_in_bounded_time_and_memory(

@@ -39,8 +39,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from stallwatch import catalogue
 from stallwatch.exporters.collector import CollectorContext, register_collector
-from stallwatch.exporters.config import ConfigError, parse_yaml, positive_float, read_bounded
+from stallwatch.exporters.config import ConfigError, parse_yaml, read_bounded
 from stallwatch.exporters.spokes import collector_errors
+from stallwatch.flags import positive_float
 
 log = logging.getLogger(__name__)
 

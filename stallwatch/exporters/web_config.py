@@ -33,7 +33,8 @@ from typing import Any
 
 import bcrypt
 
-from stallwatch.exporters.config import ConfigError, load_yaml, shown
+from stallwatch.exporters.config import ConfigError, load_yaml
+from stallwatch.flags import shown
 
 _CLIENT_AUTH = {
     "NoClientCert": ssl.CERT_NONE,
