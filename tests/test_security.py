@@ -6,13 +6,18 @@ root filesystem) is in test_helm.py."""
 from __future__ import annotations
 
 import base64
+import itertools
 import os
 import socket
 import ssl
 import stat
+import statistics
 import subprocess
 import sys
+import threading
+import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
@@ -190,3 +195,51 @@ def test_the_qumulo_token_is_never_a_flag_nor_in_logs_or_metrics(
     finally:
         httpd.shutdown()
         httpd.server_close()
+
+
+def test_basic_auth_hides_which_users_exist_bounds_guessing_and_answers_non_ascii_with_401(
+    agent_factory: Callable[..., AgentProcess], tmp_path: Path,
+) -> None:
+    hashed = bcrypt.hashpw(PASSWORD.encode(), bcrypt.gensalt(rounds=10)).decode()
+    config = tmp_path / "web.yml"
+    config.write_text(f"basic_auth_users:\n  prometheus: '{hashed}'\n")
+    agent = agent_factory("--no-collector.gpu", "--web.config.file", str(config))
+    host, port = urllib.parse.urlsplit(agent.url).netloc.split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as raw:
+        raw.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\nAuthorization: Basic \xc3\xa9t\xe9\r\n\r\n")
+        assert raw.recv(100).startswith(b"HTTP/1.0 401 ")
+
+    def seconds(auth: str) -> float:
+        start = time.perf_counter()
+        assert get(agent.url, auth=auth)[0] in (200, 401)
+        return time.perf_counter() - start
+
+    unknown = statistics.median(seconds(f"mallory:{PASSWORD}") for _ in range(7))
+    wrong = statistics.median(seconds("prometheus:wrong") for _ in range(7))
+    assert get(agent.url, auth=f"prometheus:{PASSWORD}")[0] == 200  # from now on a cached success
+    idle = statistics.median(seconds(f"prometheus:{PASSWORD}") for _ in range(7))
+
+    stop, process = threading.Event(), psutil.Process(agent.process.pid)
+
+    def guess(thread: int) -> None:
+        for attempt in itertools.count():
+            if stop.is_set():
+                return
+            assert get(agent.url, auth=f"prometheus:guess-{thread}-{attempt}")[0] == 401
+
+    guessers = [threading.Thread(target=guess, args=(n,)) for n in range(8)]
+    cpu_before, start = sum(process.cpu_times()[:2]), time.monotonic()
+    for thread in guessers:
+        thread.start()
+    time.sleep(0.5)
+    under_attack = [seconds(f"prometheus:{PASSWORD}") for _ in range(15)]
+    time.sleep(max(0.0, 3 - (time.monotonic() - start)))
+    cores = (sum(process.cpu_times()[:2]) - cpu_before) / (time.monotonic() - start)
+    stop.set()
+    for thread in guessers:
+        thread.join(timeout=30)
+    print(f"unknown user {unknown * 1e3:.1f} ms, wrong password {wrong * 1e3:.1f} ms; legitimate scrape "
+          f"{idle * 1e3:.1f} ms idle, {statistics.median(under_attack) * 1e3:.1f} ms under 8 guessing threads, "
+          f"which cost the agent {cores:.2f} cores")
+    assert unknown > 0.5 * wrong  # an unknown user costs a bcrypt check too
+    assert cores < 0.8  # failed checks: one at a time, and each holds its slot for as long again

@@ -15,17 +15,20 @@ client_auth_type values, RequestClientCert and RequireAnyClientCert (ask for a c
 verifying it) have no equivalent in Python's ssl module and are refused rather than weakened.
 
 bcrypt is slow by design (~0.2 s a check at cost 12), so a successful (user, password) pair is kept,
-as a SHA-256 digest, in a small cache: Prometheus repeats the same credentials every scrape.
+as a SHA-256 digest, in a small cache: Prometheus repeats the same credentials every scrape. Everything
+else costs a bcrypt check, unknown users included (against the costliest configured hash, so timing
+does not tell which users exist); those checks run one at a time and a failed one holds the slot as
+long again, so guessing threads cost the agent at most half a core and cannot starve scrapes.
 """
 
 from __future__ import annotations
 
 import base64
-import binascii
 import hashlib
 import hmac
 import ssl
 import threading
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -51,6 +54,8 @@ _VERSIONS = {
 _TLS_KEYS = {"cert_file", "key_file", "client_auth_type", "client_ca_file", "min_version"}
 _TOP_KEYS = {"tls_server_config", "basic_auth_users"}
 _CACHE_SIZE = 64
+# How long a check waits for the bcrypt slot before it is refused (scrapes time out after 10 s).
+_CHECK_QUEUE_SECONDS = 5.0
 
 
 @dataclass
@@ -58,6 +63,9 @@ class BasicAuth:
     users: Mapping[str, bytes]
     _verified: set[bytes] = field(default_factory=set)
     _lock: threading.Lock = field(default_factory=threading.Lock)
+    # bcrypt checks that did not hit the cache run one at a time, so guessing costs at most one core
+    # (half of one: a failed check holds the slot as long again), never every core the scrapes need.
+    _checking: threading.Semaphore = field(default_factory=lambda: threading.Semaphore(1))
 
     def allows(self, authorization: str | None) -> bool:
         """Whether an `Authorization` header carries a known user and the password of its hash."""
@@ -65,22 +73,37 @@ class BasicAuth:
             return False
         try:
             user, sep, password = base64.b64decode(authorization[6:], validate=True).decode().partition(":")
-        except (binascii.Error, UnicodeDecodeError):
+        except ValueError:  # not base64 (binascii.Error), not UTF-8, or a non-ASCII header
+            return False
+        if not sep:
             return False
         hashed = self.users.get(user)
-        if not sep or hashed is None:
+        # An unknown user is checked against the costliest hash, so timing does not tell who exists.
+        against = hashed if hashed is not None else max(self.users.values(), key=_cost)
+        digest = hashlib.sha256(against + b"\0" + password.encode()).digest()
+        if hashed is not None:
+            with self._lock:
+                if any(hmac.compare_digest(digest, known) for known in self._verified):
+                    return True
+        if not self._checking.acquire(timeout=_CHECK_QUEUE_SECONDS):
             return False
-        digest = hashlib.sha256(hashed + b"\0" + password.encode()).digest()
-        with self._lock:
-            if any(hmac.compare_digest(digest, known) for known in self._verified):
-                return True
-        if not bcrypt.checkpw(password.encode(), hashed):
-            return False
-        with self._lock:
-            if len(self._verified) >= _CACHE_SIZE:
-                self._verified.clear()
-            self._verified.add(digest)
-        return True
+        try:
+            started = time.monotonic()
+            matches = bcrypt.checkpw(password.encode(), against) and hashed is not None
+            if not matches:
+                time.sleep(time.monotonic() - started)
+        finally:
+            self._checking.release()
+        if matches:
+            with self._lock:
+                if len(self._verified) >= _CACHE_SIZE:
+                    self._verified.clear()
+                self._verified.add(digest)
+        return matches
+
+
+def _cost(hashed: bytes) -> int:
+    return int(hashed[4:6])  # $2b$12$...: the log2 of bcrypt's rounds
 
 
 @dataclass(frozen=True)
