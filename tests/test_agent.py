@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import select
+import signal
+import socket
 import subprocess
 import sys
 import time
+import urllib.parse
 from collections.abc import Callable
 from pathlib import Path
 
@@ -159,3 +163,25 @@ def test_a_collector_that_cannot_be_built_is_a_one_line_config_error() -> None:
     with pytest.raises(ConfigError, match=r"^collector broken: no such file$"):
         _build([CollectorSpec("broken", True, "", broken)], CollectorContext(options=argparse.Namespace(),
                                                                              sink=discard))
+
+
+def test_a_burst_of_connections_waits_in_the_listen_queue(agent_factory: Callable[..., AgentProcess]) -> None:
+    """50 scrapers connecting at once while the agent is busy (here: stopped) are queued by the kernel,
+    not dropped to SYN retries (Python's default backlog is 5; the exporters' is 128)."""
+    agent = agent_factory("--no-collector.gpu", "--no-collector.host")
+    host, port = urllib.parse.urlsplit(agent.url).netloc.split(":")
+    agent.process.send_signal(signal.SIGSTOP)
+    clients = [socket.socket() for _ in range(50)]
+    try:
+        for client in clients:
+            client.setblocking(False)
+            client.connect_ex((host, int(port)))
+        time.sleep(1.0)
+        _, connected, _ = select.select([], clients, [], 0)
+        established = sum(client.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR) == 0 for client in connected)
+    finally:
+        agent.process.send_signal(signal.SIGCONT)
+        for client in clients:
+            client.close()
+    print(f"{established} of 50 simultaneous connections established while the agent was busy")
+    assert established == 50

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import signal
+import socket
 import subprocess
 import threading
 import time
@@ -21,6 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from stallwatch import catalogue as c
 from stallwatch.client import monitor, transport, wire
+from stallwatch.client.identity import source_from_environment
 from stallwatch.eventbatch import Interner
 from stallwatch.exporters.collector import ScrapeCollector
 from stallwatch.exporters.events import EventsCollector
@@ -72,6 +74,25 @@ def test_ten_thousand_jobs_and_ranks_stay_under_the_series_bound(tmp_path: Path)
     assert of(samples, "stallwatch_loader_wait_seconds_count") == 10_000  # folded, not lost
     assert of(samples, "stallwatch_receiver_folded_label_values_total", label="job") == 10_000 - 64
     assert of(samples, "stallwatch_receiver_folded_label_values_total", label="rank") == 10_000 - 64
+
+
+def test_no_client_can_name_its_job_like_the_overflow_bucket(
+    agent_factory: Callable[..., AgentProcess], tmp_path: Path,
+) -> None:
+    path = str(tmp_path / "events.sock")
+    agent = agent_factory("--no-collector.gpu", "--no-collector.host", "--events.socket", path)
+    now = time.monotonic_ns()
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sender:
+        for job in ("__other__", "honest"):  # a hand-made datagram: the client library would rename it
+            sender.sendto(wire.encode(wire.Source(job, 0), [(0, now - 3, now - 2, now - 1)], [], 1, 0, 0, now,
+                                      time.time_ns()), path)
+    deadline = time.monotonic() + 10
+    while of(samples := scrape(agent.url), "stallwatch_receiver_batches_total") < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert of(samples, "stallwatch_receiver_batches_total", result="bad_string") == 1
+    jobs = {dict(labels).get("job") for (name, labels) in samples if name.startswith("stallwatch_loader_")}
+    assert jobs - {None} == {"honest"}
+    assert source_from_environment(job="__other__", env={}).job == "unknown"
 
 
 # --- collector flags and configuration files ------------------------------------------------------

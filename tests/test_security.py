@@ -70,6 +70,8 @@ def test_event_socket_is_0660_with_the_group_in_a_0750_directory(
     info, directory = path.stat(), path.parent.stat()
     assert stat.S_ISSOCK(info.st_mode) and stat.S_IMODE(info.st_mode) == 0o660 and info.st_gid == group
     assert stat.S_IMODE(directory.st_mode) == 0o750 and directory.st_gid == group
+    said = " ".join((ROOT / "docs" / "client.md").read_text().split())
+    assert "The socket is created 0660 in a directory made 0750" in said  # the docs say what the agent does
     assert directory.st_uid == info.st_uid == os.getuid()
 
 

@@ -75,6 +75,8 @@ VERDICT_HIT = 0
 VERDICT_MISS = 1
 
 MAX_JOB_NAME = 128
+# The label value the agent folds jobs and ranks past its limits into; no client may name a job so.
+OVERFLOW_NAME = "__other__"
 # Events per datagram: at 41 bytes a read, a full batch stays near 21 KB, far below the socket's
 # send buffer (net.core.wmem_default, 208 KB here), and sending costs one syscall per 512 events.
 MAX_EVENTS = 512
@@ -94,9 +96,10 @@ class Source:
 
 
 def job_name(name: str) -> str:
-    """A job name the agent accepts: printable, non-empty, at most MAX_JOB_NAME characters."""
+    """A job name the agent accepts: printable, non-empty, at most MAX_JOB_NAME characters, not the
+    reserved OVERFLOW_NAME."""
     cleaned = "".join(ch if ch.isprintable() else "_" for ch in name)[:MAX_JOB_NAME]
-    return cleaned or "unknown"
+    return cleaned if cleaned and cleaned != OVERFLOW_NAME else "unknown"
 
 
 def encode(

@@ -87,6 +87,8 @@ def _strings(data: bytes, count: int) -> tuple[list[str], int]:
             raise RejectedBatchError("bad_string", "not UTF-8") from error
         if not 0 < len(text) <= wire.MAX_JOB_NAME or not text.isprintable():
             raise RejectedBatchError("bad_string", "empty, too long or not printable")
+        if text == wire.OVERFLOW_NAME:
+            raise RejectedBatchError("bad_string", f"{wire.OVERFLOW_NAME} is reserved for folded jobs")
         strings.append(text)
         offset += length
     return strings, offset

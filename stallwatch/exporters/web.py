@@ -31,6 +31,9 @@ LANDING_PAGE = """<!doctype html>
 
 class _Server(ThreadingHTTPServer):
     daemon_threads = True
+    # Connections the kernel queues while the accept loop is busy: Python's default of 5 turns a burst of
+    # scrapes (many Prometheus replicas, probes) into SYN retries of a second or more; Go servers use 128.
+    request_queue_size = 128
     registry: CollectorRegistry
     telemetry_path: str
     web_config: WebConfig
