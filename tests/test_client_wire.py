@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from stallwatch.client import wire
 from stallwatch.eventbatch import Verdict
-from stallwatch.exporters.events_decode import REJECT_REASONS, RejectedBatchError, decode
+from stallwatch.exporters.events_decode import MAX_DROPPED, MAX_READ_BYTES, REJECT_REASONS, RejectedBatchError, decode
 
 NOW = time.monotonic_ns()
 WALL = time.time_ns()
@@ -54,7 +54,7 @@ def rows(records: np.ndarray, fields: tuple[tuple[str, str], ...]) -> list[tuple
 
 
 @settings(max_examples=150, deadline=None)
-@given(sources, st.lists(steps(), max_size=40), st.lists(reads(), max_size=40), st.integers(0, 2**64 - 1))
+@given(sources, st.lists(steps(), max_size=40), st.lists(reads(), max_size=40), st.integers(0, MAX_DROPPED))
 def test_round_trip(source: wire.Source, step_rows: list[wire.Step], read_rows: list[wire.Read], dropped: int) -> None:
     decoded = decode(encode(source, step_rows, read_rows, dropped), NOW, WALL)
     assert decoded.source == source
@@ -113,6 +113,9 @@ READ = (7, 42, 4096, NOW - 50, NOW - 10, wire.VERDICT_MISS)
     (encode(wire.Source("job", -1), [STEP], []), "bad_value"),
     (encode(SOURCE, [], [(*READ[:5], 5)]), "bad_value"),
     (encode(SOURCE, [], [(7, 42, -1, *READ[3:])]), "bad_value"),
+    (encode(SOURCE, [], [(7, 42, MAX_READ_BYTES + 1, *READ[3:])]), "bad_value"),
+    (encode(SOURCE, [STEP], [], dropped=MAX_DROPPED + 1), "bad_value"),
+    (encode(wire.Source(wire.OVERFLOW_NAME, 0), [STEP], []), "bad_string"),
     (encode(SOURCE, [(7, NOW - 100, NOW - 200, NOW)], []), "bad_timestamp"),
     (encode(SOURCE, [], [(*READ[:3], NOW - 10, NOW + 10, 0)]), "bad_timestamp"),
     (encode(SOURCE, [STEP], [], mono_ns=NOW + 60 * 10**9, wall_ns=WALL + 60 * 10**9), "bad_timestamp"),

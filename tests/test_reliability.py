@@ -4,6 +4,7 @@ NVML faults seen by the alert rules, and spoke logs and endpoints that vanish an
 from __future__ import annotations
 
 import math
+import os
 import signal
 import socket
 import subprocess
@@ -29,10 +30,11 @@ from stallwatch.exporters.events import EventsCollector
 from stallwatch.exporters.gpu import GpuCollector
 from stallwatch.exporters.host import HostCollector
 from stallwatch.exporters.nvml_fake import FakeGpu, FakeNVML
+from stallwatch.exporters.receiver import RECEIVE_BUFFER
 from stallwatch.exporters.spoke_nginx import MalformedLineError, NginxSpokeCollector, parse_entry
 from stallwatch.exporters.spoke_openmetrics import OpenMetricsSpokeCollector, load_mapping, mapping_text
 from stallwatch.exporters.web import MetricsServer
-from tests.conftest import AgentProcess, laughs, refused_agent
+from tests.conftest import AgentProcess, laughs, refused_agent, stop_agent
 from tests.test_alert_rules import RULE_FILES, Case, promtool_test
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
@@ -93,6 +95,86 @@ def test_no_client_can_name_its_job_like_the_overflow_bucket(
     jobs = {dict(labels).get("job") for (name, labels) in samples if name.startswith("stallwatch_loader_")}
     assert jobs - {None} == {"honest"}
     assert source_from_environment(job="__other__", env={}).job == "unknown"
+
+
+def send_datagrams(path: str, datagrams: list[bytes]) -> None:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sender:
+        sender.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 1 << 20)  # room for the oversized one
+        for data in datagrams:
+            sender.sendto(data, path)
+
+
+def scrape_after(url: str, batches: int) -> Samples:
+    """A scrape once the agent has counted `batches` batches (accepted or not)."""
+    deadline = time.monotonic() + 10
+    while of(samples := scrape(url), "stallwatch_receiver_batches_total") < batches and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return samples
+
+
+def test_counters_count_only_what_was_really_received(
+    agent_factory: Callable[..., AgentProcess], tmp_path: Path,
+) -> None:
+    path = str(tmp_path / "events.sock")
+    agent = agent_factory("--no-collector.gpu", "--no-collector.host", "--events.socket", path)
+    now, wall = time.monotonic_ns(), time.time_ns()
+
+    def header(steps: int, reads: int, dropped: int = 0, job: bytes = b"forger") -> bytes:
+        return (wire.HEADER.pack(wire.VERSION, 1, 0, -1, -1, 0, steps, reads, dropped, now, wall)
+                + wire.STRING_LENGTH.pack(len(job)) + job)
+
+    def read(size: int) -> bytes:
+        return wire.READ.pack(0, 1, size, now - 2, now - 1, wire.VERDICT_HIT)
+
+    # A batch that fills the receive buffer exactly, then 1 kB more: cut by the kernel, valid if cut.
+    prefix = RECEIVE_BUFFER - wire.HEADER.size - wire.STRING_LENGTH.size
+    job = b"j" * (prefix % wire.READ.size or wire.READ.size)
+    count = (prefix - len(job)) // wire.READ.size
+    oversized = header(0, count, job=job) + read(1) * count
+    assert len(oversized) == RECEIVE_BUFFER
+    forged = [
+        header(2**32 - 1, 0),  # 4 billion steps claimed in a 51-byte datagram
+        header(0, 4) + read(2**62 - 1) * 4,  # reads whose bytes add past int64
+        header(0, 0, dropped=2**64 - 1),  # a client claiming 2**64 - 1 dropped events
+        oversized + b"\0" * 1000,
+    ]
+    genuine = wire.encode(wire.Source("honest", 0), [(0, now - 3, now - 2, now - 1)], [], 1, 0, 5, now, wall)
+    send_datagrams(path, [*forged * 50, genuine])
+    samples = scrape_after(agent.url, len(forged) * 50 + 1)
+    print({f"{name}{labels}": of(samples, f"stallwatch_{name}", **labels) for name, labels in [
+        ("receiver_batches_total", {"result": "accepted"}), ("receiver_dropped_events_total", {"reason": "rejected"}),
+        ("receiver_dropped_events_total", {"reason": "queue_full"}), ("dataset_read_bytes_total", {}),
+        ("client_dropped_events_total", {})]})
+    assert of(samples, "stallwatch_receiver_batches_total", result="accepted") == 1
+    assert of(samples, "stallwatch_receiver_batches_total") == len(forged) * 50 + 1
+    assert of(samples, "stallwatch_receiver_dropped_events_total", reason="queue_full") == 0
+    # Rejected events are counted as what the datagrams could hold, not what their headers claim.
+    assert of(samples, "stallwatch_receiver_dropped_events_total", reason="rejected") <= 50 * (count + 1000 + 4)
+    assert of(samples, "stallwatch_dataset_read_bytes_total") == 0
+    assert of(samples, "stallwatch_client_dropped_events_total") == 5
+    assert of(samples, "stallwatch_receiver_events_total") == 1
+
+
+def test_a_second_agent_does_not_take_a_live_agents_socket(
+    agent_factory: Callable[..., AgentProcess], tmp_path: Path,
+) -> None:
+    path = str(tmp_path / "events.sock")
+    first = agent_factory("--no-collector.gpu", "--no-collector.host", "--events.socket", path)
+    second = agent_factory("--no-collector.gpu", "--no-collector.host", "--events.socket", path)
+    assert of(scrape(second.url), "stallwatch_receiver_up") == 0
+    assert "another running agent" in second.stderr()
+    stop_agent(second)  # and its exit must not remove the first agent's socket either
+    now = time.monotonic_ns()
+    send_datagrams(path, [wire.encode(wire.Source("job", 0), [(0, now - 3, now - 2, now - 1)], [], 1, 0, 0, now,
+                                      time.time_ns())])
+    samples = scrape_after(first.url, 1)
+    assert of(samples, "stallwatch_receiver_up") == 1
+    assert of(samples, "stallwatch_receiver_batches_total", result="accepted") == 1
+    # Taken anyway (deleted and bound by someone else): the first agent reports that it receives nothing.
+    os.unlink(path)
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as thief:
+        thief.bind(path)
+        assert of(scrape(first.url), "stallwatch_receiver_up") == 0
 
 
 # --- collector flags and configuration files ------------------------------------------------------

@@ -95,12 +95,13 @@ class EventsCollector:
         self._batches: Counter[str] = Counter()
         self._events: Counter[str] = Counter({"step": 0, "read": 0})
         self._dropped: Counter[str] = Counter()
-        self._receiver = EventReceiver(socket_path, queue_limit, self.process, self._queue_full, socket_group)
+        self._receiver = EventReceiver(socket_path, queue_limit, self.process, self._refused, socket_group)
 
-    def _queue_full(self, events: int) -> None:
+    def _refused(self, result: str, events: int) -> None:
+        """A batch the receiver dropped before decoding: its queue was full, or the datagram was cut."""
         with self._lock:
-            self._batches["queue_full"] += 1
-            self._dropped["queue_full"] += events
+            self._batches[result] += 1
+            self._dropped["queue_full" if result == "queue_full" else "rejected"] += events
 
     # --- processing -------------------------------------------------------------------------------
     def process(self, datagrams: list[bytes]) -> None:
