@@ -231,7 +231,8 @@ RECEIVER_FOLDED_LABELS = counter(
 )
 RECEIVER_UP = gauge(
     "loader", "receiver_up", "", [],
-    "1 if the agent is bound to the events socket, 0 if it could not bind (clients count their events as dropped).",
+    "1 if the agent is bound to the events socket, 0 if it could not bind, another running agent holds the path, "
+    "or the path no longer names its socket (clients count their events as dropped).",
 )
 
 

@@ -301,6 +301,35 @@ def test_agent_metrics_agree_exactly_with_known_hits_and_misses(spoke: tuple[Ngi
         agent.close()
 
 
+class Traffic:
+    """Requests to a real nginx, each waited for in the log file it should land in; `total` counts them."""
+
+    def __init__(self, nginx: Nginx) -> None:
+        self.nginx, self.total = nginx, 0
+
+    def send(self, count: int, written_to: Path) -> None:
+        before = lines_in(written_to)
+        for _ in range(count):
+            self.probe()
+        wait_for(lambda: lines_in(written_to) == before + count)
+
+    def probe(self) -> None:
+        get(self.nginx.url("/data/a.bin"))
+        self.total += 1
+
+    def reopened(self) -> bool:
+        """After `nginx -s reopen`: the worker reopens a moment after the master created the new file,
+        and until then requests still land in the renamed one; each probe is counted like any other."""
+        self.probe()
+        return lines_in(self.nginx.access_log) > 0
+
+
+def assert_every_request_counted_once(collector: NginxSpokeCollector, traffic: Traffic) -> None:
+    seen = samples(collector)
+    assert sum(v for k, v in seen.items() if k[0] == "stallwatch_spoke_requests_total") == traffic.total
+    assert not any(k[0] == "stallwatch_spoke_collector_errors_total" for k in seen)
+
+
 @needs_nginx
 @pytest.mark.slow
 def test_rotation_by_rename_and_reopen_and_by_copytruncate_loses_and_repeats_nothing(
@@ -309,45 +338,25 @@ def test_rotation_by_rename_and_reopen_and_by_copytruncate_loses_and_repeats_not
     nginx, _ = spoke
     log = nginx.access_log
     collector = NginxSpokeCollector(str(log), "spoke-a", interval=0, rotate_wait=0.5)
-    total = 0
-
-    def requests(count: int, written_to: Path) -> None:
-        nonlocal total
-        before = lines_in(written_to)
-        for _ in range(count):
-            get(nginx.url("/data/a.bin"))
-        total += count
-        wait_for(lambda: lines_in(written_to) == before + count)
-
-    requests(3, log)
+    traffic = Traffic(nginx)
+    traffic.send(3, log)
     collector.poll()
     rotated = log.with_name("access.log.1")
     log.rename(rotated)
-    requests(2, rotated)  # nginx still writes to the renamed file until it reopens
+    traffic.send(2, rotated)  # nginx still writes to the renamed file until it reopens
     nginx.reopen()
-
-    def reopened() -> bool:
-        # The worker reopens a moment after the master created the new file; until then requests
-        # still land in the renamed one. Each probe is a request like any other and is counted.
-        nonlocal total
-        get(nginx.url("/data/a.bin"))
-        total += 1
-        return lines_in(log) > 0
-
-    wait_for(reopened)
-    requests(4, log)
+    wait_for(traffic.reopened)
+    traffic.send(4, log)
     collector.poll()
-    requests(5, log)  # not read before the copy: recovered from access.log.1
+    traffic.send(5, log)  # not read before the copy: recovered from access.log.1
     rotated.rename(log.with_name("access.log.2"))  # as logrotate shifts old copies before copying
     shutil.copyfile(log, rotated)
     os.truncate(log, 0)
-    requests(6, log)
+    traffic.send(6, log)
     collector.poll()
     time.sleep(0.6)  # past rotate_wait: the renamed file is closed
     collector.poll()
-    seen = samples(collector)
-    assert sum(v for k, v in seen.items() if k[0] == "stallwatch_spoke_requests_total") == total
-    assert not any(k[0] == "stallwatch_spoke_collector_errors_total" for k in seen)
+    assert_every_request_counted_once(collector, traffic)
     collector.close()
 
 
@@ -377,15 +386,7 @@ def test_two_rotations_between_polls_and_a_log_never_reopened_lose_nothing(spoke
     nginx, _ = spoke
     log = nginx.access_log
     collector = NginxSpokeCollector(str(log), "spoke-a", interval=0, rotate_wait=0.3)
-    total = 0
-
-    def requests(count: int, written_to: Path) -> None:
-        nonlocal total
-        before = lines_in(written_to)
-        for _ in range(count):
-            get(nginx.url("/data/a.bin"))
-        total += count
-        wait_for(lambda: lines_in(written_to) == before + count)
+    traffic = Traffic(nginx)
 
     def shift() -> None:
         """logrotate's numbered rotation: .2 -> .3, .1 -> .2, then the log -> .1."""
@@ -396,20 +397,16 @@ def test_two_rotations_between_polls_and_a_log_never_reopened_lose_nothing(spoke
         log.rename(log.with_name("access.log.1"))
 
     def rotate_and_reopen() -> None:
-        nonlocal total
         shift()
         nginx.reopen()
-        while not log.exists() or lines_in(log) == 0:  # each probe is a request like any other
-            get(nginx.url("/data/a.bin"))
-            total += 1
-            time.sleep(0.05)
+        wait_for(traffic.reopened)
 
-    requests(3, log)
+    traffic.send(3, log)
     collector.poll()
     rotate_and_reopen()
-    requests(3, log)
+    traffic.send(3, log)
     rotate_and_reopen()  # the second rotation before the next poll: the middle file was never seen
-    requests(4, log)
+    traffic.send(4, log)
     collector.poll()
     time.sleep(0.4)
     collector.poll()
@@ -418,16 +415,14 @@ def test_two_rotations_between_polls_and_a_log_never_reopened_lose_nothing(spoke
     # renamed file, long after rotate_wait, while the new log stays empty.
     shift()
     log.touch()
-    requests(2, log.with_name("access.log.1"))
+    traffic.send(2, log.with_name("access.log.1"))
     collector.poll()
     time.sleep(0.4)
     collector.poll()
-    requests(3, log.with_name("access.log.1"))
+    traffic.send(3, log.with_name("access.log.1"))
     time.sleep(0.4)
     collector.poll()
-    seen = samples(collector)
-    assert sum(v for k, v in seen.items() if k[0] == "stallwatch_spoke_requests_total") == total
-    assert not any(k[0] == "stallwatch_spoke_collector_errors_total" for k in seen)
+    assert_every_request_counted_once(collector, traffic)
     collector.close()
 
 
