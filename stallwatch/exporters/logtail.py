@@ -186,20 +186,21 @@ class LogTailer:
         been rotated too (newer numbered copies than `rotated`'s, unknown to this tailer), oldest first."""
         known = {followed.identity for followed, _ in self._draining}
         newer: list[_Followed] = []
+        found = False
         for path in self._numbered_copies():
             try:
                 descriptor = os.open(path, os.O_RDONLY)
             except FileNotFoundError:
                 break
             info = os.fstat(descriptor)
-            if (info.st_dev, info.st_ino) == rotated.identity:
-                os.close(descriptor)
-                break
             if (info.st_dev, info.st_ino) in known:
                 os.close(descriptor)
+                found = (info.st_dev, info.st_ino) == rotated.identity
+                if found:
+                    break
                 continue
             newer.append(_Followed(descriptor, info.st_dev, info.st_ino))
-        else:  # `rotated` is not among the numbered copies: another naming scheme, nothing to tell
+        if not found:  # `rotated` is not among the numbered copies: another naming scheme, nothing to tell
             for followed in newer:
                 os.close(followed.file)
             return
