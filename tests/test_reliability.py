@@ -10,7 +10,6 @@ import socket
 import subprocess
 import threading
 import time
-import urllib.request
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -19,7 +18,6 @@ import pytest
 import yaml
 from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import generate_latest
-from prometheus_client.parser import text_string_to_metric_families
 
 from stallwatch import catalogue as c
 from stallwatch.client import monitor, transport, wire
@@ -30,29 +28,16 @@ from stallwatch.exporters.events import EventsCollector
 from stallwatch.exporters.gpu import GpuCollector
 from stallwatch.exporters.host import HostCollector
 from stallwatch.exporters.nvml_fake import FakeGpu, FakeNVML
+from stallwatch.exporters.openmetrics_mapping import load_mapping, mapping_text
 from stallwatch.exporters.receiver import RECEIVE_BUFFER
 from stallwatch.exporters.spoke_nginx import MalformedLineError, NginxSpokeCollector, parse_entry
-from stallwatch.exporters.spoke_openmetrics import OpenMetricsSpokeCollector, load_mapping, mapping_text
+from stallwatch.exporters.spoke_openmetrics import OpenMetricsSpokeCollector
 from stallwatch.exporters.web import MetricsServer
-from tests.conftest import AgentProcess, laughs, refused_agent, stop_agent
+from stallwatch.harness import AgentProcess, Samples, parse_samples, scrape, stop_agent, total
+from tests.conftest import laughs, refused_agent
 from tests.test_alert_rules import RULE_FILES, Case, promtool_test
 
-Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 DATA = Path(__file__).parent / "data"
-
-
-def parse(text: str) -> Samples:
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
-
-
-def scrape(url: str) -> Samples:
-    with urllib.request.urlopen(url, timeout=10) as reply:
-        return parse(reply.read().decode())
-
-
-def of(samples: Samples, name: str, **labels: str) -> float:
-    return sum(v for (n, ls), v in samples.items() if n == name and all((k, x) in ls for k, x in labels.items()))
 
 
 # --- a client cannot blow up the series count ----------------------------------------------------
@@ -65,7 +50,7 @@ def test_ten_thousand_jobs_and_ranks_stay_under_the_series_bound(tmp_path: Path)
         collector.process(batches)
         registry = CollectorRegistry()
         registry.register(collector)
-        samples = parse(generate_latest(registry).decode())
+        samples = parse_samples(generate_latest(registry).decode())
     finally:
         collector.close()
     print(f"{len(samples)} samples from 10,000 distinct jobs and ranks")
@@ -73,9 +58,9 @@ def test_ten_thousand_jobs_and_ranks_stay_under_the_series_bound(tmp_path: Path)
     assert len(pairs) == 65 and ("__other__", "__other__") in pairs  # 64 kept, everything else in one
     per_pair = 3 * (len(c.LATENCY_BUCKETS) + 3) + 3 + 1 + 1  # 3 histograms, reads by verdict, bytes, drops
     assert len(samples) <= (64 + 64 + 1) * per_pair + 50, len(samples)
-    assert of(samples, "stallwatch_loader_wait_seconds_count") == 10_000  # folded, not lost
-    assert of(samples, "stallwatch_receiver_folded_label_values_total", label="job") == 10_000 - 64
-    assert of(samples, "stallwatch_receiver_folded_label_values_total", label="rank") == 10_000 - 64
+    assert total(samples, "stallwatch_loader_wait_seconds_count") == 10_000  # folded, not lost
+    assert total(samples, "stallwatch_receiver_folded_label_values_total", label="job") == 10_000 - 64
+    assert total(samples, "stallwatch_receiver_folded_label_values_total", label="rank") == 10_000 - 64
 
 
 def test_no_client_can_name_its_job_like_the_overflow_bucket(
@@ -88,10 +73,8 @@ def test_no_client_can_name_its_job_like_the_overflow_bucket(
         for job in ("__other__", "honest"):  # a hand-made datagram: the client library would rename it
             sender.sendto(wire.encode(wire.Source(job, 0), [(0, now - 3, now - 2, now - 1)], [], 1, 0, 0, now,
                                       time.time_ns()), path)
-    deadline = time.monotonic() + 10
-    while of(samples := scrape(agent.url), "stallwatch_receiver_batches_total") < 2 and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert of(samples, "stallwatch_receiver_batches_total", result="bad_string") == 1
+    samples = scrape_after(agent.url, 2)
+    assert total(samples, "stallwatch_receiver_batches_total", result="bad_string") == 1
     jobs = {dict(labels).get("job") for (name, labels) in samples if name.startswith("stallwatch_loader_")}
     assert jobs - {None} == {"honest"}
     assert source_from_environment(job="__other__", env={}).job == "unknown"
@@ -107,7 +90,7 @@ def send_datagrams(path: str, datagrams: list[bytes]) -> None:
 def scrape_after(url: str, batches: int) -> Samples:
     """A scrape once the agent has counted `batches` batches (accepted or not)."""
     deadline = time.monotonic() + 10
-    while of(samples := scrape(url), "stallwatch_receiver_batches_total") < batches and time.monotonic() < deadline:
+    while total(samples := scrape(url), "stallwatch_receiver_batches_total") < batches and time.monotonic() < deadline:
         time.sleep(0.05)
     return samples
 
@@ -141,18 +124,18 @@ def test_counters_count_only_what_was_really_received(
     genuine = wire.encode(wire.Source("honest", 0), [(0, now - 3, now - 2, now - 1)], [], 1, 0, 5, now, wall)
     send_datagrams(path, [*forged * 50, genuine])
     samples = scrape_after(agent.url, len(forged) * 50 + 1)
-    print({f"{name}{labels}": of(samples, f"stallwatch_{name}", **labels) for name, labels in [
+    print({f"{name}{labels}": total(samples, f"stallwatch_{name}", **labels) for name, labels in [
         ("receiver_batches_total", {"result": "accepted"}), ("receiver_dropped_events_total", {"reason": "rejected"}),
         ("receiver_dropped_events_total", {"reason": "queue_full"}), ("dataset_read_bytes_total", {}),
         ("client_dropped_events_total", {})]})
-    assert of(samples, "stallwatch_receiver_batches_total", result="accepted") == 1
-    assert of(samples, "stallwatch_receiver_batches_total") == len(forged) * 50 + 1
-    assert of(samples, "stallwatch_receiver_dropped_events_total", reason="queue_full") == 0
+    assert total(samples, "stallwatch_receiver_batches_total", result="accepted") == 1
+    assert total(samples, "stallwatch_receiver_batches_total") == len(forged) * 50 + 1
+    assert total(samples, "stallwatch_receiver_dropped_events_total", reason="queue_full") == 0
     # Rejected events are counted as what the datagrams could hold, not what their headers claim.
-    assert of(samples, "stallwatch_receiver_dropped_events_total", reason="rejected") <= 50 * (count + 1000 + 4)
-    assert of(samples, "stallwatch_dataset_read_bytes_total") == 0
-    assert of(samples, "stallwatch_client_dropped_events_total") == 5
-    assert of(samples, "stallwatch_receiver_events_total") == 1
+    assert total(samples, "stallwatch_receiver_dropped_events_total", reason="rejected") <= 50 * (count + 1000 + 4)
+    assert total(samples, "stallwatch_dataset_read_bytes_total") == 0
+    assert total(samples, "stallwatch_client_dropped_events_total") == 5
+    assert total(samples, "stallwatch_receiver_events_total") == 1
 
 
 def test_a_second_agent_does_not_take_a_live_agents_socket(
@@ -161,20 +144,20 @@ def test_a_second_agent_does_not_take_a_live_agents_socket(
     path = str(tmp_path / "events.sock")
     first = agent_factory("--no-collector.gpu", "--no-collector.host", "--events.socket", path)
     second = agent_factory("--no-collector.gpu", "--no-collector.host", "--events.socket", path)
-    assert of(scrape(second.url), "stallwatch_receiver_up") == 0
+    assert total(scrape(second.url), "stallwatch_receiver_up") == 0
     assert "another running agent" in second.stderr()
     stop_agent(second)  # and its exit must not remove the first agent's socket either
     now = time.monotonic_ns()
     send_datagrams(path, [wire.encode(wire.Source("job", 0), [(0, now - 3, now - 2, now - 1)], [], 1, 0, 0, now,
                                       time.time_ns())])
     samples = scrape_after(first.url, 1)
-    assert of(samples, "stallwatch_receiver_up") == 1
-    assert of(samples, "stallwatch_receiver_batches_total", result="accepted") == 1
+    assert total(samples, "stallwatch_receiver_up") == 1
+    assert total(samples, "stallwatch_receiver_batches_total", result="accepted") == 1
     # Taken anyway (deleted and bound by someone else): the first agent reports that it receives nothing.
     os.unlink(path)
     with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as thief:
         thief.bind(path)
-        assert of(scrape(first.url), "stallwatch_receiver_up") == 0
+        assert total(scrape(first.url), "stallwatch_receiver_up") == 0
 
 
 # --- collector flags and configuration files ------------------------------------------------------
@@ -265,7 +248,7 @@ def test_training_runs_through_an_agent_crash_and_its_losses_are_counted(
     thread.start()
     try:
         deadline = time.monotonic() + 20
-        while of(scrape(first.url), "stallwatch_receiver_events_total") == 0 and time.monotonic() < deadline:
+        while total(scrape(first.url), "stallwatch_receiver_events_total") == 0 and time.monotonic() < deadline:
             time.sleep(0.1)
         first.process.send_signal(signal.SIGKILL)  # a crash: the stale socket file stays behind
         first.process.wait(timeout=10)
@@ -276,7 +259,7 @@ def test_training_runs_through_an_agent_crash_and_its_losses_are_counted(
         second = agent_factory("--no-collector.gpu", "--no-collector.host", "--events.socket", path)
 
         def reported() -> float:
-            return of(scrape(second.url), "stallwatch_client_dropped_events_total", job="crash", rank="3")
+            return total(scrape(second.url), "stallwatch_client_dropped_events_total", job="crash", rank="3")
 
         deadline = time.monotonic() + 20  # the client retries an absent agent after a pause
         channel = transport.sender().channel(wire.Source("crash", 3, -1, -1))
@@ -292,7 +275,7 @@ def test_training_runs_through_an_agent_crash_and_its_losses_are_counted(
     assert during_outage > 0 and gaps[0] < outage / 2  # training went on through the outage, never blocked
     assert channel.dropped_total > 0 and channel.dropped_unreported == 0
     assert reported() == channel.dropped_total  # every lost event counted, and the count reached the agent
-    assert of(scrape(second.url), "stallwatch_receiver_events_total") > 0
+    assert total(scrape(second.url), "stallwatch_receiver_events_total") > 0
 
 
 # --- NVML faults: the agent serves on, the errors say which, the alert fires ----------------------
@@ -314,8 +297,8 @@ def test_nvml_faults_keep_the_agent_serving_and_fire_the_alert(promtool: str, tm
                 nvml.unload_driver()
             gpu.poll()
             samples = scrape(url)
-            assert of(samples, "stallwatch_host_cpu_seconds_total") > 0  # the rest of the agent serves on
-            assert of(samples, "stallwatch_scrape_collector_success", collector="gpu") == 1
+            assert total(samples, "stallwatch_host_cpu_seconds_total") > 0  # the rest of the agent serves on
+            assert total(samples, "stallwatch_scrape_collector_success", collector="gpu") == 1
             for (name, labels), value in samples.items():
                 if name in (c.GPU_DEVICES.name, c.GPU_UP.name):
                     key = name + "{" + ", ".join(f'{k}="{v}"' for k, v in labels) + "}"
@@ -328,12 +311,13 @@ def test_nvml_faults_keep_the_agent_serving_and_fire_the_alert(promtool: str, tm
         server.close()
         scrape_collector.close()
     # The errors metric says which: GPU 1 lost, its power unsupported, then the driver gone for everyone.
-    assert of(final_lost, c.GPU_UP.name, gpu="0") == 1 and of(final_lost, c.GPU_UP.name, gpu="1") == 0
-    assert of(final_lost, c.GPU_NVML_ERRORS.name, gpu="1", error="gpu_is_lost") >= 10
-    assert of(final_lost, c.GPU_NVML_ERRORS.name, gpu="1", call="nvmlDeviceGetPowerUsage", error="not_supported") == 1
-    assert of(final_lost, c.GPU_NVML_ERRORS.name, gpu="0") == 0
-    assert of(after, c.GPU_DEVICES.name) == 0
-    assert of(after, c.GPU_NVML_ERRORS.name, call="nvmlInit", error="driver_not_loaded") == 14  # a retry each poll
+    assert total(final_lost, c.GPU_UP.name, gpu="0") == 1 and total(final_lost, c.GPU_UP.name, gpu="1") == 0
+    assert total(final_lost, c.GPU_NVML_ERRORS.name, gpu="1", error="gpu_is_lost") >= 10
+    assert total(final_lost, c.GPU_NVML_ERRORS.name, gpu="1", call="nvmlDeviceGetPowerUsage",
+                 error="not_supported") == 1
+    assert total(final_lost, c.GPU_NVML_ERRORS.name, gpu="0") == 0
+    assert total(after, c.GPU_DEVICES.name) == 0
+    assert total(after, c.GPU_NVML_ERRORS.name, call="nvmlInit", error="driver_not_loaded") == 14  # a retry each poll
     # Fed what the agent emitted, a minute apart, the generated rules fire while GPUs are missing.
     def values(points: list[float]) -> str:
         return " ".join("_" if math.isnan(p) else str(int(p)) for p in points)
@@ -392,8 +376,8 @@ def test_a_deleted_and_recreated_nginx_log_loses_and_repeats_nothing(tmp_path: P
         writer.close()
         collector.close()
     assert used == [4, 3, 3, 0]
-    assert of(samples, "stallwatch_spoke_requests_total") == 10
-    assert of(samples, "stallwatch_spoke_collector_errors_total") == 0
+    assert total(samples, "stallwatch_spoke_requests_total") == 10
+    assert total(samples, "stallwatch_spoke_collector_errors_total") == 0
 
 
 class _Spoke(BaseHTTPRequestHandler):
@@ -443,5 +427,5 @@ def test_a_slow_then_down_spoke_endpoint_is_counted_and_recovers_without_double_
     hits = ("stallwatch_spoke_requests_total", (("result", "hit"), ("spoke", "jfs")))
     assert healthy[hits] == recovered[hits] == 13  # the source's own counter: nothing added twice
     assert hits not in slow and hits not in down  # no stale value while the endpoint fails
-    assert of(recovered, "stallwatch_spoke_collector_errors_total", reason="timeout") == 1
-    assert of(recovered, "stallwatch_spoke_collector_errors_total", reason="unreachable") == 1
+    assert total(recovered, "stallwatch_spoke_collector_errors_total", reason="timeout") == 1
+    assert total(recovered, "stallwatch_spoke_collector_errors_total", reason="unreachable") == 1

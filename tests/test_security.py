@@ -28,7 +28,8 @@ import pytest
 
 from stallwatch.exporters.collector import registered
 from stallwatch.exporters.config import build_parser
-from tests.conftest import ROOT, AgentProcess, laughs, refused_agent
+from stallwatch.harness import AgentProcess
+from tests.conftest import ROOT, laughs, refused_agent
 from tests.test_spoke_qumulo import TOKEN, serve
 
 PASSWORD = "scrape-pass-7"

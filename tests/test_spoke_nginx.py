@@ -9,7 +9,7 @@ import subprocess
 import time
 import tracemalloc
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -27,19 +27,13 @@ from stallwatch.exporters.spoke_nginx import (
     upstream_error_count,
     upstream_seconds_ns,
 )
+from stallwatch.harness import wait_for
 from stallwatch.keys import read_key
 from tests.realspoke import NGINX, ROOT, Agent, Hub, Nginx, free_port, get
 
 DATA = Path(__file__).parent / "data"
 REAL_LINES = [line for line in (DATA / "nginx-stallwatch.log").read_text().splitlines() if not line.startswith("#")]
 needs_nginx = pytest.mark.skipif(not os.access(NGINX, os.X_OK), reason="nginx not installed")
-
-
-def wait_for(predicate: Callable[[], bool], seconds: float = 10.0) -> None:
-    deadline = time.monotonic() + seconds
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        time.sleep(0.05)
 
 
 def lines_in(path: Path) -> int:
@@ -283,7 +277,7 @@ def test_agent_metrics_agree_exactly_with_known_hits_and_misses(spoke: tuple[Ngi
             seen = agent.scrape()
             return sum(v for k, v in seen.items() if k[0] == "stallwatch_spoke_requests_total" and label in k)
 
-        wait_for(lambda: scraped_requests() == len(sent))
+        wait_for("every request counted", lambda: scraped_requests() == len(sent), 10)
         seen = agent.scrape()
         for result in ("hit", "miss", "expired", "stale", "updating", "revalidated", "bypass", "none"):
             assert seen[("stallwatch_spoke_requests_total", f"result={result}", label)] == expected[result], result
@@ -311,7 +305,7 @@ class Traffic:
         before = lines_in(written_to)
         for _ in range(count):
             self.probe()
-        wait_for(lambda: lines_in(written_to) == before + count)
+        wait_for("the lines in the log", lambda: lines_in(written_to) == before + count, 10)
 
     def probe(self) -> None:
         get(self.nginx.url("/data/a.bin"))
@@ -345,7 +339,7 @@ def test_rotation_by_rename_and_reopen_and_by_copytruncate_loses_and_repeats_not
     log.rename(rotated)
     traffic.send(2, rotated)  # nginx still writes to the renamed file until it reopens
     nginx.reopen()
-    wait_for(traffic.reopened)
+    wait_for("nginx to reopen its log", traffic.reopened, 10)
     traffic.send(4, log)
     collector.poll()
     traffic.send(5, log)  # not read before the copy: recovered from access.log.1
@@ -399,7 +393,7 @@ def test_two_rotations_between_polls_and_a_log_never_reopened_lose_nothing(spoke
     def rotate_and_reopen() -> None:
         shift()
         nginx.reopen()
-        wait_for(traffic.reopened)
+        wait_for("nginx to reopen its log", traffic.reopened, 10)
 
     traffic.send(3, log)
     collector.poll()
