@@ -1,15 +1,19 @@
 """Who is training: job, rank and GPU, from what the launcher put in the environment.
 
-torchrun sets TORCHELASTIC_RUN_ID, RANK, LOCAL_RANK; Slurm sets SLURM_JOB_ID, SLURM_PROCID,
-SLURM_LOCALID; STALLWATCH_JOB overrides the job name. The GPU is the physical index the local
-rank runs on: the LOCAL_RANK-th entry of CUDA_VISIBLE_DEVICES when that lists indices, the local
-rank itself when nothing restricts visibility, and -1 (unknown) when the devices are named by UUID.
+The job name, first found wins (`JOB_SOURCES`): STALLWATCH_JOB; the Kubernetes object that owns
+the pod (STALLWATCH_POD_OWNER, which the pod spec fills from the owner's label through the downward
+API, prefixed by STALLWATCH_POD_NAMESPACE when given); Slurm's SLURM_JOB_ID; torchrun's
+TORCHELASTIC_RUN_ID, except its default "none". Schedulers come before torchrun because their job
+is what operators look up, while torchrun's run id is often a per-launch random id (`--standalone`).
+Rank: RANK (torchrun), else SLURM_PROCID. The GPU is the physical index the local rank runs on: the
+LOCAL_RANK-th entry of CUDA_VISIBLE_DEVICES when that lists indices, the local rank itself when
+nothing restricts visibility, and -1 (unknown) when the devices are named by UUID.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 from stallwatch.client.wire import Source, job_name
 
@@ -20,6 +24,35 @@ def _first_int(env: Mapping[str, str], *names: str) -> int | None:
         if value.lstrip("-").isdigit():
             return int(value)
     return None
+
+
+# torchrun without --rdzv-id sets TORCHELASTIC_RUN_ID to this: a launcher default, never a job's name.
+TORCHRUN_DEFAULT_RUN_ID = "none"
+
+
+def _kubernetes_owner(env: Mapping[str, str]) -> str | None:
+    owner = env.get("STALLWATCH_POD_OWNER", "").strip()
+    if not owner:
+        return None
+    namespace = env.get("STALLWATCH_POD_NAMESPACE", "").strip()
+    return f"{namespace}/{owner}" if namespace else owner
+
+
+def _torchrun_run_id(env: Mapping[str, str]) -> str | None:
+    run_id = env.get("TORCHELASTIC_RUN_ID", "").strip()
+    return run_id if run_id and run_id != TORCHRUN_DEFAULT_RUN_ID else None
+
+
+JOB_SOURCES: tuple[Callable[[Mapping[str, str]], str | None], ...] = (
+    lambda env: env.get("STALLWATCH_JOB", "").strip() or None,
+    _kubernetes_owner,
+    lambda env: env.get("SLURM_JOB_ID", "").strip() or None,
+    _torchrun_run_id,
+)
+
+
+def job_from_environment(env: Mapping[str, str] = os.environ) -> str:
+    return next((name for name in (source(env) for source in JOB_SOURCES) if name), "unknown")
 
 
 def _gpu(env: Mapping[str, str], local_rank: int | None) -> int:
@@ -42,7 +75,7 @@ def source_from_environment(
 ) -> Source:
     """Explicit arguments win; the environment fills in the rest."""
     if job is None:
-        job = env.get("STALLWATCH_JOB") or env.get("TORCHELASTIC_RUN_ID") or env.get("SLURM_JOB_ID") or "unknown"
+        job = job_from_environment(env)
     if rank is None:
         rank = _first_int(env, "RANK", "SLURM_PROCID") or 0
     if gpu is None:

@@ -188,7 +188,7 @@ def _instrumented_class(base: type[DataLoader[Any]]) -> type[DataLoader[Any]]:
 
     def iterate(loader: DataLoader[Any]) -> Iterator[Any]:
         state = instrumentation(loader)
-        view = object.__new__(view_class)
+        view: DataLoader[Any] = object.__new__(view_class)
         object.__setattr__(view, "__dict__", loader.__dict__)  # one state: `_iterator`, resumption, epochs
         if loader.num_workers == 0:
             reads.bind_worker(state.source)  # the dataset reads in this process
@@ -226,5 +226,5 @@ def instrument(loader: L, job: str | None = None, rank: int | None = None, gpu: 
     """
     setattr(loader, _STATE, Instrumentation(source_from_environment(job, rank, gpu)))
     if type(loader) not in _base_of:
-        loader.__class__ = _instrumented_class(type(loader))
+        loader.__class__ = _instrumented_class(type(loader))  # type: ignore[assignment]  # a subclass of L
     return loader
