@@ -5,15 +5,19 @@ the pod (STALLWATCH_POD_OWNER, which the pod spec fills from the owner's label t
 API, prefixed by STALLWATCH_POD_NAMESPACE when given); Slurm's SLURM_JOB_ID; torchrun's
 TORCHELASTIC_RUN_ID, except its default "none". Schedulers come before torchrun because their job
 is what operators look up, while torchrun's run id is often a per-launch random id (`--standalone`).
-Rank: RANK (torchrun), else SLURM_PROCID. The GPU is the physical index the local rank runs on: the
-LOCAL_RANK-th entry of CUDA_VISIBLE_DEVICES when that lists indices, the local rank itself when
-nothing restricts visibility, and -1 (unknown) when the devices are named by UUID.
+Rank: RANK (torchrun), else the rank of an initialized torch.distributed process group (launchers
+that set no RANK: Lightning's own, `torch.multiprocessing.spawn`), else SLURM_PROCID. The GPU is
+the physical index the local rank runs on: the LOCAL_RANK-th entry of CUDA_VISIBLE_DEVICES when
+that lists indices, the local rank itself when nothing restricts visibility, and -1 (unknown) when
+the devices are named by UUID.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Callable, Mapping
+from typing import Any
 
 from stallwatch.client.wire import Source, job_name
 
@@ -55,6 +59,13 @@ def job_from_environment(env: Mapping[str, str] = os.environ) -> str:
     return next((name for name in (source(env) for source in JOB_SOURCES) if name), "unknown")
 
 
+def _process_group_rank() -> int | None:
+    distributed: Any = sys.modules.get("torch.distributed")  # never imported here: the client runs without torch
+    if distributed is None or not distributed.is_available() or not distributed.is_initialized():
+        return None
+    return int(distributed.get_rank())
+
+
 def _gpu(env: Mapping[str, str], local_rank: int | None) -> int:
     visible = env.get("CUDA_VISIBLE_DEVICES")
     if visible is None:
@@ -77,7 +88,11 @@ def source_from_environment(
     if job is None:
         job = job_from_environment(env)
     if rank is None:
-        rank = _first_int(env, "RANK", "SLURM_PROCID") or 0
+        rank = _first_int(env, "RANK")
+        if rank is None:
+            rank = _process_group_rank()
+        if rank is None:
+            rank = _first_int(env, "SLURM_PROCID") or 0
     if gpu is None:
         gpu = _gpu(env, _first_int(env, "LOCAL_RANK", "SLURM_LOCALID"))
     return Source(job=job_name(job), rank=max(rank, 0), gpu=max(min(gpu, 32767), -1), worker=worker)

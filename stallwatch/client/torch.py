@@ -224,7 +224,12 @@ def instrument(loader: L, job: str | None = None, rank: int | None = None, gpu: 
     workers, whose batches are then numbered in arrival order. Instrumenting again only updates who
     the loader records as.
     """
-    setattr(loader, _STATE, Instrumentation(source_from_environment(job, rank, gpu)))
+    source = source_from_environment(job, rank, gpu)
+    found: Instrumentation | None = loader.__dict__.get(_STATE)
+    if found is None:
+        setattr(loader, _STATE, Instrumentation(source))
+    else:  # keeps counting batches: a number names one batch of the run
+        found.source = source
     if type(loader) not in _base_of:
         loader.__class__ = _instrumented_class(type(loader))  # type: ignore[assignment]  # a subclass of L
     return loader
