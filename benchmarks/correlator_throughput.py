@@ -16,19 +16,19 @@ import time
 
 import numpy as np
 
-from stallwatch.batch import Batch, Verdict
 from stallwatch.catalogue import CAUSES
-from stallwatch.correlator.correlate import CorrelatorSettings
-from stallwatch.correlator.pipeline import Correlator
+from stallwatch.correlator.pipeline import CorrelatorPipeline
 from stallwatch.correlator.reference import NaiveAttributor
 from stallwatch.correlator.results import WindowResult
+from stallwatch.correlator.settings import CorrelatorSettings
+from stallwatch.eventbatch import SCHEMAS, EventBatch, Verdict
 
 READS_PER_BATCH = 64  # e.g. images of 1 MiB: 8 ranks x 10 steps/s x 64 = 5,120 reads/s per node
 STEP_NS = 100_000_000
 SLICE_NS = 500_000_000  # batches as the agent receives them: each kind, half a second at a time
 
 
-def synthesise(n_events: int, ranks: int, seed: int) -> list[Batch]:
+def synthesise(n_events: int, ranks: int, seed: int) -> list[EventBatch]:
     """Steps every 100 ms per rank, each waiting 0-60 ms on a batch of 64 reads, and 10 Hz GPU samples."""
     rng = np.random.default_rng(seed)
     steps_per_rank = n_events // (ranks * (READS_PER_BATCH + 1))
@@ -57,23 +57,22 @@ def synthesise(n_events: int, ranks: int, seed: int) -> list[Batch]:
     return _interleave({"step": step_columns, "read": read_columns, "gpu_util": gpu_columns})
 
 
-def _interleave(kinds: dict[str, dict[str, np.ndarray]]) -> list[Batch]:
+def _interleave(kinds: dict[str, dict[str, np.ndarray]]) -> list[EventBatch]:
     """Cut each kind into half-second batches by event time and merge them in time order."""
-    time_column = {"step": "compute_end_ns", "read": "end_ns", "gpu_util": "ts_ns"}
     pieces = []
     for kind, columns in kinds.items():
-        times = columns[time_column[kind]]
+        times = columns[SCHEMAS[kind].event_time]
         order = np.argsort(times, kind="stable")
         slices = times[order] // SLICE_NS
         cuts = np.flatnonzero(np.diff(slices)) + 1
         for rows, slice_index in zip(np.split(order, cuts), slices[np.r_[0, cuts]], strict=True):
-            batch = Batch(kind, {name: column[rows] for name, column in columns.items()})
+            batch = EventBatch.of(kind, {name: column[rows] for name, column in columns.items()})
             pieces.append((int(slice_index), kind, batch))
     pieces.sort(key=lambda piece: (piece[0], piece[1]))
     return [batch for _, _, batch in pieces]
 
 
-def vectorised(batches: list[Batch]) -> tuple[float, np.ndarray]:
+def vectorised(batches: list[EventBatch]) -> tuple[float, np.ndarray]:
     totals = np.zeros(len(CAUSES))
 
     def add(result: WindowResult) -> None:
@@ -81,13 +80,13 @@ def vectorised(batches: list[Batch]) -> tuple[float, np.ndarray]:
         for row in result.ranks:
             totals = totals + np.array(row.stall_s)
 
-    correlator = Correlator(CorrelatorSettings(cache_capacity_bytes=64 << 30), listeners=[add])
+    correlator = CorrelatorPipeline(CorrelatorSettings(cache_capacity_bytes=64 << 30), listeners=[add])
     started = time.process_time()
     correlator.run(batches)
     return time.process_time() - started, totals
 
 
-def naive(batches: list[Batch]) -> tuple[float, np.ndarray]:
+def naive(batches: list[EventBatch]) -> tuple[float, np.ndarray]:
     attributor = NaiveAttributor(threshold_ns=1_000_000, lookback_ns=5_000_000_000)
     started = time.process_time()
     for batch in batches:

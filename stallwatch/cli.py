@@ -10,9 +10,9 @@ from collections.abc import Sequence
 # `stallwatch agent` never imports matplotlib and `stallwatch report` never imports NVML.
 COMMANDS: dict[str, tuple[str, str]] = {
     "agent": ("stallwatch.exporters.agent", "run the node agent that serves /metrics"),
-    "correlate": ("stallwatch.correlator.offline", "run the correlator over a recorded event file"),
+    "correlate": ("stallwatch.correlator.replay", "run the correlator over a recorded event file"),
     "demo": ("stallwatch.demo.run", "run a hub, a spoke, a training job and the agent on this machine"),
-    "generate": ("stallwatch.generate", "write the generated artifacts (docs, dashboards, rules)"),
+    "generate": ("stallwatch.mixin.generate", "write the generated artifacts (docs, dashboards, rules)"),
     "publish": ("stallwatch.publish", "push the generated dashboards to Grafana and rules to Prometheus"),
     "report": ("stallwatch.report", "write an HTML warm-up report of a run"),
 }

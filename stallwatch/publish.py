@@ -23,7 +23,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from stallwatch.generate import ARTIFACTS
+from stallwatch.mixin.generate import ARTIFACTS
 
 TIMEOUT_SECONDS = 10.0
 

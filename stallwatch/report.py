@@ -165,7 +165,7 @@ def run_from_prometheus(url: str, start: float, end: float) -> Run:
 
 # --- from the correlator's recorded windows -------------------------------------------------------------
 def run_from_windows(path: Path, job: str | None = None) -> Run:
-    """A run from `--correlator.record` rows: one per closed window, times on the node's monotonic clock."""
+    """A run from `--correlator.record-windows` rows: one per closed window, times on the node's monotonic clock."""
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     if not rows:
         raise ValueError(f"{path}: no windows recorded")
@@ -307,7 +307,7 @@ def main(argv: Sequence[str]) -> int:
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--prometheus", metavar="URL", help="read the run from this Prometheus")
     source.add_argument("--windows", type=Path, metavar="FILE", help="read the run from the correlator's "
-                        "recorded windows (the agent's --correlator.record FILE)")
+                        "recorded windows (the agent's --correlator.record-windows FILE)")
     parser.add_argument("--start", type=float, help="run start, unix seconds (default: 15 minutes ago)")
     parser.add_argument("--end", type=float, help="run end, unix seconds (default: now)")
     parser.add_argument("--price-per-gb", type=float, default=0.02,

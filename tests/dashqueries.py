@@ -7,7 +7,7 @@ import re
 from collections.abc import Iterator
 from typing import Any
 
-from stallwatch.dashboards import ARTIFACTS
+from stallwatch.mixin.dashboards import ARTIFACTS
 from tests.conftest import ROOT
 
 # Grafana's values for a 1 s scrape interval; `All` of a variable is its allValue, `.*`.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import subprocess
 import sys
 import time
@@ -10,9 +11,14 @@ from pathlib import Path
 
 import pytest
 import requests
+from prometheus_client.core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
 from stallwatch import catalogue
+from stallwatch.eventbatch import EventBatch, discard
+from stallwatch.exporters.agent import _build
+from stallwatch.exporters.collector import Collector, CollectorContext, CollectorSpec
+from stallwatch.exporters.config import ConfigError
 from tests.conftest import ROOT, AgentProcess
 
 
@@ -118,3 +124,38 @@ def test_a_taken_port_is_a_one_line_error(agent_factory: Callable[..., AgentProc
 def test_unknown_command_and_help() -> None:
     assert run_cli("frobnicate").returncode == 2
     assert "agent" in run_cli("--help").stdout
+
+
+def test_event_consumers_are_built_first_and_each_takes_every_other_collectors_batches() -> None:
+    received: list[EventBatch] = []
+
+    class Consumer:
+        def submit(self, batch: EventBatch) -> None:
+            received.append(batch)
+
+        def collect(self) -> list[Metric]:
+            return []
+
+        def close(self) -> None: ...
+
+    class Producer(Consumer):
+        def __init__(self, context: CollectorContext) -> None:
+            context.sink(EventBatch("gpu_util", {}))
+
+    def consumer(_: CollectorContext) -> Consumer:
+        return Consumer()
+
+    specs = [CollectorSpec("producer", True, "", Producer),
+             *(CollectorSpec(name, True, "", consumer, consumer=consumer) for name in ("first", "second"))]
+    built = _build(specs, CollectorContext(options=argparse.Namespace(), sink=discard))
+    assert list(built) == ["first", "second", "producer"]
+    assert [batch.kind for batch in received] == ["gpu_util", "gpu_util"]  # each consumer got the batch
+
+
+def test_a_collector_that_cannot_be_built_is_a_one_line_config_error() -> None:
+    def broken(_: CollectorContext) -> Collector:
+        raise OSError("no such file")
+
+    with pytest.raises(ConfigError, match=r"^collector broken: no such file$"):
+        _build([CollectorSpec("broken", True, "", broken)], CollectorContext(options=argparse.Namespace(),
+                                                                             sink=discard))

@@ -15,8 +15,9 @@ import pytest
 import yaml
 
 from stallwatch import catalogue as c
-from stallwatch.alerts import COMPONENT, Thresholds, all_alerts, render_alerting_rules
-from stallwatch.generate import ARTIFACTS
+from stallwatch.mixin.alerts import all_alerts, render_alerting_rules
+from stallwatch.mixin.config import COMPONENT, Thresholds
+from stallwatch.mixin.generate import ARTIFACTS
 from tests.conftest import ROOT
 
 RULE_FILES = sorted(ROOT / path for path in ARTIFACTS if path.startswith("alerts/"))

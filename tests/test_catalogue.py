@@ -10,7 +10,7 @@ from prometheus_client.registry import CollectorRegistry
 
 from stallwatch import catalogue
 from stallwatch.catalogue import Kind
-from stallwatch.generate import render_metrics_reference
+from stallwatch.mixin.metrics_doc import render_metrics_reference
 from tests.conftest import ROOT
 
 UNIT_SUFFIXES = {

@@ -13,9 +13,9 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from stallwatch.batch import Batch
 from stallwatch.client import ReadSpan, http_get, monitor, transport, wire
 from stallwatch.client.identity import source_from_environment
+from stallwatch.eventbatch import EventBatch
 from stallwatch.exporters.events import EventsCollector
 from stallwatch.keys import read_key
 
@@ -41,9 +41,9 @@ def wait_for(condition: Callable[[], bool], seconds: float = 15.0) -> bool:
 
 class Received:
     def __init__(self) -> None:
-        self.batches: list[Batch] = []
+        self.batches: list[EventBatch] = []
 
-    def __call__(self, batch: Batch) -> None:
+    def __call__(self, batch: EventBatch) -> None:
         self.batches.append(batch)
 
     def rows(self, kind: str) -> int:
@@ -177,7 +177,7 @@ def test_after_an_agent_restart_the_client_delivers_again_and_reports_its_drops(
 def test_a_flood_beyond_the_queue_limit_is_dropped_and_counted(socket_path: str) -> None:
     in_sink, release = threading.Event(), threading.Event()
 
-    def slow_correlator(batch: Batch) -> None:
+    def slow_correlator(batch: EventBatch) -> None:
         in_sink.set()
         release.wait(timeout=30)
 
@@ -188,10 +188,10 @@ def test_a_flood_beyond_the_queue_limit_is_dropped_and_counted(socket_path: str)
             return wire.encode(wire.Source("flood", 0), [(0, now - 3, now - 2, now - 1)] * events, [], events, 0, 0,
                                now, time.time_ns())
 
-        collector._enqueue(batch(1))  # the receive thread's entry point, called here to control the timing
+        collector._receiver.enqueue(batch(1))  # the receive thread's entry point, called here to control the timing
         assert in_sink.wait(timeout=30)  # the processing thread is busy with the first batch
-        collector._enqueue(batch(1))  # queued: the queue was empty
-        collector._enqueue(batch(3))  # over the limit of 1 queued event: dropped whole
+        collector._receiver.enqueue(batch(1))  # queued: the queue was empty
+        collector._receiver.enqueue(batch(3))  # over the limit of 1 queued event: dropped whole
         metrics = samples(collector)
         assert metrics[("stallwatch_receiver_batches_total", (("result", "queue_full"),))] == 1
         assert metrics[("stallwatch_receiver_dropped_events_total", (("reason", "queue_full"),))] == 3

@@ -17,9 +17,9 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 from torch.utils.data import DataLoader, Dataset, IterableDataset, get_worker_info
 
-from stallwatch.batch import Batch
 from stallwatch.client import RecordedFile, transport
 from stallwatch.client.torch import instrument
+from stallwatch.eventbatch import EventBatch
 from stallwatch.exporters.events import EventsCollector
 from stallwatch.keys import read_key
 
@@ -191,7 +191,7 @@ def assert_every_read_carries_its_batch(tmp_path: Path, files: list[Path], loade
                                         epochs: int, workers: set[int]) -> None:
     """Iterate `loader` into a real receiver; each step's number names exactly the reads of its samples."""
     socket_path = tmp_path / "events.sock"
-    received: list[Batch] = []
+    received: list[EventBatch] = []
     collector = EventsCollector(str(socket_path), sink=received.append)
     transport.configure(str(socket_path))
     try:

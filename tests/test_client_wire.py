@@ -11,8 +11,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from stallwatch.batch import Verdict
 from stallwatch.client import wire
+from stallwatch.eventbatch import Verdict
 from stallwatch.exporters.events_decode import REJECT_REASONS, RejectedBatchError, decode
 
 NOW = time.monotonic_ns()

@@ -14,17 +14,18 @@ from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry, generate_latest
 
 from stallwatch import catalogue
-from stallwatch.batch import Batch
 from stallwatch.correlator.attribution import Reads, Steps, attribute, gpu_idle_in_stalls
-from stallwatch.correlator.correlate import CorrelatorSettings
-from stallwatch.correlator.eventfile import EventFileError, EventWriter, read_events
+from stallwatch.correlator.eventfile import EventFileError, EventFileWriter, read_events
 from stallwatch.correlator.intervals import overlap_join, union_length
-from stallwatch.correlator.pipeline import Correlator
+from stallwatch.correlator.live import LiveCorrelator
+from stallwatch.correlator.metrics import whatif_spoke_label
+from stallwatch.correlator.pipeline import CorrelatorPipeline
 from stallwatch.correlator.results import WindowResult
-from stallwatch.correlator.service import CorrelatorService
+from stallwatch.correlator.settings import CorrelatorSettings
 from stallwatch.correlator.verdicts import LatencySplit
 from stallwatch.correlator.whatif import MissRatioCurve
-from stallwatch.correlator.windows import MERGE_EVENTS, SCHEMAS, EventTimeWindows
+from stallwatch.correlator.windows import MERGE_EVENTS, EventTimeWindows
+from stallwatch.eventbatch import SCHEMAS, EventBatch, Interner, MalformedEventBatchError
 from tests.scenarios.generator import BASE_NS, JobSpec, Scenario, exact_lru_hit_ratio, generate
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -110,43 +111,45 @@ def test_latency_split_finds_two_clusters_and_refuses_one() -> None:
     assert 3e6 < split.threshold_ns < 60e6
 
 
-def _steps(job: int, wait_start_s: list[float], wait_s: float, compute_s: float) -> Batch:
+def _steps(job: int, wait_start_s: list[float], wait_s: float, compute_s: float) -> EventBatch:
     ws = (np.array(wait_start_s) * 1e9).astype(np.int64) + BASE_NS
     n = ws.size
-    return Batch("step", {"job": np.full(n, job, np.int32), "rank": np.zeros(n, np.int32),
-                          "gpu": np.zeros(n, np.int16),
-                          "batch": np.arange(n, dtype=np.int64), "wait_start_ns": ws,
-                          "wait_end_ns": ws + int(wait_s * 1e9),
-                          "compute_end_ns": ws + int((wait_s + compute_s) * 1e9)})
+    return EventBatch("step", {"job": np.full(n, job, np.int32), "rank": np.zeros(n, np.int32),
+                               "gpu": np.zeros(n, np.int16),
+                               "batch": np.arange(n, dtype=np.int64), "wait_start_ns": ws,
+                               "wait_end_ns": ws + int(wait_s * 1e9),
+                               "compute_end_ns": ws + int((wait_s + compute_s) * 1e9)})
 
 
 def test_late_events_beyond_the_lateness_are_counted_not_attributed() -> None:
     windows: list[WindowResult] = []
-    correlator = Correlator(CorrelatorSettings(window_s=1.0, lateness_s=0.5), listeners=[windows.append])
+    correlator = CorrelatorPipeline(CorrelatorSettings(window_s=1.0, lateness_s=0.5), listeners=[windows.append])
     correlator.emit(_steps(0, [0.1, 0.3], 0.05, 0.05))
     correlator.emit(_steps(0, [3.0], 0.05, 0.05))  # the watermark passes 2.5 s: windows [0,1) and [1,2) close
     correlator.emit(_steps(0, [0.5, 2.1], 0.05, 0.05))  # 0.5 s is late; 2.1 s is within the lateness
-    correlator.emit(Batch("gpu_util", {"ts_ns": np.array([BASE_NS], np.int64), "period_ns": np.array([1], np.int64),
-                                       "gpu": np.zeros(1, np.int16), "util": np.zeros(1, np.float32)}))
+    correlator.emit(EventBatch("gpu_util", {"ts_ns": np.array([BASE_NS], np.int64),
+                                            "period_ns": np.array([1], np.int64),
+                                            "gpu": np.zeros(1, np.int16), "util": np.zeros(1, np.float32)}))
     correlator.run([])
     assert correlator.windows.late == {"step": 1, "gpu_util": 1}
     steps = {(w.start_ns - BASE_NS) // 10**9: sum(r.steps for r in w.ranks) for w in windows}
     assert steps == {0: 2, 2: 1, 3: 1}  # [1, 2) held no event at all: skipped, not published
 
 
-def _reads(end_s: list[float]) -> Batch:
+def _reads(end_s: list[float]) -> EventBatch:
     end = (np.array(end_s) * 1e9).astype(np.int64) + BASE_NS
     n = end.size
-    return Batch("read", {"job": np.zeros(n, np.int32), "rank": np.zeros(n, np.int32), "worker": np.zeros(n, np.int16),
-                          "batch": np.arange(n, dtype=np.int64), "key": np.arange(n, dtype=np.uint64),
-                          "bytes": np.full(n, 4096, np.int64), "start_ns": end - 1_000_000, "end_ns": end,
-                          "verdict": np.zeros(n, np.int8)})
+    return EventBatch("read", {"job": np.zeros(n, np.int32), "rank": np.zeros(n, np.int32),
+                               "worker": np.zeros(n, np.int16),
+                               "batch": np.arange(n, dtype=np.int64), "key": np.arange(n, dtype=np.uint64),
+                               "bytes": np.full(n, 4096, np.int64), "start_ns": end - 1_000_000, "end_ns": end,
+                               "verdict": np.zeros(n, np.int8)})
 
 
 def test_past_its_cap_the_window_store_sheds_whole_batches_and_counts_every_event() -> None:
     windows: list[WindowResult] = []
-    correlator = Correlator(CorrelatorSettings(window_s=1.0, lateness_s=5.0, max_buffered_events=10),
-                            listeners=[windows.append])
+    correlator = CorrelatorPipeline(CorrelatorSettings(window_s=1.0, lateness_s=5.0, max_buffered_events=10),
+                                    listeners=[windows.append])
     sent = [_steps(0, [0.1 * i for i in range(6)], 0.01, 0.01), _steps(0, [0.7] * 6, 0.01, 0.01),
             _steps(0, [0.8] * 4, 0.01, 0.01), _steps(0, [0.9], 0.01, 0.01)]
     for batch in sent:
@@ -158,7 +161,7 @@ def test_past_its_cap_the_window_store_sheds_whole_batches_and_counts_every_even
 
 
 def test_at_its_cap_the_store_lets_go_of_used_context_before_shedding_open_windows() -> None:
-    correlator = Correlator(CorrelatorSettings(window_s=1.0, lateness_s=0.5, max_buffered_events=10))
+    correlator = CorrelatorPipeline(CorrelatorSettings(window_s=1.0, lateness_s=0.5, max_buffered_events=10))
     correlator.emit(_reads([0.1 + 0.01 * i for i in range(8)]))
     correlator.emit(_steps(0, [3.0], 0.01, 0.01))  # the watermark passes 2.5 s: [0, 1) closes with its reads
     correlator.emit(_reads([2.6 + 0.01 * i for i in range(8)]))  # fits once the used reads of [0, 1) go
@@ -184,30 +187,47 @@ def test_merged_compact_chunks_hand_over_exactly_what_came_in(spread_s: float) -
     assert windows.buffered("read") == n
     (closed,) = windows.flush()
     for name, column in reads.items():
-        assert closed.context["read"][name].dtype == SCHEMAS["read"][name]
+        assert closed.context["read"][name].dtype == SCHEMAS["read"].columns[name]
         assert np.array_equal(closed.context["read"][name], column), name
 
 
+def test_event_batches_are_built_to_the_contract() -> None:
+    good = {"ts_ns": [1, 2], "period_ns": [1, 1], "gpu": [0, 3], "util": np.array([0.5, 1.0])}
+    batch = EventBatch.of("gpu_util", good)
+    assert {name: column.dtype for name, column in batch.columns.items()} == dict(SCHEMAS["gpu_util"].columns)
+    assert len(batch) == 2
+    for kind, columns, problem in (
+        ("gpu_util", {**good, "utilisation": [0.5, 1.0]}, "does not name: utilisation"),
+        ("gpu_util", {**good, "gpu": [0]}, "unequal length"),
+        ("gpu_util", {**good, "gpu": [0, 2**15]}, "gpu"),
+        ("gpu_util", {**good, "ts_ns": np.array([1.0, 2.0])}, "ts_ns"),
+        ("gpu_util", {name: good[name] for name in ("ts_ns", "gpu", "util")}, r"lacks column\(s\) period_ns"),
+        ("gpu", good, "unknown batch kind"),
+    ):
+        with pytest.raises(MalformedEventBatchError, match=problem):
+            EventBatch.of(kind, columns)
+
+
 def test_malformed_batches_are_counted_and_the_pipeline_goes_on() -> None:
-    correlator = Correlator()
-    correlator.emit(Batch("step", {"job": np.zeros(3, np.int32)}))
-    correlator.emit(Batch("nonsense", {"x": np.zeros(2)}))
+    correlator = CorrelatorPipeline()
+    correlator.emit(EventBatch("step", {"job": np.zeros(3, np.int32)}))
+    correlator.emit(EventBatch("nonsense", {"x": np.zeros(2)}))
     good = _steps(0, [0.0], 0.1, 0.1)
     uneven = dict(good.columns, rank=np.zeros(5, np.int32))
-    correlator.emit(Batch("step", uneven))
+    correlator.emit(EventBatch("step", uneven))
     correlator.emit(good)
     assert correlator.malformed == {"step": 8, "nonsense": 2}
     assert sum(len(chunk.columns["job"]) for chunk in correlator.windows._buffers["step"]) == 1
 
 
-def _scenario_batches() -> list[Batch]:
+def _scenario_batches() -> list[EventBatch]:
     return generate(Scenario([JobSpec(0, steps=300, preprocess_s=0.05)], cache_bytes=1 << 30, seed=5)).batches
 
 
-def _recorded_scenario(path: Path) -> list[Batch]:
+def _recorded_scenario(path: Path) -> list[EventBatch]:
     """The small scenario's batches, also written to an event file at `path`."""
     batches = _scenario_batches()
-    writer = EventWriter(path)
+    writer = EventFileWriter(path)
     for batch in batches:
         writer.write(batch)
     writer.close()
@@ -234,7 +254,7 @@ def test_stallwatch_correlate_replays_a_recorded_file_like_the_live_pipeline(tmp
     path = tmp_path / "events.bin"
     batches = _recorded_scenario(path)
     live: list[WindowResult] = []
-    Correlator(listeners=[live.append]).run(batches)
+    CorrelatorPipeline(listeners=[live.append]).run(batches)
     done = subprocess.run([sys.executable, "-m", "stallwatch", "correlate", str(path)], cwd=ROOT,
                           capture_output=True, text=True, timeout=120, check=True)
     rows = [line for line in done.stdout.splitlines() if line]
@@ -245,12 +265,29 @@ def test_stallwatch_correlate_replays_a_recorded_file_like_the_live_pipeline(tmp
     assert bad.returncode == 1 and "error" in bad.stderr
 
 
+def test_the_whatif_is_labelled_by_the_spokes_the_spoke_collectors_interned() -> None:
+    spokes = Interner()
+    assert whatif_spoke_label(spokes) == "default"
+    spokes.intern("edge")
+    assert whatif_spoke_label(spokes) == "edge"
+    spokes.intern("varnish")
+    assert whatif_spoke_label(spokes) == "edge+varnish"
+
+
+def test_stallwatch_correlate_takes_its_flags_from_the_correlator_not_the_agent() -> None:
+    probe = ("import sys, stallwatch.correlator.replay; "
+             "print(sorted(m for m in sys.modules if m.startswith('stallwatch.exporters')))")
+    done = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=60,
+                          check=True)
+    assert done.stdout.strip() == "[]"
+
+
 def test_service_takes_batches_from_many_threads_and_serves_catalogue_metrics(tmp_path: Path) -> None:
     batches = _scenario_batches()
     newest = max(int(b.columns[{"step": "compute_end_ns", "read": "end_ns", "spoke_request": "end_ns",
                                  "gpu_util": "ts_ns"}[b.kind]].max()) for b in batches)
-    service = CorrelatorService(CorrelatorSettings(cache_capacity_bytes=1 << 30), record_path=tmp_path / "w.jsonl",
-                                clock_ns=lambda: newest + 10 * 10**9, start=False)
+    service = LiveCorrelator(CorrelatorSettings(cache_capacity_bytes=1 << 30), windows_path=tmp_path / "w.jsonl",
+                             clock_ns=lambda: newest + 10 * 10**9, start=False)
     threads = [threading.Thread(target=lambda part=part: [service.submit(b) for b in part])
                for part in (batches[0::3], batches[1::3], batches[2::3])]
     for thread in threads:
@@ -273,7 +310,7 @@ def test_service_takes_batches_from_many_threads_and_serves_catalogue_metrics(tm
 
 
 def test_service_drops_and_counts_past_its_backlog() -> None:
-    service = CorrelatorService(max_backlog_events=10, start=False)
+    service = LiveCorrelator(max_backlog_events=10, start=False)
     service.submit(_steps(0, [0.0] * 8, 0.1, 0.1))
     service.submit(_steps(0, [0.0] * 8, 0.1, 0.1))
     service.drain()
@@ -282,7 +319,7 @@ def test_service_drops_and_counts_past_its_backlog() -> None:
 
 
 def test_service_counts_what_the_window_store_sheds() -> None:
-    service = CorrelatorService(CorrelatorSettings(max_buffered_events=10), clock_ns=lambda: BASE_NS, start=False)
+    service = LiveCorrelator(CorrelatorSettings(max_buffered_events=10), clock_ns=lambda: BASE_NS, start=False)
     service.submit(_steps(0, [0.0] * 8, 0.1, 0.1))
     service.submit(_steps(0, [0.0] * 3, 0.1, 0.1))
     service.drain()
@@ -290,7 +327,7 @@ def test_service_counts_what_the_window_store_sheds() -> None:
     assert 'stallwatch_correlator_dropped_events_total{kind="step",reason="window_full"} 3.0' in text
 
 
-def _registry(service: CorrelatorService) -> CollectorRegistry:
+def _registry(service: LiveCorrelator) -> CollectorRegistry:
     registry = CollectorRegistry()
     registry.register(service)
     return registry

@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from stallwatch.generate import ARTIFACTS, stale
+from stallwatch.mixin.generate import ARTIFACTS, stale
 from tests.conftest import ROOT
 
 

@@ -10,7 +10,7 @@ import pytest
 from prometheus_client.core import Metric
 
 from stallwatch import catalogue
-from stallwatch.batch import Batch
+from stallwatch.eventbatch import EventBatch
 from stallwatch.exporters.gpu import GpuCollector, error_label
 from stallwatch.exporters.nvml_fake import FakeGpu, FakeNVML, constant, steps
 
@@ -42,9 +42,9 @@ def has(readings: dict[tuple[str, tuple[tuple[str, str], ...]], float], name: st
     return (name, tuple(sorted(labels.items()))) in readings
 
 
-def make(gpus: list[FakeGpu], clock: Clock, **kwargs: object) -> tuple[FakeNVML, GpuCollector, list[Batch]]:
+def make(gpus: list[FakeGpu], clock: Clock, **kwargs: object) -> tuple[FakeNVML, GpuCollector, list[EventBatch]]:
     nvml = FakeNVML(gpus, clock=clock, sample_period=0.1, pcie_latency=0.0)
-    batches: list[Batch] = []
+    batches: list[EventBatch] = []
     collector = GpuCollector(nvml, start=False, clock=clock, sink=batches.append, **kwargs)  # type: ignore[arg-type]
     return nvml, collector, batches
 

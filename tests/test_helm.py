@@ -23,7 +23,7 @@ import yaml
 
 from stallwatch.exporters import agent  # noqa: F401  (registers the collectors this checkout has)
 from stallwatch.exporters.collector import registered
-from stallwatch.generate import ARTIFACTS, CHART_COPIES, chart_copies
+from stallwatch.mixin.generate import ARTIFACTS, CHART_COPIES, chart_copies
 from tests.conftest import ROOT, start_agent, stop_agent
 
 CHART = ROOT / "helm" / "stallwatch"

@@ -16,9 +16,11 @@ import requests
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from stallwatch.alerts import Thresholds, render_alerting_rules, render_recording_rules
 from stallwatch.demo.processes import free_port
 from stallwatch.demo.stack import Server, Webhook, query, start_alertmanager, start_prometheus, wait_for
+from stallwatch.mixin.alerts import render_alerting_rules
+from stallwatch.mixin.config import Thresholds
+from stallwatch.mixin.rules import render_recording_rules
 from tests.conftest import AgentProcess, require_binary
 from tests.dashqueries import METRIC, dashboard_queries
 

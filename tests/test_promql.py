@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from stallwatch import catalogue as c
-from stallwatch.promql import PromQLError, by, quantile, rate, selector
+from stallwatch.mixin.promql import PromQLError, by, quantile, rate, selector
 
 
 def test_selectors_use_the_catalogue_name_and_check_labels() -> None:

@@ -21,8 +21,8 @@ from prometheus_client.exposition import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from stallwatch import catalogue as c
-from stallwatch.batch import Interner
 from stallwatch.client import monitor, transport, wire
+from stallwatch.eventbatch import Interner
 from stallwatch.exporters.collector import ScrapeCollector
 from stallwatch.exporters.events import EventsCollector
 from stallwatch.exporters.gpu import GpuCollector

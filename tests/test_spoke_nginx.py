@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from stallwatch import catalogue
-from stallwatch.batch import Batch, Verdict
+from stallwatch.eventbatch import EventBatch, Verdict
 from stallwatch.exporters.logtail import LogTailer
 from stallwatch.exporters.spoke_nginx import (
     LOG_FORMAT,
@@ -102,7 +102,7 @@ def test_bad_lines_say_why(line: str, reason: str) -> None:
 
 # --- the collector on a file ---------------------------------------------------------------------------
 
-def make_collector(path: Path, batches: list[Batch], **kwargs: object) -> NginxSpokeCollector:
+def make_collector(path: Path, batches: list[EventBatch], **kwargs: object) -> NginxSpokeCollector:
     return NginxSpokeCollector(str(path), "spoke-a", spoke_id=3, sink=batches.append, interval=0,
                                wall_ns=lambda: 5_000_000_000_000_000_000, monotonic_ns=lambda: 1_000, **kwargs)
 

@@ -38,7 +38,6 @@ from stallwatch.client import wire
 
 log = logging.getLogger(__name__)
 
-DEFAULT_SOCKET = "/var/run/stallwatch/events.sock"
 FLUSH_INTERVAL_NS = 500_000_000
 ABSENT_RETRY_NS = 1_000_000_000
 
@@ -197,12 +196,12 @@ _current = _ProcessSender()
 
 
 def sender() -> Sender:
-    """This process's sender, created on first use at `$STALLWATCH_SOCKET` (default DEFAULT_SOCKET)."""
+    """This process's sender, created on first use at `$STALLWATCH_SOCKET` (default `wire.DEFAULT_SOCKET`)."""
     found = _current.sender
     if found is None:
         with _current.lock:
             if _current.sender is None:
-                _current.sender = Sender(os.environ.get("STALLWATCH_SOCKET") or DEFAULT_SOCKET)
+                _current.sender = Sender(os.environ.get(wire.SOCKET_ENV) or wire.DEFAULT_SOCKET)
             found = _current.sender
     return found
 
@@ -213,5 +212,5 @@ def configure(socket_path: str) -> Sender:
         if _current.sender is not None:
             _current.sender.close()
         _current.sender = Sender(socket_path)
-        os.environ["STALLWATCH_SOCKET"] = socket_path  # spawned workers build their own sender from it
+        os.environ[wire.SOCKET_ENV] = socket_path  # spawned workers build their own sender from it
     return _current.sender

@@ -1,4 +1,4 @@
-"""The wire format between training clients and the agent: one datagram is one batch.
+"""The wire contract between training clients and the agent: one datagram is one batch.
 
 Standard library only (the training client imports it); the agent decodes the same layout with
 NumPy in `stallwatch.exporters.events_decode`, building its dtypes from the field tables below, so
@@ -25,6 +25,11 @@ from dataclasses import dataclass
 from itertools import starmap
 
 VERSION = 1
+
+# Where batches travel: the agent binds this Unix datagram socket (`--events.socket`), clients send
+# to the path in SOCKET_ENV or, without it, to this default.
+DEFAULT_SOCKET = "/var/run/stallwatch/events.sock"
+SOCKET_ENV = "STALLWATCH_SOCKET"
 
 HEADER_FIELDS: tuple[tuple[str, str], ...] = (
     ("version", "B"),
@@ -64,7 +69,7 @@ STEP = _layout(STEP_FIELDS)
 READ = _layout(READ_FIELDS)
 STRING_LENGTH = struct.Struct("<H")
 
-# The cache's verdict on a read, as `stallwatch.batch.Verdict` numbers it (that module needs NumPy).
+# The cache's verdict on a read, as `stallwatch.eventbatch.Verdict` numbers it (that module needs NumPy).
 VERDICT_UNKNOWN = -1
 VERDICT_HIT = 0
 VERDICT_MISS = 1

@@ -1,4 +1,4 @@
-"""The recorded event file that `stallwatch correlate FILE` replays: a sequence of Batch records.
+"""The recorded event file that `stallwatch correlate FILE` replays: a sequence of EventBatch records.
 
 Format (version 1): the line `stallwatch-events 1\n`, then records. A record is one line of JSON,
 `{"kind": "read", "rows": 3, "columns": [["job", "<i4"], ["key", "<u8"], ...]}`, followed by the raw
@@ -16,7 +16,7 @@ from typing import BinaryIO
 
 import numpy as np
 
-from stallwatch.batch import Batch
+from stallwatch.eventbatch import EventBatch
 
 MAGIC = b"stallwatch-events 1\n"
 
@@ -25,7 +25,7 @@ class EventFileError(ValueError):
     """A file that is not a stallwatch event file, or is damaged; the message says where."""
 
 
-class EventWriter:
+class EventFileWriter:
     """Appends batches to an event file; safe to call from several threads."""
 
     def __init__(self, path: str | Path) -> None:
@@ -33,7 +33,7 @@ class EventWriter:
         self._file.write(MAGIC)
         self._lock = threading.Lock()
 
-    def write(self, batch: Batch) -> None:
+    def write(self, batch: EventBatch) -> None:
         columns = {name: np.ascontiguousarray(column) for name, column in batch.columns.items()}
         header = {"kind": batch.kind, "rows": len(batch),
                   "columns": [[name, column.dtype.str] for name, column in columns.items()]}
@@ -55,7 +55,7 @@ def _read_exact(stream: BinaryIO, size: int, where: str) -> bytes:
     return data
 
 
-def read_events(path: str | Path) -> Iterator[Batch]:
+def read_events(path: str | Path) -> Iterator[EventBatch]:
     with Path(path).open("rb") as stream:
         if stream.read(len(MAGIC)) != MAGIC:
             raise EventFileError(f"{path}: not a stallwatch event file (no {MAGIC.strip().decode()!r} header)")
@@ -71,4 +71,4 @@ def read_events(path: str | Path) -> Iterator[Batch]:
                 raise EventFileError(f"{where}: bad header: {error}") from error
             columns = {name: np.frombuffer(_read_exact(stream, rows * dtype.itemsize, where), dtype=dtype)
                        for name, dtype in layout}
-            yield Batch(kind, columns)
+            yield EventBatch(kind, columns)

@@ -11,15 +11,25 @@ from prometheus_client.core import Metric
 
 from stallwatch import catalogue
 from stallwatch.catalogue import CAUSES, PHASES
-from stallwatch.correlator.results import Names, WindowResult
+from stallwatch.correlator.results import NameLookup, WindowResult
+from stallwatch.eventbatch import Interner
+
+NO_SPOKE = "default"
+
+
+def whatif_spoke_label(spokes: Interner) -> str:
+    """The what-if's `spoke` label: the spoke names the spoke collectors interned, in order, joined by
+    `+` (the what-if replays all of the node's reads, it cannot tell spokes apart), or `default` when
+    reads arrive but no spoke collector named a spoke."""
+    return "+".join(spokes.name(ident) for ident in range(len(spokes))) or NO_SPOKE
 
 
 class CorrelatorMetrics:
     """Thread-safe: `observe` runs on the pipeline's thread, `collect` on the scrape's."""
 
-    def __init__(self, job_name: Names = str, spoke_name: str = "default") -> None:
-        self._job_name = job_name
-        self._spoke = spoke_name
+    def __init__(self, job_names: NameLookup = str, spokes: Interner | None = None) -> None:
+        self._job_names = job_names
+        self._spokes = spokes if spokes is not None else Interner()
         self._lock = threading.Lock()
         self._stall: dict[tuple[str, ...], float] = defaultdict(float)
         self._compute: dict[tuple[str, ...], float] = defaultdict(float)
@@ -36,7 +46,7 @@ class CorrelatorMetrics:
         self._dropped: dict[tuple[str, str], int] = {}
 
     def observe(self, result: WindowResult) -> None:
-        name = self._job_name
+        name = self._job_names
         with self._lock:
             self._windows += 1
             for r in result.ranks:
@@ -75,6 +85,7 @@ class CorrelatorMetrics:
 
     def collect(self) -> Iterator[Metric]:
         c = catalogue
+        spoke = whatif_spoke_label(self._spokes)  # read at scrape time: spoke collectors intern after this is built
         with self._lock:
             tables: list[tuple[Any, Mapping[tuple[str, ...], float]]] = [
                 (c.STALL_SECONDS.family(), self._stall),
@@ -85,7 +96,7 @@ class CorrelatorMetrics:
                 (c.WARMUP_IDLE_GPU_SECONDS.family(), {(j,): v for j, v in self._warmup_idle.items()}),
                 (c.WARMUP_HUB_BYTES.family(), {(j,): v for j, v in self._warmup_bytes.items()}),
                 (c.WARMUP_REGRESSIONS.family(), {(j,): v for j, v in self._regressions.items()}),
-                (c.CACHE_WHATIF_HIT_RATIO.family(), {(self._spoke, f"{f:g}"): v for f, v in self._whatif.items()}),
+                (c.CACHE_WHATIF_HIT_RATIO.family(), {(spoke, f"{f:g}"): v for f, v in self._whatif.items()}),
                 (c.CORRELATOR_WINDOWS.family(), {(): self._windows}),
                 (c.CORRELATOR_LATE_EVENTS.family(), {(k,): v for k, v in self._late.items()}),
                 (c.CORRELATOR_DROPPED_EVENTS.family(), {k: v for k, v in self._dropped.items()}),

@@ -14,8 +14,8 @@ from collections.abc import Iterator
 import numpy as np
 from streamz import Stream
 
-from stallwatch.batch import Batch, Verdict
 from stallwatch.catalogue import CAUSES
+from stallwatch.eventbatch import EventBatch, Verdict
 
 Interval = tuple[int, int]
 
@@ -73,7 +73,7 @@ class NaiveAttributor:
         split[3] += (we - ws) - cover - preprocess
 
 
-def rows(batch: Batch) -> Iterator[tuple[str, dict[str, int]]]:
+def rows(batch: EventBatch) -> Iterator[tuple[str, dict[str, int]]]:
     """A batch's rows as single events (the per-event pipeline's elements)."""
     names = list(batch.columns)
     columns = [np.asarray(batch.columns[name]).tolist() for name in names]

@@ -8,7 +8,7 @@ from typing import Any
 
 from stallwatch.catalogue import CAUSES
 
-Names = Callable[[int], str]
+NameLookup = Callable[[int], str]  # a small id (job, spoke) -> the name it was interned from
 
 
 @dataclass(frozen=True)
@@ -56,23 +56,23 @@ class WindowResult:
     whatif: dict[float, float] = field(default_factory=dict)  # capacity factor -> hit ratio
     retired_jobs: tuple[int, ...] = ()
 
-    def record(self, job_name: Names) -> dict[str, Any]:
-        """The window as one JSON-ready row (what the recorder writes)."""
+    def record(self, job_names: NameLookup) -> dict[str, Any]:
+        """The window as one JSON-ready row (a line of the window file)."""
         return {
             "start_s": self.start_ns / 1e9,
             "end_s": self.end_ns / 1e9,
             "ranks": [
-                {"job": job_name(r.job), "rank": r.rank, "steps": r.steps, "wait_s": r.wait_s,
+                {"job": job_names(r.job), "rank": r.rank, "steps": r.steps, "wait_s": r.wait_s,
                  "compute_s": r.compute_s, "input_bound_ratio": r.input_bound_ratio,
                  "stall_s": dict(zip(CAUSES, r.stall_s, strict=True))}
                 for r in self.ranks
             ],
             "gpus": [
-                {"job": job_name(g.job), "gpu": g.gpu, "idle_s": dict(zip(CAUSES, g.idle_s, strict=True))}
+                {"job": job_names(g.job), "gpu": g.gpu, "idle_s": dict(zip(CAUSES, g.idle_s, strict=True))}
                 for g in self.gpus
             ],
             "jobs": [
-                {"job": job_name(j.job), "phase": j.phase, "hit_ratio": j.hit_ratio, "reads": j.reads,
+                {"job": job_names(j.job), "phase": j.phase, "hit_ratio": j.hit_ratio, "reads": j.reads,
                  "hub_bytes": j.hub_bytes, "time_to_steady_s": j.time_to_steady_s,
                  "warmup_idle_gpu_s": j.warmup_idle_gpu_s, "warmup_hub_bytes": j.warmup_hub_bytes,
                  "regressions": j.regressions}

@@ -12,8 +12,8 @@ from __future__ import annotations
 import numpy as np
 import numpy.typing as npt
 
-from stallwatch.batch import Verdict
 from stallwatch.correlator.intervals import I64
+from stallwatch.eventbatch import Verdict
 
 I8 = npt.NDArray[np.int8]
 

@@ -28,55 +28,14 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
-from stallwatch.batch import Batch
+from stallwatch.eventbatch import SCHEMAS, Columns
 
-Columns = dict[str, npt.NDArray[Any]]
-
-# The contract of stallwatch/batch.py: each kind's columns and dtypes, and which column is its time.
-SCHEMAS: Mapping[str, Mapping[str, type[np.generic]]] = {
-    "step": {"job": np.int32, "rank": np.int32, "gpu": np.int16, "batch": np.int64, "wait_start_ns": np.int64,
-             "wait_end_ns": np.int64, "compute_end_ns": np.int64},
-    "read": {"job": np.int32, "rank": np.int32, "worker": np.int16, "batch": np.int64, "key": np.uint64,
-             "bytes": np.int64, "start_ns": np.int64, "end_ns": np.int64, "verdict": np.int8},
-    "spoke_request": {"spoke": np.int32, "key": np.uint64, "bytes": np.int64, "end_ns": np.int64,
-                      "duration_ns": np.int64, "upstream_ns": np.int64, "verdict": np.int8},
-    "gpu_util": {"ts_ns": np.int64, "period_ns": np.int64, "gpu": np.int16, "util": np.float32},
-}
-EVENT_TIME = {"step": "compute_end_ns", "read": "end_ns", "spoke_request": "end_ns", "gpu_util": "ts_ns"}
 CONTEXT_KINDS = ("read", "spoke_request", "gpu_util")
 # When an event began: one that began after a window's end cannot overlap that window's stalls.
 BEGIN: Mapping[str, Callable[[_Chunk], npt.NDArray[np.int64]]] = {
     "read": lambda c: c.column("read", "start_ns"),
     "gpu_util": lambda c: c.column("gpu_util", "ts_ns") - c.column("gpu_util", "period_ns"),
 }
-
-
-class MalformedBatchError(ValueError):
-    """A batch that does not follow the contract; the message says what is wrong."""
-
-
-def validate(batch: Batch) -> Columns:
-    """The batch's columns cast to the contract's dtypes, or MalformedBatchError."""
-    schema = SCHEMAS.get(batch.kind)
-    if schema is None:
-        raise MalformedBatchError(f"unknown batch kind {batch.kind!r}")
-    missing = sorted(set(schema) - set(batch.columns))
-    if missing:
-        raise MalformedBatchError(f"{batch.kind} batch lacks column(s) {', '.join(missing)}")
-    columns: Columns = {}
-    for name, dtype in schema.items():
-        column = np.asarray(batch.columns[name])
-        if column.ndim != 1:
-            raise MalformedBatchError(f"{batch.kind}.{name} is not one-dimensional")
-        try:
-            columns[name] = column.astype(dtype, copy=False, casting="same_kind" if column.dtype.kind == "f"
-                                          else "unsafe")
-        except TypeError as error:
-            raise MalformedBatchError(f"{batch.kind}.{name}: {error}") from error
-    lengths = {column.size for column in columns.values()}
-    if len(lengths) > 1:
-        raise MalformedBatchError(f"{batch.kind} batch has columns of unequal length {sorted(lengths)}")
-    return columns
 
 
 # Small batches (a receiver batch is a few hundred events) are merged into one chunk per this many
@@ -106,13 +65,13 @@ class _Chunk:
         stored = self.columns[name] if rows is None else self.columns[name][rows]
         if name not in self.bases:
             return stored
-        dtype = np.dtype(SCHEMAS[kind][name])
+        dtype = SCHEMAS[kind].columns[name]
         values = stored.astype(dtype)
         values += dtype.type(self.bases[name])
         return values
 
     def subset(self, kind: str, rows: npt.NDArray[np.bool_]) -> _Chunk:
-        times = self.column(kind, EVENT_TIME[kind], rows)
+        times = self.column(kind, SCHEMAS[kind].event_time, rows)
         return _Chunk(int(times.min()), int(times.max()), _select(self.columns, rows), self.bases, self.merged)
 
 
@@ -128,7 +87,7 @@ def _merge(kind: str, chunks: list[_Chunk]) -> _Chunk:
     """One chunk of the given ones' rows in order, integer columns narrowed where their range allows."""
     columns: Columns = {}
     bases: dict[str, int] = {}
-    for name in SCHEMAS[kind]:
+    for name in SCHEMAS[kind].columns:
         values = np.concatenate([chunk.column(kind, name) for chunk in chunks])
         if values.dtype.kind in "iu" and values.dtype.itemsize > 1:
             low, high = int(values.min()), int(values.max())
@@ -155,7 +114,7 @@ def _gather(parts: list[tuple[_Chunk, npt.NDArray[np.bool_] | None]], kind: str)
     if len(parts) == 1 and parts[0][1] is None and not parts[0][0].bases:
         return parts[0][0].columns
     return {name: np.concatenate([chunk.column(kind, name, rows) for chunk, rows in parts]) if parts
-            else np.zeros(0, dtype=dtype) for name, dtype in SCHEMAS[kind].items()}
+            else np.zeros(0, dtype=dtype) for name, dtype in SCHEMAS[kind].columns.items()}
 
 
 def _select(columns: Columns, mask: npt.NDArray[np.bool_]) -> Columns:
@@ -178,7 +137,7 @@ class EventTimeWindows:
     _newest: int | None = None
 
     def add(self, kind: str, columns: Columns) -> None:
-        times = columns[EVENT_TIME[kind]].astype(np.int64, copy=False)
+        times = columns[SCHEMAS[kind].event_time].astype(np.int64, copy=False)
         if times.size == 0:
             return
         if self.closed_until is None:
@@ -290,7 +249,7 @@ class EventTimeWindows:
             for chunk in self._buffers[kind]:
                 if chunk.high < horizon:
                     continue
-                keep = chunk.column(kind, EVENT_TIME[kind]) >= horizon
+                keep = chunk.column(kind, SCHEMAS[kind].event_time) >= horizon
                 if kind in BEGIN:
                     keep &= BEGIN[kind](chunk) < end
                 if keep.all():

@@ -29,8 +29,8 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from stallwatch import alerts, report
 from stallwatch import catalogue as c
+from stallwatch import report
 from stallwatch.demo.hub import Hub, make_dataset
 from stallwatch.demo.processes import stop_process
 from stallwatch.demo.spoke import Nginx, spoke_server_block
@@ -43,6 +43,9 @@ from stallwatch.demo.stack import (
     start_prometheus,
     wait_for,
 )
+from stallwatch.mixin.alerts import render_alerting_rules
+from stallwatch.mixin.config import Thresholds
+from stallwatch.mixin.rules import render_recording_rules
 
 LISTENING = re.compile(r"listening on (http://\S+?)'")
 PROGRESS = re.compile(r"epoch (\d+) step (\d+)/(\d+)")
@@ -51,7 +54,7 @@ ALERT_GRACE_SECONDS = 60.0
 JOB = "demo"
 
 # The generated rules, with windows and `for`s short enough for a run of a few minutes.
-DEMO_THRESHOLDS = alerts.Thresholds(
+DEMO_THRESHOLDS = Thresholds(
     rate_window="30s", gpu_starved_for="10s", input_bound_for="20s", hub_failing_for="10s", warmup_budget="10m",
     hit_ratio_for="20s", hit_ratio_baseline_window="10m", agent_down_for="30s", collector_failing_for="30s",
     dropped_events_for="30s", egress_for="1m",
@@ -149,8 +152,9 @@ class Demo:
             "--gpu.fake-devices", "1", "--gpu.fake-trace", str(work / "gpu.trace"), "--gpu.interval", "0.5",
             "--events.socket", str(work / "events.sock"),
             "--collector.spoke_nginx", "--spoke_nginx.log", str(spoke.access_log), "--spoke_nginx.name", SPOKE_NAME,
-            "--correlator.spoke-name", SPOKE_NAME, "--correlator.cache-capacity", str(self.s.cache_bytes),
-            "--correlator.window", str(self.s.window_seconds), "--correlator.record", str(work / "windows.jsonl"),
+            "--correlator.cache-capacity", str(self.s.cache_bytes),
+            "--correlator.window", str(self.s.window_seconds),
+            "--correlator.record-windows", str(work / "windows.jsonl"),
         ]
         log = (work / "agent.log").open("w")
         agent = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, text=True)
@@ -171,8 +175,8 @@ class Demo:
             self.say("  (Debian's prometheus is not installed: no Prometheus, alerts or report from it)")
             return None
         rules = [work / "recording-rules.yaml", work / "alerting-rules.yaml"]
-        rules[0].write_text(alerts.render_recording_rules(DEMO_THRESHOLDS))
-        rules[1].write_text(alerts.render_alerting_rules(DEMO_THRESHOLDS))
+        rules[0].write_text(render_recording_rules(DEMO_THRESHOLDS))
+        rules[1].write_text(render_alerting_rules(DEMO_THRESHOLDS))
         alertmanager = None
         if alertmanager_bin is not None:
             webhook = self.webhook = Webhook(self._on_alert)

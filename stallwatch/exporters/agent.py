@@ -13,12 +13,11 @@ from prometheus_client.core import Metric
 from prometheus_client.registry import CollectorRegistry
 
 from stallwatch import __version__, catalogue
-from stallwatch.batch import discard
-from stallwatch.correlator.service import CorrelatorService
+from stallwatch.eventbatch import EventSink, discard
 
 # Importing a collector module registers it by name.
 from stallwatch.exporters import (  # noqa: F401
-    correlator,
+    correlator_collector,
     events,
     gpu,
     host,
@@ -28,7 +27,14 @@ from stallwatch.exporters import (  # noqa: F401
     spoke_qumulo,
     spoke_varnish,
 )
-from stallwatch.exporters.collector import Collector, CollectorContext, ScrapeCollector, registered
+from stallwatch.exporters.collector import (
+    Collector,
+    CollectorContext,
+    CollectorSpec,
+    ScrapeCollector,
+    fan_out,
+    registered,
+)
 from stallwatch.exporters.config import ConfigError, log_level, parse, parse_listen_address
 from stallwatch.exporters.web import MetricsServer
 from stallwatch.exporters.web_config import WebConfig, load_web_config
@@ -41,6 +47,29 @@ class _BuildInfo:
         family = catalogue.BUILD_INFO.family()
         family.add_metric([__version__], 1)
         yield family
+
+
+def _build(specs: Sequence[CollectorSpec], context: CollectorContext) -> dict[str, Collector]:
+    """The collectors, event consumers first: their `submit` is every other collector's sink.
+
+    A file named by a flag that is missing or malformed is a ConfigError, once what was built is closed.
+    """
+    collectors: dict[str, Collector] = {}
+    sinks: list[EventSink] = []
+    try:
+        for spec in specs:
+            if spec.consumer is not None:
+                consumer = spec.consumer(context)
+                collectors[spec.name] = consumer
+                sinks.append(consumer.submit)
+        context = dataclasses.replace(context, sink=fan_out(sinks))
+        for spec in specs:
+            if spec.consumer is None:
+                collectors[spec.name] = spec.factory(context)
+    except (ConfigError, OSError, ValueError) as error:
+        ScrapeCollector(collectors).close()
+        raise ConfigError(f"collector {spec.name}: {error}") from error
+    return collectors
 
 
 def main(argv: Sequence[str]) -> int:
@@ -64,24 +93,13 @@ def main(argv: Sequence[str]) -> int:
         print(f"stallwatch agent: error: cannot listen on {options.web_listen_address}: {error.strerror}",
               file=sys.stderr)
         return 2
-    collectors: dict[str, Collector] = {}
-    context = CollectorContext(options=options, sink=discard)
-    if options.collector_correlator:
-        # Built first: every other collector's batches flow into its thread-safe input.
-        service = specs["correlator"].factory(context)
-        assert isinstance(service, CorrelatorService)
-        collectors["correlator"] = service
-        context = dataclasses.replace(context, sink=service.submit)
-    for name, spec in specs.items():
-        if name in collectors or not getattr(options, f"collector_{name}"):
-            continue
-        try:
-            collectors[name] = spec.factory(context)
-        except (ConfigError, OSError, ValueError) as error:  # a file named by a flag is missing or malformed
-            print(f"stallwatch agent: error: collector {name}: {error}", file=sys.stderr)
-            ScrapeCollector(collectors).close()
-            server.close()
-            return 2
+    enabled = [spec for name, spec in specs.items() if getattr(options, f"collector_{name}")]
+    try:
+        collectors = _build(enabled, CollectorContext(options=options, sink=discard))
+    except ConfigError as error:
+        print(f"stallwatch agent: error: {error}", file=sys.stderr)
+        server.close()
+        return 2
     log.info("collectors enabled: %s", ", ".join(collectors) or "none")
     scrape = ScrapeCollector(collectors)
     registry.register(scrape)

@@ -3,7 +3,9 @@
 A collector module calls `register_collector()` at import with its name, whether it is on by default,
 its own flags and a factory. The agent turns that table into `--collector.NAME` / `--no-collector.NAME`
 flags, builds the enabled collectors, and exposes them through one `ScrapeCollector` that times each
-one and reports `stallwatch_scrape_collector_{duration_seconds,success}`.
+one and reports `stallwatch_scrape_collector_{duration_seconds,success}`. A collector that consumes
+the others' event batches (the correlator) registers with `register_event_consumer()` instead: the
+agent builds it before the rest and makes its `submit` the sink of every other collector's context.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from __future__ import annotations
 import argparse
 import logging
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -19,7 +21,7 @@ from prometheus_client.core import Metric
 from prometheus_client.registry import Collector as PromCollector
 
 from stallwatch import catalogue
-from stallwatch.batch import BatchSink, Interner
+from stallwatch.eventbatch import EventBatch, EventSink, Interner, discard
 
 log = logging.getLogger(__name__)
 
@@ -28,6 +30,12 @@ class Collector(Protocol):
     def collect(self) -> Iterable[Metric]: ...
 
     def close(self) -> None: ...
+
+
+class EventConsumer(Collector, Protocol):
+    @property
+    def submit(self) -> EventSink:
+        """Takes one batch from any collector's thread: never blocks, never raises."""
 
 
 @dataclass(frozen=True)
@@ -40,12 +48,13 @@ class CollectorContext:
     """
 
     options: argparse.Namespace
-    sink: BatchSink
+    sink: EventSink
     jobs: Interner = field(default_factory=Interner)
     spokes: Interner = field(default_factory=Interner)
 
 
 Factory = Callable[[CollectorContext], Collector]
+ConsumerFactory = Callable[[CollectorContext], EventConsumer]
 AddArguments = Callable[[argparse._ArgumentGroup], None]
 
 
@@ -56,9 +65,25 @@ class CollectorSpec:
     description: str
     factory: Factory
     add_arguments: AddArguments | None = None
+    consumer: ConsumerFactory | None = None  # set for an event consumer (then the same as `factory`)
 
 
 _REGISTRY: dict[str, CollectorSpec] = {}
+
+
+def fan_out(sinks: Sequence[EventSink]) -> EventSink:
+    """One sink handing each batch to all of `sinks` (none: batches are discarded)."""
+    if not sinks:
+        return discard
+    if len(sinks) == 1:
+        return sinks[0]
+    every = tuple(sinks)
+
+    def to_every(batch: EventBatch) -> None:
+        for sink in every:
+            sink(batch)
+
+    return to_every
 
 
 def register_collector(
@@ -68,9 +93,24 @@ def register_collector(
     factory: Factory,
     add_arguments: AddArguments | None = None,
 ) -> None:
-    if name in _REGISTRY:
-        raise ValueError(f"collector {name!r} registered twice")
-    _REGISTRY[name] = CollectorSpec(name, default_enabled, description, factory, add_arguments)
+    _register(CollectorSpec(name, default_enabled, description, factory, add_arguments))
+
+
+def register_event_consumer(
+    name: str,
+    default_enabled: bool,
+    description: str,
+    factory: ConsumerFactory,
+    add_arguments: AddArguments | None = None,
+) -> None:
+    """A collector fed the other collectors' event batches through its `submit`."""
+    _register(CollectorSpec(name, default_enabled, description, factory, add_arguments, consumer=factory))
+
+
+def _register(spec: CollectorSpec) -> None:
+    if spec.name in _REGISTRY:
+        raise ValueError(f"collector {spec.name!r} registered twice")
+    _REGISTRY[spec.name] = spec
 
 
 def registered() -> Mapping[str, CollectorSpec]:

@@ -21,28 +21,6 @@ DEFAULT_PORT = 9842
 DEFAULT_LISTEN_ADDRESS = f":{DEFAULT_PORT}"
 
 
-def positive_float(text: str) -> float:
-    """Flag type: a number > 0 (argparse reports the message as a one-line error)."""
-    value = float(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
-    return value
-
-
-def non_negative_float(text: str) -> float:
-    value = float(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
-    return value
-
-
-def positive_int(text: str) -> int:
-    value = int(text)
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
-    return value
-
-
 class ConfigError(Exception):
     """A bad flag or configuration file; the message is one line for the user."""
 

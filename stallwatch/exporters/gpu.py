@@ -30,9 +30,9 @@ import numpy as np
 from prometheus_client.core import Metric
 
 from stallwatch import catalogue
-from stallwatch.batch import Batch, BatchSink, discard
+from stallwatch.eventbatch import EventBatch, EventSink, discard
 from stallwatch.exporters.collector import CollectorContext, register_collector
-from stallwatch.exporters.config import positive_float
+from stallwatch.flags import positive_float
 
 log = logging.getLogger(__name__)
 
@@ -106,7 +106,7 @@ class GpuCollector:
         interval: float = 0.5,
         pcie_interval: float = 10.0,
         idle_threshold: float = 0.05,
-        sink: BatchSink = discard,
+        sink: EventSink = discard,
         clock: Callable[[], float] = time.monotonic,
         start: bool = True,
     ) -> None:
@@ -299,13 +299,13 @@ class GpuCollector:
         device.last_sample_us = int(stamps[-1])
         wall_to_monotonic_ns = time.monotonic_ns() - time.time_ns()
         self._sink(
-            Batch(
+            EventBatch.of(
                 "gpu_util",
                 {
                     "ts_ns": stamps * 1000 + wall_to_monotonic_ns,
                     "period_ns": (periods_us * 1000).astype(np.int64),
-                    "gpu": np.full(stamps.size, device.index, dtype=np.int16),
-                    "util": values.astype(np.float32),
+                    "gpu": np.full(stamps.size, device.index),
+                    "util": values,
                 },
             )
         )

@@ -24,15 +24,14 @@ from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-import numpy as np
 from prometheus_client.core import Metric
 
 from stallwatch import catalogue
-from stallwatch.batch import Batch, BatchSink, Verdict, discard
+from stallwatch.eventbatch import EventBatch, EventSink, Verdict, discard
 from stallwatch.exporters.collector import CollectorContext, register_collector
-from stallwatch.exporters.config import non_negative_float
 from stallwatch.exporters.logtail import LogTailer
 from stallwatch.exporters.spokes import collector_errors
+from stallwatch.flags import non_negative_float
 from stallwatch.keys import read_key
 
 log = logging.getLogger(__name__)
@@ -167,7 +166,7 @@ class NginxSpokeCollector:
         spoke: str = "nginx",
         *,
         spoke_id: int = 0,
-        sink: BatchSink = discard,
+        sink: EventSink = discard,
         from_start: bool = False,
         rotate_wait: float = 5.0,
         interval: float = 1.0,
@@ -256,18 +255,18 @@ class NginxSpokeCollector:
             self._hub_fetch.observe(entry.upstream_ns / 1e9)
         self._hub_errors += entry.upstream_errors
 
-    def _batch(self, entries: list[LogEntry]) -> Batch:
+    def _batch(self, entries: list[LogEntry]) -> EventBatch:
         # $msec is wall time; the stream runs on the node's monotonic clock. Sample the offset once
         # per batch so a wall-clock step moves later batches, not the order within one.
         offset = self._wall_ns() - self._monotonic_ns()
-        return Batch("spoke_request", {
-            "spoke": np.full(len(entries), self._spoke_id, dtype=np.int32),
-            "key": np.fromiter((e.key for e in entries), dtype=np.uint64, count=len(entries)),
-            "bytes": np.fromiter((e.body_bytes for e in entries), dtype=np.int64, count=len(entries)),
-            "end_ns": np.fromiter((e.end_wall_ns - offset for e in entries), dtype=np.int64, count=len(entries)),
-            "duration_ns": np.fromiter((e.duration_ns for e in entries), dtype=np.int64, count=len(entries)),
-            "upstream_ns": np.fromiter((e.upstream_ns for e in entries), dtype=np.int64, count=len(entries)),
-            "verdict": np.fromiter((e.verdict for e in entries), dtype=np.int8, count=len(entries)),
+        return EventBatch.of("spoke_request", {
+            "spoke": [self._spoke_id] * len(entries),
+            "key": [e.key for e in entries],
+            "bytes": [e.body_bytes for e in entries],
+            "end_ns": [e.end_wall_ns - offset for e in entries],
+            "duration_ns": [e.duration_ns for e in entries],
+            "upstream_ns": [e.upstream_ns for e in entries],
+            "verdict": [e.verdict for e in entries],
         })
 
 

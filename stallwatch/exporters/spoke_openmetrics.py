@@ -41,8 +41,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from stallwatch import catalogue
 from stallwatch.exporters.collector import CollectorContext, register_collector
-from stallwatch.exporters.config import positive_float
 from stallwatch.exporters.spokes import collector_errors
+from stallwatch.flags import positive_float
 
 log = logging.getLogger(__name__)
 

@@ -26,7 +26,7 @@ from pathlib import Path
 from prometheus_client.core import Metric
 
 from stallwatch.exporters.collector import CollectorContext, register_collector
-from stallwatch.exporters.config import ConfigError, positive_float
+from stallwatch.exporters.config import ConfigError
 from stallwatch.exporters.spoke_openmetrics import (
     HttpGet,
     Rule,
@@ -38,6 +38,7 @@ from stallwatch.exporters.spoke_openmetrics import (
     parse_exposition,
 )
 from stallwatch.exporters.spokes import collector_errors
+from stallwatch.flags import positive_float
 
 log = logging.getLogger(__name__)
 

@@ -8,7 +8,7 @@ The trainer waits for batch k, then computes. GPUs are busy exactly while their 
 
 Because the simulation knows what the awaited worker did at every instant of every wait, each stall
 comes with its true split among the causes; the generator also records when each job's cache
-became warm and the exact LRU hit ratio at other capacities. Output: the `Batch`es an agent would
+became warm and the exact LRU hit ratio at other capacities. Output: the `EventBatch`es an agent would
 see (`step`, `read`, `spoke_request`, `gpu_util`), in arrival order with bounded delays.
 """
 
@@ -22,8 +22,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from stallwatch.batch import Batch, Verdict
 from stallwatch.catalogue import CAUSES
+from stallwatch.eventbatch import SCHEMAS, EventBatch, Verdict
 
 NS = 1_000_000_000
 
@@ -76,7 +76,7 @@ class Truth:
 
 @dataclass
 class Generated:
-    batches: list[Batch]
+    batches: list[EventBatch]
     truth: Truth
 
 
@@ -257,36 +257,32 @@ def _gpu_samples(ranks: list[_Rank], period: float, end: float) -> list[tuple]:
     return rows
 
 
-_KINDS = {
-    "step": (("job", np.int32), ("rank", np.int32), ("gpu", np.int16), ("batch", np.int64),
-             ("wait_start_ns", "t"), ("wait_end_ns", "t"), ("compute_end_ns", "t")),
-    "read": (("job", np.int32), ("rank", np.int32), ("worker", np.int16), ("batch", np.int64),
-             ("key", np.uint64), ("bytes", np.int64), ("start_ns", "t"), ("end_ns", "t"), ("verdict", np.int8)),
-    "spoke_request": (("spoke", np.int32), ("key", np.uint64), ("bytes", np.int64), ("end_ns", "t"),
-                      ("duration_ns", "d"), ("upstream_ns", "d"), ("verdict", np.int8)),
-    "gpu_util": (("ts_ns", "t"), ("period_ns", "d"), ("gpu", np.int16), ("util", np.float32)),
-}
-_TIME_COLUMN = {"step": 6, "read": 7, "spoke_request": 3, "gpu_util": 0}
+# Rows are tuples in the contract's column order; times and durations in them are seconds.
+_TIMES = frozenset({"wait_start_ns", "wait_end_ns", "compute_end_ns", "start_ns", "end_ns", "ts_ns"})
+_DURATIONS = frozenset({"duration_ns", "upstream_ns", "period_ns"})  # negative: -1, "none"
 BASE_NS = 10**12  # monotonic clocks do not start at zero
 
 
-def _arrange(rng: random.Random, max_delay: float, steps: list, reads: list, spoke: list, gpu: list) -> list[Batch]:
+def _arrange(
+    rng: random.Random, max_delay: float, steps: list, reads: list, spoke: list, gpu: list
+) -> list[EventBatch]:
     """Rows -> batches of 100 ms of arrival time per kind, every row delayed by up to `max_delay`."""
     slices: dict[tuple[int, str], list[tuple]] = defaultdict(list)
     for kind, rows in (("step", steps), ("read", reads), ("spoke_request", spoke), ("gpu_util", gpu)):
+        when = list(SCHEMAS[kind].columns).index(SCHEMAS[kind].event_time)
         for row in rows:
-            arrival = row[_TIME_COLUMN[kind]] + rng.uniform(0, max_delay)
+            arrival = row[when] + rng.uniform(0, max_delay)
             slices[(int(arrival * 10), kind)].append(row)
     batches = []
     for (_, kind), rows in sorted(slices.items()):
         columns = {}
-        for position, (name, dtype) in enumerate(_KINDS[kind]):
+        for position, name in enumerate(SCHEMAS[kind].columns):
             values = [row[position] for row in rows]
-            if dtype == "t":
+            if name in _TIMES:
                 columns[name] = (np.array(values) * NS).round().astype(np.int64) + BASE_NS
-            elif dtype == "d":
+            elif name in _DURATIONS:
                 columns[name] = np.where(np.array(values) < 0, -1, (np.array(values) * NS).round()).astype(np.int64)
             else:
-                columns[name] = np.array(values, dtype=dtype)
-        batches.append(Batch(kind, columns))
+                columns[name] = values
+        batches.append(EventBatch.of(kind, columns))
     return batches

@@ -7,9 +7,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from stallwatch.catalogue import CAUSES
-from stallwatch.correlator.correlate import CorrelatorSettings
-from stallwatch.correlator.pipeline import Correlator
+from stallwatch.correlator.pipeline import CorrelatorPipeline
 from stallwatch.correlator.results import WindowResult
+from stallwatch.correlator.settings import CorrelatorSettings
 from tests.scenarios.generator import BASE_NS, Generated, Scenario, generate
 
 
@@ -17,7 +17,7 @@ from tests.scenarios.generator import BASE_NS, Generated, Scenario, generate
 class Outcome:
     generated: Generated
     windows: list[WindowResult] = field(default_factory=list)
-    correlator: Correlator | None = None
+    correlator: CorrelatorPipeline | None = None
 
     def stall_by_rank(self) -> dict[tuple[int, int], np.ndarray]:
         totals: dict[tuple[int, int], np.ndarray] = {}
@@ -36,8 +36,8 @@ def correlate(scenario: Scenario, **settings: object) -> Outcome:
     generated = generate(scenario)
     outcome = Outcome(generated)
     defaults: dict[str, object] = {"cache_capacity_bytes": scenario.cache_bytes, "whatif_sample_rate": 1.0}
-    correlator = Correlator(CorrelatorSettings(**{**defaults, **settings}),  # type: ignore[arg-type]
-                            listeners=[outcome.windows.append])
+    correlator = CorrelatorPipeline(CorrelatorSettings(**{**defaults, **settings}),  # type: ignore[arg-type]
+                                    listeners=[outcome.windows.append])
     correlator.run(generated.batches)
     outcome.correlator = correlator
     return outcome

@@ -1,18 +1,38 @@
-"""Registers the `correlator` collector: its flags, and a factory building the correlator service.
+"""The correlator's settings: the dataclass, its flags with their validation, and `from_options`.
 
-Only the registration lives here, next to the other collectors, so the agent's flags and
-`--collector.correlator` come from the same table; the correlator itself is `stallwatch.correlator`.
-The agent builds this collector first and hands its `submit` to every other collector as their sink.
+The agent (`--correlator.window`, ...) and `stallwatch correlate` (`--window`, ...) take the same
+flags from here, so the two commands cannot drift apart and neither reaches into the other.
 """
 
 from __future__ import annotations
 
 import argparse
+from dataclasses import dataclass, field
 
-from stallwatch.correlator.correlate import CorrelatorSettings
-from stallwatch.correlator.service import DEFAULT_BACKLOG_EVENTS, CorrelatorService
-from stallwatch.exporters.collector import CollectorContext, register_collector
-from stallwatch.exporters.config import non_negative_float, positive_float, positive_int
+from stallwatch.correlator.warmup import WarmupSettings
+from stallwatch.flags import non_negative_float, positive_float, positive_int
+
+
+@dataclass(frozen=True)
+class CorrelatorSettings:
+    window_s: float = 5.0
+    lateness_s: float = 5.0
+    stall_threshold_s: float = 0.001
+    lookback_s: float = 2.0  # how far before a stall a batch's reads are looked for (> any preprocess time)
+    retention_s: float = 60.0  # the longest stall whose reads and GPU samples are still at hand
+    # Per kind. Bounds the window store's memory (a read is 51 bytes, about half once merged): 10 s of
+    # window and lateness at the nominal 50k events/s with room to spare; past it, a flood's batches are
+    # shed and counted.
+    max_buffered_events: int = 600_000
+    spoke_join_tolerance_s: float = 1.0
+    cache_capacity_bytes: int | None = None
+    whatif_sample_rate: float = 0.1
+    whatif_max_keys: int = 1024
+    warmup: WarmupSettings = field(default_factory=WarmupSettings)
+
+
+def seconds_to_ns(seconds: float) -> int:
+    return round(seconds * 1e9)
 
 
 def _sample_rate(text: str) -> float:
@@ -29,8 +49,8 @@ def _bytes(text: str) -> int:
     return value
 
 
-def add_settings_arguments(group: argparse._ArgumentGroup, prefix: str) -> None:
-    """The pipeline's settings as flags; `prefix` is `correlator.` for the agent, empty offline."""
+def add_arguments(group: argparse._ArgumentGroup, prefix: str) -> None:
+    """The flags both commands share; `prefix` is `correlator.` for the agent, empty for `stallwatch correlate`."""
     defaults = CorrelatorSettings()
     group.add_argument(f"--{prefix}window", dest="correlator_window", type=positive_float,
                        default=defaults.window_s, metavar="SECONDS", help="event-time window (default: %(default)s)")
@@ -53,11 +73,11 @@ def add_settings_arguments(group: argparse._ArgumentGroup, prefix: str) -> None:
                        default=defaults.whatif_sample_rate, metavar="RATIO",
                        help="initial share of keys the what-if samples; it lowers itself to bound memory "
                        "(default: %(default)s)")
-    group.add_argument(f"--{prefix}record", dest="correlator_record", default=None, metavar="PATH",
+    group.add_argument(f"--{prefix}record-windows", dest="correlator_record_windows", default=None, metavar="PATH",
                        help="append every closed window to PATH as a JSON line")
 
 
-def settings_from(options: argparse.Namespace) -> CorrelatorSettings:
+def from_options(options: argparse.Namespace) -> CorrelatorSettings:
     return CorrelatorSettings(
         window_s=options.correlator_window,
         lateness_s=options.correlator_lateness,
@@ -67,31 +87,3 @@ def settings_from(options: argparse.Namespace) -> CorrelatorSettings:
         cache_capacity_bytes=options.correlator_cache_capacity,
         whatif_sample_rate=options.correlator_whatif_sample_rate,
     )
-
-
-def _add_arguments(group: argparse._ArgumentGroup) -> None:
-    add_settings_arguments(group, "correlator.")
-    group.add_argument("--correlator.spoke-name", dest="correlator_spoke_name", default="default", metavar="NAME",
-                       help="spoke label of the what-if (default: %(default)s)")
-    group.add_argument("--correlator.backlog-limit", dest="correlator_backlog_limit", type=positive_int,
-                       default=DEFAULT_BACKLOG_EVENTS, metavar="EVENTS",
-                       help="events queued for the correlator; past it whole batches are dropped and counted "
-                       "(default: %(default)s)")
-    group.add_argument("--correlator.record-events", dest="correlator_record_events", default=None, metavar="PATH",
-                       help="also write every incoming batch to PATH, for `stallwatch correlate PATH`")
-
-
-def _from_context(context: CollectorContext) -> CorrelatorService:
-    options = context.options
-    return CorrelatorService(
-        settings_from(options),
-        job_name=context.jobs.name,
-        spoke_name=options.correlator_spoke_name,
-        record_path=options.correlator_record,
-        events_path=options.correlator_record_events,
-        max_backlog_events=options.correlator_backlog_limit,
-    )
-
-
-register_collector("correlator", True, "stall attribution, GPU idle, warm-up and cache what-if from the event stream",
-                   _from_context, _add_arguments)

@@ -1,4 +1,4 @@
-"""Writes each closed window as one JSON line, for reports (`--correlator.record PATH`)."""
+"""Writes each closed window as one JSON line, for reports (`--correlator.record-windows PATH`)."""
 
 from __future__ import annotations
 
@@ -6,20 +6,20 @@ import json
 from pathlib import Path
 from typing import TextIO
 
-from stallwatch.correlator.results import Names, WindowResult
+from stallwatch.correlator.results import NameLookup, WindowResult
 
 
-class WindowRecorder:
-    def __init__(self, target: str | Path | TextIO, job_name: Names = str) -> None:
+class WindowFileWriter:
+    def __init__(self, target: str | Path | TextIO, job_names: NameLookup = str) -> None:
         if isinstance(target, (str, Path)):
             self._stream: TextIO = Path(target).open("a", encoding="utf-8")  # noqa: SIM115 (closed by close())
             self._owned = True
         else:
             self._stream, self._owned = target, False
-        self._job_name = job_name
+        self._job_names = job_names
 
     def write(self, result: WindowResult) -> None:
-        self._stream.write(json.dumps(result.record(self._job_name)) + "\n")
+        self._stream.write(json.dumps(result.record(self._job_names)) + "\n")
         self._stream.flush()
 
     def close(self) -> None:

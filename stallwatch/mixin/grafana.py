@@ -1,6 +1,6 @@
 """A small model of a Grafana dashboard (rows of panels, each answering one question) and its rendering.
 
-`stallwatch/dashboards.py` declares the dashboards in this model; this module turns them into the JSON
+`dashboards.py` declares the dashboards in this model; this module turns them into the JSON
 that Grafana imports, through grafana-foundation-sdk (Grafana's own typed builders, current schema), and
 into the panel tables of docs/dashboards.md. Layout (grid positions, panel ids) is computed here, so the
 declarations hold only what a reader needs: title, question, visualisation, unit, queries.

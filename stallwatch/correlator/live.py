@@ -1,4 +1,4 @@
-"""The correlator inside the agent: a thread-safe input, one pipeline thread, metrics and recorders.
+"""The correlator inside the agent: a thread-safe input, one pipeline thread, metrics, window and event files.
 
 Collectors call `submit(batch)` from their own threads (GPU poll, event receiver, spoke tailers). It
 only appends to a queue under a lock, so no collector ever waits on the correlator; past
@@ -21,13 +21,13 @@ from pathlib import Path
 
 from prometheus_client.core import Metric
 
-from stallwatch.batch import Batch
-from stallwatch.correlator.correlate import CorrelatorSettings, seconds_to_ns
-from stallwatch.correlator.eventfile import EventWriter
+from stallwatch.correlator.eventfile import EventFileWriter
 from stallwatch.correlator.metrics import CorrelatorMetrics
-from stallwatch.correlator.pipeline import Correlator, Watermark, event_count
-from stallwatch.correlator.recorder import WindowRecorder
-from stallwatch.correlator.results import Names
+from stallwatch.correlator.pipeline import CorrelatorPipeline, Watermark, event_count
+from stallwatch.correlator.results import NameLookup
+from stallwatch.correlator.settings import CorrelatorSettings, seconds_to_ns
+from stallwatch.correlator.windowfile import WindowFileWriter
+from stallwatch.eventbatch import EventBatch, Interner
 
 log = logging.getLogger(__name__)
 
@@ -55,14 +55,16 @@ def _return_freed_memory() -> None:
         _MALLOC_TRIM(0)
 
 
-class CorrelatorService:
+class LiveCorrelator:
+    """The pipeline fed live by the agent's collectors, on a thread of its own; a collector itself."""
+
     def __init__(
         self,
         settings: CorrelatorSettings | None = None,
         *,
-        job_name: Names = str,
-        spoke_name: str = "default",
-        record_path: str | Path | None = None,
+        job_names: NameLookup = str,
+        spokes: Interner | None = None,
+        windows_path: str | Path | None = None,
         events_path: str | Path | None = None,
         clock_ns: Callable[[], int] = time.monotonic_ns,
         tick_s: float = 0.25,
@@ -70,16 +72,16 @@ class CorrelatorService:
         start: bool = True,
     ) -> None:
         self.settings = settings or CorrelatorSettings()
-        self.metrics = CorrelatorMetrics(job_name, spoke_name)
-        self._recorder = WindowRecorder(record_path, job_name) if record_path else None
-        self._events = EventWriter(events_path) if events_path else None
-        listeners = [self.metrics.observe] + ([self._recorder.write] if self._recorder else [])
-        self.correlator = Correlator(self.settings, listeners=listeners, event_time_watermark=False)
+        self.metrics = CorrelatorMetrics(job_names, spokes)
+        self._window_file = WindowFileWriter(windows_path, job_names) if windows_path else None
+        self._events = EventFileWriter(events_path) if events_path else None
+        listeners = [self.metrics.observe] + ([self._window_file.write] if self._window_file else [])
+        self.correlator = CorrelatorPipeline(self.settings, listeners=listeners, event_time_watermark=False)
         self._clock_ns = clock_ns
         self._tick_s = tick_s
         self._max_backlog = max_backlog_events
         self._lock = threading.Lock()
-        self._queue: list[Batch] = []
+        self._queue: list[EventBatch] = []
         self._queued_events = 0
         self._dropped: Counter[tuple[str, str]] = Counter()
         self._stop = threading.Event()
@@ -88,7 +90,7 @@ class CorrelatorService:
             self._thread = threading.Thread(target=self._run, name="stallwatch-correlator", daemon=True)
             self._thread.start()
 
-    def submit(self, batch: Batch) -> None:
+    def submit(self, batch: EventBatch) -> None:
         """The agent's batch sink: never blocks beyond a list append, never raises."""
         rows = event_count(batch)
         with self._lock:
@@ -136,6 +138,6 @@ class CorrelatorService:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=5)
-        for closer in (self._recorder, self._events):
+        for closer in (self._window_file, self._events):
             if closer is not None:
                 closer.close()

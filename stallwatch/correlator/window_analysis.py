@@ -6,43 +6,20 @@ per-event work is array work. The only Python loops run per job or per rank, nev
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import numpy as np
 
-from stallwatch.batch import Verdict
 from stallwatch.catalogue import CAUSES
 from stallwatch.correlator.attribution import Reads, Steps, attribute, gpu_idle_in_stalls
 from stallwatch.correlator.intervals import composite_key
 from stallwatch.correlator.results import GpuRow, JobRow, RankRow, WindowResult
+from stallwatch.correlator.settings import CorrelatorSettings, seconds_to_ns
 from stallwatch.correlator.verdicts import LatencySplit, join_spoke
-from stallwatch.correlator.warmup import JobWindow, WarmupSettings, WarmupTracker
+from stallwatch.correlator.warmup import JobWindow, WarmupTracker
 from stallwatch.correlator.whatif import MissRatioCurve
 from stallwatch.correlator.windows import WindowInput
+from stallwatch.eventbatch import Verdict
 
 WHATIF_FACTORS = (0.5, 1.0, 2.0, 4.0)
-
-
-@dataclass(frozen=True)
-class CorrelatorSettings:
-    window_s: float = 5.0
-    lateness_s: float = 5.0
-    stall_threshold_s: float = 0.001
-    lookback_s: float = 2.0  # how far before a stall a batch's reads are looked for (> any preprocess time)
-    retention_s: float = 60.0  # the longest stall whose reads and GPU samples are still at hand
-    # Per kind. Bounds the window store's memory (a read is 51 bytes, about half once merged): 10 s of
-    # window and lateness at the nominal 50k events/s with room to spare; past it, a flood's batches are
-    # shed and counted.
-    max_buffered_events: int = 600_000
-    spoke_join_tolerance_s: float = 1.0
-    cache_capacity_bytes: int | None = None
-    whatif_sample_rate: float = 0.1
-    whatif_max_keys: int = 1024
-    warmup: WarmupSettings = field(default_factory=WarmupSettings)
-
-
-def seconds_to_ns(seconds: float) -> int:
-    return round(seconds * 1e9)
 
 
 def _group(*columns: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -53,7 +30,9 @@ def _group(*columns: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return np.stack([c[first].astype(np.int64) for c in columns], axis=1), inverse.reshape(-1)
 
 
-class WindowCorrelator:
+class WindowAnalyser:
+    """Called once per closed window; keeps what it learns (latency split, warm-up, what-if) across windows."""
+
     def __init__(self, settings: CorrelatorSettings | None = None) -> None:
         self.settings = settings or CorrelatorSettings()
         s = self.settings

@@ -1,150 +1,19 @@
-"""Prometheus recording and alerting rules (`alerts/*.yaml`) and their runbooks, from the metric catalogue.
+"""The alerting rules (`alerts/alerting-rules.yaml`), each with its runbook, from the metric catalogue.
 
-Every threshold and `for` comes from one `Thresholds` instance; the defaults are documented on its
-fields and listed in docs/runbooks.md. Recording rules follow `level:metric:operation`; alerts follow
-the monitoring-mixin conventions (CamelCase with a shared prefix, `severity` critical|warning,
-a static `summary`, a templated `description`, a `runbook_url` to a section of docs/runbooks.md).
+Every threshold and `for` comes from one `Thresholds` instance (`config.py`); alert names are CamelCase
+with the shared `ALERT_PREFIX`. Where a recording rule exists the alert reads it (`rules.py`). The
+runbook text of each alert is rendered into docs/runbooks.md (`runbooks.py`).
 """
 
 from __future__ import annotations
 
-import re
-from dataclasses import dataclass, field, fields
-from typing import Literal
-
-import yaml
-
 from stallwatch import catalogue as c
-from stallwatch.promql import by, increase, rate, selector
-
-_DURATION = re.compile(r"^[0-9]+(ms|s|m|h|d)$")
-
-
-def _doc(text: str) -> dict[str, str]:
-    return {"doc": text}
+from stallwatch.mixin.config import ALERT_PREFIX, Thresholds
+from stallwatch.mixin.prometheus import AlertRule, RuleGroup, render_rules
+from stallwatch.mixin.promql import by, increase, rate, selector
+from stallwatch.mixin.rules import gpu_stall_idle_rule, hit_ratio_rule, input_bound_rule, stall_rate_rule
 
 
-@dataclass(frozen=True)
-class Thresholds:
-    """What the generated rules consider a problem, and for how long before they say so."""
-
-    input_bound_ratio: float = field(default=0.20, metadata=_doc(
-        "Share of step time spent waiting for input above which a job is input-bound. TensorFlow's "
-        "input-pipeline analyzer calls 5-20 % 'moderately' and 20 % or more 'highly' input-bound."))
-    input_bound_moderate_ratio: float = field(default=0.05, metadata=_doc(
-        "The 'moderately input-bound' line drawn on dashboards (no alert)."))
-    input_bound_for: str = field(default="15m", metadata=_doc("How long a job stays input-bound before the alert."))
-    gpu_remote_fetch_idle_ratio: float = field(default=0.10, metadata=_doc(
-        "Share of a job's GPU time spent idle while its ranks waited on reads that missed the spoke."))
-    gpu_starved_for: str = field(default="10m", metadata=_doc("How long GPUs starve before the alert."))
-    warmup_budget: str = field(default="30m", metadata=_doc(
-        "Longest a job may stay cold or in transition (the warm-up's `for`)."))
-    hit_ratio_drop: float = field(default=0.15, metadata=_doc(
-        "Drop of a spoke's request hit ratio below its best of the baseline window that counts as a regression."))
-    hit_ratio_steady: float = field(default=0.80, metadata=_doc(
-        "Best hit ratio in the baseline window that shows the spoke had warmed up (regressions before that are "
-        "warm-up, not regressions)."))
-    hit_ratio_baseline_window: str = field(default="6h", metadata=_doc("Window the best hit ratio is taken over."))
-    hit_ratio_for: str = field(default="10m", metadata=_doc("How long the regression lasts before the alert."))
-    hub_error_ratio: float = field(default=0.05, metadata=_doc(
-        "Share of hub fetches that fail (all of them when the hub is unreachable) while ranks stall."))
-    hub_failing_for: str = field(default="5m", metadata=_doc("How long the hub fails before the alert."))
-    egress_price_usd_per_gb: float = field(default=0.02, metadata=_doc(
-        "Price of one GB (10^9 bytes) fetched from the hub across regions; also the dashboards' default."))
-    egress_budget_usd_per_hour: float = field(default=5.0, metadata=_doc(
-        "Cross-region egress spend per hour, all spokes together, above which the alert fires."))
-    egress_for: str = field(default="15m", metadata=_doc("How long spend stays over budget before the alert."))
-    dropped_events_ratio: float = field(default=0.01, metadata=_doc(
-        "Share of training-client events lost (by the client or the agent's receiver) that the alerts allow."))
-    dropped_events_for: str = field(default="10m", metadata=_doc("How long events are lost before the alert."))
-    agent_scrape_job: str = field(default="stallwatch", metadata=_doc(
-        "The Prometheus scrape job (the `job` of `up`) of the node agents."))
-    agent_down_for: str = field(default="5m", metadata=_doc("How long an agent is unreachable before the alert."))
-    collector_failing_for: str = field(default="10m", metadata=_doc(
-        "How long a collector (gpu is NVML) keeps failing before the alert."))
-    xid_window: str = field(default="10m", metadata=_doc("Window in which any critical XID error alerts."))
-    xid_for: str = field(default="1m", metadata=_doc("How long the XID alert is pending before it fires."))
-    rate_window: str = field(default="5m", metadata=_doc("Window of the recording rules' rates."))
-    runbook_base_url: str = field(default="docs/runbooks.md", metadata=_doc(
-        "Where docs/runbooks.md is served; each alert's runbook_url is this plus the alert's anchor."))
-
-    def __post_init__(self) -> None:
-        for f in fields(self):
-            value = getattr(self, f.name)
-            if (f.name.endswith(("_for", "_window", "_budget"))) and not _DURATION.match(value):
-                raise ValueError(f"{f.name}: {value!r} is not a Prometheus duration such as 5m")
-            if f.name.endswith("_ratio") and not 0 <= value <= 1:
-                raise ValueError(f"{f.name}: {value} is not a ratio between 0 and 1")
-
-
-Severity = Literal["critical", "warning"]
-PREFIX = "Stallwatch"
-COMPONENT = "stallwatch"  # on every alert, for Alertmanager routes (deploy/alertmanager/alertmanager.yml)
-
-
-@dataclass(frozen=True)
-class RecordingRule:
-    record: str
-    expr: str
-
-
-@dataclass(frozen=True)
-class AlertRule:
-    name: str
-    expr: str
-    for_: str
-    severity: Severity
-    summary: str
-    description: str
-    runbook: str  # markdown: what it means, what to check, what to do
-
-    @property
-    def anchor(self) -> str:
-        """The GitHub-style anchor of this alert's heading in docs/runbooks.md."""
-        return self.name.lower()
-
-
-@dataclass(frozen=True)
-class RuleGroup:
-    name: str
-    rules: tuple[RecordingRule, ...] | tuple[AlertRule, ...]
-
-
-# --- recording rules ---------------------------------------------------------------------------------
-def stall_rate_rule(t: Thresholds) -> RecordingRule:
-    return RecordingRule(f"job_cause:{c.STALL_SECONDS.name.removesuffix('_total')}:rate{t.rate_window}",
-                         by("job, cause", "sum", rate(c.STALL_SECONDS, t.rate_window)))
-
-
-def gpu_stall_idle_rule(t: Thresholds) -> RecordingRule:
-    return RecordingRule(f"job_cause:{c.GPU_STALL_IDLE_SECONDS.name.removesuffix('_total')}:rate{t.rate_window}",
-                         by("job, cause", "sum", rate(c.GPU_STALL_IDLE_SECONDS, t.rate_window)))
-
-
-def input_bound_rule(t: Thresholds) -> RecordingRule:
-    return RecordingRule(f"job:{c.INPUT_BOUND_RATIO.name}:avg", by("job", "avg", selector(c.INPUT_BOUND_RATIO)))
-
-
-def hit_ratio_rule(t: Thresholds) -> RecordingRule:
-    hits = by("spoke", "sum", rate(c.SPOKE_REQUESTS, t.rate_window, 'result="hit"'))
-    every = by("spoke", "sum", rate(c.SPOKE_REQUESTS, t.rate_window))
-    name = c.SPOKE_REQUESTS.name.removesuffix("_total")
-    return RecordingRule(f"spoke:{name}:hit_ratio_rate{t.rate_window}", f"{hits} / {every}")
-
-
-def spoke_bytes_rule(t: Thresholds) -> RecordingRule:
-    return RecordingRule(f"spoke_source:{c.SPOKE_BYTES.name.removesuffix('_total')}:rate{t.rate_window}",
-                         by("spoke, source", "sum", rate(c.SPOKE_BYTES, t.rate_window)))
-
-
-def recording_groups(t: Thresholds) -> tuple[RuleGroup, ...]:
-    return (
-        RuleGroup("stallwatch-training.recording", (stall_rate_rule(t), gpu_stall_idle_rule(t), input_bound_rule(t))),
-        RuleGroup("stallwatch-spoke.recording", (hit_ratio_rule(t), spoke_bytes_rule(t))),
-    )
-
-
-# --- alerting rules ----------------------------------------------------------------------------------
 def _share(part: str, rest: str) -> str:
     """part / (part + rest), where a missing rest (nothing ever succeeded) counts as zero, so the share is 1."""
     return f"{part} / ({part} + ({rest} or {part} * 0))"
@@ -161,7 +30,7 @@ def training_alerts(t: Thresholds) -> tuple[AlertRule, ...]:
     gpus_per_job = by("job", "count", by("job, instance, gpu", "group", selector(c.GPU_STALL_IDLE_SECONDS)))
     return (
         AlertRule(
-            name=f"{PREFIX}GPUsStarvedByRemoteFetches",
+            name=f"{ALERT_PREFIX}GPUsStarvedByRemoteFetches",
             expr=f"{remote_idle} / on (job) {gpus_per_job} > {t.gpu_remote_fetch_idle_ratio}",
             for_=t.gpu_starved_for, severity="warning",
             summary="GPUs sit idle while training waits on reads that missed the spoke.",
@@ -176,7 +45,7 @@ def training_alerts(t: Thresholds) -> tuple[AlertRule, ...]:
                     "would hit, raise loader workers or `prefetch_factor` to hide hub latency.",
         ),
         AlertRule(
-            name=f"{PREFIX}TrainingInputBound",
+            name=f"{ALERT_PREFIX}TrainingInputBound",
             expr=f"{input_bound_rule(t).record} >= {t.input_bound_ratio}",
             for_=t.input_bound_for, severity="warning",
             summary="Training spends a large share of its step time waiting for input.",
@@ -189,10 +58,10 @@ def training_alerts(t: Thresholds) -> tuple[AlertRule, ...]:
                     "`cache_read` point at storage; `preprocess` at CPU-bound workers; `other` at missing read "
                     "events (is the client wrapping the loader's dataset?).\n\n"
                     "Act: for preprocessing, more workers or cheaper transforms; for storage, see "
-                    f"[{PREFIX}GPUsStarvedByRemoteFetches](#{PREFIX.lower()}gpusstarvedbyremotefetches).",
+                    f"[{ALERT_PREFIX}GPUsStarvedByRemoteFetches](#{ALERT_PREFIX.lower()}gpusstarvedbyremotefetches).",
         ),
         AlertRule(
-            name=f"{PREFIX}WarmupOverBudget",
+            name=f"{ALERT_PREFIX}WarmupOverBudget",
             expr=f"{not_steady} == 1",
             for_=t.warmup_budget, severity="warning",
             summary="A job's warm-up takes longer than its budget.",
@@ -218,7 +87,7 @@ def spoke_alerts(t: Thresholds) -> tuple[AlertRule, ...]:
     egress_usd = f"{hub_bytes} / 1e9 * {t.egress_price_usd_per_gb}"
     return (
         AlertRule(
-            name=f"{PREFIX}SpokeHitRatioRegressed",
+            name=f"{ALERT_PREFIX}SpokeHitRatioRegressed",
             expr=f"({ratio} < {best} - {t.hit_ratio_drop}) and ({best} >= {t.hit_ratio_steady})",
             for_=t.hit_ratio_for, severity="warning",
             summary="A warmed-up spoke's hit ratio fell well below its best.",
@@ -234,7 +103,7 @@ def spoke_alerts(t: Thresholds) -> tuple[AlertRule, ...]:
                     "shared spoke; check the cache's own logs for restarts.",
         ),
         AlertRule(
-            name=f"{PREFIX}HubFailingWhileTrainingStalls",
+            name=f"{ALERT_PREFIX}HubFailingWhileTrainingStalls",
             expr=f"({_share(hub_errors, hub_fetches)} > {t.hub_error_ratio}) and on () ({stalling})",
             for_=t.hub_failing_for, severity="critical",
             summary="The hub is unreachable or failing while training ranks stall.",
@@ -247,7 +116,7 @@ def spoke_alerts(t: Thresholds) -> tuple[AlertRule, ...]:
                     "Act: restore the hub or the link; until then jobs run only on what the spoke holds.",
         ),
         AlertRule(
-            name=f"{PREFIX}EgressOverBudget",
+            name=f"{ALERT_PREFIX}EgressOverBudget",
             expr=f"{egress_usd} > {t.egress_budget_usd_per_hour}",
             for_=t.egress_for, severity="warning",
             summary="Cross-region egress from the hub costs more than its budget.",
@@ -265,7 +134,7 @@ def spoke_alerts(t: Thresholds) -> tuple[AlertRule, ...]:
 def node_alerts(t: Thresholds) -> tuple[AlertRule, ...]:
     return (
         AlertRule(
-            name=f"{PREFIX}ClientDroppingEvents",
+            name=f"{ALERT_PREFIX}ClientDroppingEvents",
             expr=f"{_lost_ratio(c.CLIENT_DROPPED_EVENTS, t.rate_window)} > {t.dropped_events_ratio}",
             for_=t.dropped_events_for, severity="warning",
             summary="Training clients cannot deliver their events to the node agent.",
@@ -278,7 +147,7 @@ def node_alerts(t: Thresholds) -> tuple[AlertRule, ...]:
                     "Act: fix the shared directory or the agent; training itself is never blocked by this.",
         ),
         AlertRule(
-            name=f"{PREFIX}ReceiverDroppingEvents",
+            name=f"{ALERT_PREFIX}ReceiverDroppingEvents",
             expr=f"{_lost_ratio(c.RECEIVER_DROPPED_EVENTS, t.rate_window)} > {t.dropped_events_ratio}",
             for_=t.dropped_events_for, severity="warning",
             summary="The node agent drops events it received from training clients.",
@@ -290,7 +159,7 @@ def node_alerts(t: Thresholds) -> tuple[AlertRule, ...]:
                     "Act: give the agent more CPU, or align client and agent versions.",
         ),
         AlertRule(
-            name=f"{PREFIX}AgentDown",
+            name=f"{ALERT_PREFIX}AgentDown",
             expr=f'up{{job="{t.agent_scrape_job}"}} == 0',
             for_=t.agent_down_for, severity="warning",
             summary="Prometheus cannot scrape a stallwatch node agent.",
@@ -303,7 +172,7 @@ def node_alerts(t: Thresholds) -> tuple[AlertRule, ...]:
                     "Act: fix the configuration or restart the pod; training is not affected, only observed less.",
         ),
         AlertRule(
-            name=f"{PREFIX}CollectorFailing",
+            name=f"{ALERT_PREFIX}CollectorFailing",
             expr=by("instance, collector", "min", selector(c.SCRAPE_COLLECTOR_SUCCESS)) + " == 0",
             for_=t.collector_failing_for, severity="warning",
             summary="A collector of a stallwatch agent fails on every scrape.",
@@ -316,7 +185,7 @@ def node_alerts(t: Thresholds) -> tuple[AlertRule, ...]:
                     "Act: fix the cause and restart the agent (NVML is initialised once).",
         ),
         AlertRule(
-            name=f"{PREFIX}GPUsUnreachable",
+            name=f"{ALERT_PREFIX}GPUsUnreachable",
             # GPUs NVML reported in the last hour against those answering now; the gpu collector itself
             # keeps succeeding through these faults, so CollectorFailing does not see them. A node without
             # GPUs reports 0 on both sides and stays quiet.
@@ -335,7 +204,7 @@ def node_alerts(t: Thresholds) -> tuple[AlertRule, ...]:
                     "Act: drain the node and reset or replace a lost GPU; after a driver change restart the agent.",
         ),
         AlertRule(
-            name=f"{PREFIX}GPUXidErrors",
+            name=f"{ALERT_PREFIX}GPUXidErrors",
             expr=by("instance, gpu, xid", "sum", increase(c.GPU_XID_ERRORS, t.xid_window)) + " > 0",
             for_=t.xid_for, severity="critical",
             summary="A GPU reported critical XID errors.",
@@ -363,72 +232,6 @@ def all_alerts(t: Thresholds) -> tuple[AlertRule, ...]:
     return tuple(r for g in alerting_groups(t) for r in g.rules if isinstance(r, AlertRule))
 
 
-# --- rendering ---------------------------------------------------------------------------------------
-def _rule_document(rule: RecordingRule | AlertRule, t: Thresholds) -> dict[str, object]:
-    if isinstance(rule, RecordingRule):
-        return {"record": rule.record, "expr": rule.expr}
-    return {
-        "alert": rule.name,
-        "expr": rule.expr,
-        "for": rule.for_,
-        "labels": {"severity": rule.severity, "component": COMPONENT},
-        "annotations": {
-            "summary": rule.summary,
-            "description": rule.description,
-            "runbook_url": f"{t.runbook_base_url}#{rule.anchor}",
-        },
-    }
-
-
-def render_rules(groups: tuple[RuleGroup, ...], t: Thresholds) -> str:
-    document = {"groups": [{"name": g.name, "rules": [_rule_document(r, t) for r in g.rules]} for g in groups]}
-    header = "# Generated by `make generate` from stallwatch/alerts.py; do not edit by hand.\n"
-    return header + yaml.safe_dump(document, sort_keys=False, width=1000, allow_unicode=True)
-
-
-def render_recording_rules(t: Thresholds | None = None) -> str:
-    t = t or Thresholds()
-    return render_rules(recording_groups(t), t)
-
-
 def render_alerting_rules(t: Thresholds | None = None) -> str:
     t = t or Thresholds()
-    return render_rules(alerting_groups(t), t)
-
-
-def render_runbooks() -> str:
-    t = Thresholds()
-    lines = [
-        "# Runbooks",
-        "",
-        "Generated by `make generate` from `stallwatch/alerts.py`; do not edit by hand. Each alert's",
-        "`runbook_url` points at its section here. The rules live in `alerts/`, the dashboards the runbooks",
-        "name in `dashboards/` ([what each panel answers](dashboards.md)).",
-        "",
-        "## Thresholds",
-        "",
-        "Every threshold and `for` of the rules is a field of `stallwatch.alerts.Thresholds`; render the",
-        "rules with other values from Python (`render_alerting_rules(Thresholds(input_bound_ratio=0.3))`).",
-        "",
-        "| field | default | meaning |",
-        "|---|---|---|",
-    ]
-    lines += [f"| `{f.name}` | `{getattr(t, f.name)}` | {f.metadata['doc']} |" for f in fields(t)]
-    lines += ["", "## Recording rules", "", "The alerts and cluster-wide views read these "
-              "(`level:metric:operation`).", "", "| record | expression |", "|---|---|"]
-    lines += [f"| `{r.record}` | `{r.expr}` |" for g in recording_groups(t) for r in g.rules
-              if isinstance(r, RecordingRule)]
-    for alert in all_alerts(t):
-        lines += [
-            "",
-            f"## {alert.name}",
-            "",
-            f"*{alert.severity}*, after `{alert.for_}`: {alert.summary}",
-            "",
-            alert.runbook,
-            "",
-            "```promql",
-            alert.expr,
-            "```",
-        ]
-    return "\n".join(lines) + "\n"
+    return render_rules(alerting_groups(t), t.runbook_base_url, "stallwatch/mixin/alerts.py")

@@ -10,9 +10,19 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from stallwatch import catalogue as c
-from stallwatch.alerts import Thresholds
-from stallwatch.grafana import Annotation, Dashboard, Panel, Query, Row, Variable, Viz, render_json, render_markdown
-from stallwatch.promql import by, increase, quantile, rate, selector
+from stallwatch.mixin.config import Thresholds
+from stallwatch.mixin.grafana import (
+    Annotation,
+    Dashboard,
+    Panel,
+    Query,
+    Row,
+    Variable,
+    Viz,
+    render_json,
+    render_markdown,
+)
+from stallwatch.mixin.promql import by, increase, quantile, rate, selector
 
 JOB, NODE, GPU, SPOKE = 'job=~"$job"', 'instance=~"$node"', 'gpu=~"$gpu"', 'spoke=~"$spoke"'
 RATE, RANGE = "$__rate_interval", "$__range"
@@ -316,7 +326,7 @@ def _renderer(uid: str) -> Callable[[], str]:
 
 
 def render_docs() -> str:
-    return render_markdown(all_dashboards(), "stallwatch/dashboards.py")
+    return render_markdown(all_dashboards(), "stallwatch/mixin/dashboards.py")
 
 
 # What `stallwatch generate` writes for the dashboards: path -> renderer.

@@ -1,0 +1,43 @@
+"""Registers the `correlator` collector: its agent-only flags, and a factory building the live correlator.
+
+Only the registration lives here, next to the other collectors, so the agent's flags and
+`--collector.correlator` come from the same table; the correlator itself is `stallwatch.correlator`,
+and the flags it shares with `stallwatch correlate` are `stallwatch.correlator.settings`.
+An event consumer: the agent builds it first and hands its `submit` to every other collector as their sink.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from stallwatch.correlator import settings
+from stallwatch.correlator.live import DEFAULT_BACKLOG_EVENTS, LiveCorrelator
+from stallwatch.exporters.collector import CollectorContext, register_event_consumer
+from stallwatch.flags import positive_int
+
+
+def _add_arguments(group: argparse._ArgumentGroup) -> None:
+    settings.add_arguments(group, "correlator.")
+    group.add_argument("--correlator.backlog-limit", dest="correlator_backlog_limit", type=positive_int,
+                       default=DEFAULT_BACKLOG_EVENTS, metavar="EVENTS",
+                       help="events queued for the correlator; past it whole batches are dropped and counted "
+                       "(default: %(default)s)")
+    group.add_argument("--correlator.record-events", dest="correlator_record_events", default=None, metavar="PATH",
+                       help="also write every incoming batch to PATH, for `stallwatch correlate PATH`")
+
+
+def _from_context(context: CollectorContext) -> LiveCorrelator:
+    options = context.options
+    return LiveCorrelator(
+        settings.from_options(options),
+        job_names=context.jobs.name,
+        spokes=context.spokes,
+        windows_path=options.correlator_record_windows,
+        events_path=options.correlator_record_events,
+        max_backlog_events=options.correlator_backlog_limit,
+    )
+
+
+register_event_consumer("correlator", True,
+                        "stall attribution, GPU idle, warm-up and cache what-if from the event stream",
+                        _from_context, _add_arguments)

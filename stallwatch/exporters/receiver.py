@@ -1,0 +1,147 @@
+"""The socket server of the `events` collector: receives training clients' datagrams, hands them on.
+
+Two threads keep the socket drained, which matters where the kernel queues only ten datagrams
+(`net.unix.max_dgram_qlen`): the receive thread only receives and queues raw batches, bounded by
+`queue_limit` events (past it a whole batch is dropped and reported to `on_queue_full`); the
+processing thread hands everything queued to `handle` in one call, which decodes and counts it.
+
+Permissions: the socket is the only way in (no network listener); it is created with mode 0660 and,
+with a socket group, owned by that group, so only the agent's user and that group's training
+processes can send. A missing directory is created 0750 with the same group: group members can
+reach the socket, nobody else can, and only the agent can create files there.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import socket
+import stat
+import threading
+from collections import deque
+from collections.abc import Callable
+from pathlib import Path
+
+from stallwatch.exporters.events_decode import peek_events
+
+log = logging.getLogger(__name__)
+
+RECEIVE_BUFFER = 1 << 18  # larger than any batch a client sends (wire.MAX_EVENTS records)
+SOCKET_RCVBUF = 4 << 20
+POLL_SECONDS = 0.25
+
+
+class EventReceiver:
+    """Binds `path` and starts both threads; if it cannot bind, logs why and `bound` is False."""
+
+    def __init__(
+        self,
+        path: str,
+        queue_limit: int,
+        handle: Callable[[list[bytes]], None],
+        on_queue_full: Callable[[int], None],
+        socket_group: int | None = None,
+    ) -> None:
+        self._path = path
+        self._queue_limit = queue_limit
+        self._handle, self._on_queue_full = handle, on_queue_full
+        self._group = socket_group
+        self._queue: deque[bytes] = deque()
+        self._queued_events = 0
+        self._ready = threading.Condition()
+        self._stop = threading.Event()
+        self._socket = self._bind()
+        self._threads = [
+            threading.Thread(target=self._receive_forever, name="stallwatch-events-receive", daemon=True),
+            threading.Thread(target=self._process_forever, name="stallwatch-events-process", daemon=True),
+        ]
+        if self._socket is not None:
+            for thread in self._threads:
+                thread.start()
+
+    @property
+    def bound(self) -> bool:
+        return self._socket is not None
+
+    def _bind(self) -> socket.socket | None:
+        path = Path(self._path)
+        try:
+            if not path.parent.is_dir():
+                path.parent.mkdir(parents=True)
+                self._restrict(path.parent, 0o750)
+            if path.is_socket():  # left by an agent that did not exit cleanly
+                path.unlink()
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_RCVBUF)
+            sock.bind(str(path))
+            self._restrict(path, 0o660)
+        except OSError as error:
+            log.error("events: cannot bind %s: %s; training clients will count their events as dropped",
+                      self._path, error)
+            return None
+        sock.settimeout(POLL_SECONDS)
+        self._inode = os.stat(path).st_ino
+        log.info("events: receiving on %s", self._path)
+        return sock
+
+    def _restrict(self, path: Path, mode: int) -> None:
+        # chmod, not mkdir's mode: the umask would narrow or (at 0) widen it.
+        if self._group is not None:
+            os.chown(path, -1, self._group)
+        os.chmod(path, mode)
+
+    def _receive_forever(self) -> None:
+        assert self._socket is not None
+        buffer = bytearray(RECEIVE_BUFFER)
+        while not self._stop.is_set():
+            try:
+                size = self._socket.recv_into(buffer)
+            except TimeoutError:
+                continue
+            except OSError as error:
+                if not self._stop.is_set():
+                    log.error("events: receive failed: %s", error)
+                    self._stop.wait(POLL_SECONDS)
+                continue
+            self.enqueue(bytes(buffer[:size]))
+
+    def enqueue(self, data: bytes) -> None:
+        """Queue one datagram for the processing thread: the receive thread's work; tests call it."""
+        events = peek_events(data)
+        with self._ready:
+            if self._queue and self._queued_events + events > self._queue_limit:
+                self._on_queue_full(events)
+                return
+            self._queue.append(data)
+            self._queued_events += events
+            self._ready.notify()
+
+    def _process_forever(self) -> None:
+        while True:
+            with self._ready:
+                self._ready.wait_for(lambda: self._queue or self._stop.is_set(), timeout=POLL_SECONDS)
+                pending = list(self._queue)
+                self._queue.clear()
+                self._queued_events = 0
+            if pending:
+                try:
+                    self._handle(pending)
+                except Exception:  # a bug there must not stop the receiver
+                    log.exception("events: processing failed")
+            elif self._stop.is_set():
+                return
+
+    def close(self) -> None:
+        self._stop.set()
+        with self._ready:
+            self._ready.notify_all()
+        for thread in self._threads:
+            if thread.is_alive():
+                thread.join(timeout=2)
+        if self._socket is not None:
+            self._socket.close()
+            with contextlib.suppress(OSError):  # remove the path only if it is still our socket
+                info = os.stat(self._path)
+                if stat.S_ISSOCK(info.st_mode) and info.st_ino == self._inode:
+                    os.unlink(self._path)

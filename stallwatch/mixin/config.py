@@ -1,0 +1,73 @@
+"""What the generated rules and dashboards consider a problem, and the names they publish under.
+
+The one place to tune the mixin: every threshold and `for` is a field of `Thresholds`, documented with its
+default (the table in docs/runbooks.md is rendered from these fields); the names below are the conventions
+every alert shares.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field, fields
+
+ALERT_PREFIX = "Stallwatch"  # CamelCase alert names share it, as monitoring mixins do
+COMPONENT = "stallwatch"  # on every alert, for Alertmanager routes (deploy/alertmanager/alertmanager.yml)
+
+_DURATION = re.compile(r"^[0-9]+(ms|s|m|h|d)$")
+
+
+def _doc(text: str) -> dict[str, str]:
+    return {"doc": text}
+
+
+@dataclass(frozen=True)
+class Thresholds:
+    """What the generated rules consider a problem, and for how long before they say so."""
+
+    input_bound_ratio: float = field(default=0.20, metadata=_doc(
+        "Share of step time spent waiting for input above which a job is input-bound. TensorFlow's "
+        "input-pipeline analyzer calls 5-20 % 'moderately' and 20 % or more 'highly' input-bound."))
+    input_bound_moderate_ratio: float = field(default=0.05, metadata=_doc(
+        "The 'moderately input-bound' line drawn on dashboards (no alert)."))
+    input_bound_for: str = field(default="15m", metadata=_doc("How long a job stays input-bound before the alert."))
+    gpu_remote_fetch_idle_ratio: float = field(default=0.10, metadata=_doc(
+        "Share of a job's GPU time spent idle while its ranks waited on reads that missed the spoke."))
+    gpu_starved_for: str = field(default="10m", metadata=_doc("How long GPUs starve before the alert."))
+    warmup_budget: str = field(default="30m", metadata=_doc(
+        "Longest a job may stay cold or in transition (the warm-up's `for`)."))
+    hit_ratio_drop: float = field(default=0.15, metadata=_doc(
+        "Drop of a spoke's request hit ratio below its best of the baseline window that counts as a regression."))
+    hit_ratio_steady: float = field(default=0.80, metadata=_doc(
+        "Best hit ratio in the baseline window that shows the spoke had warmed up (regressions before that are "
+        "warm-up, not regressions)."))
+    hit_ratio_baseline_window: str = field(default="6h", metadata=_doc("Window the best hit ratio is taken over."))
+    hit_ratio_for: str = field(default="10m", metadata=_doc("How long the regression lasts before the alert."))
+    hub_error_ratio: float = field(default=0.05, metadata=_doc(
+        "Share of hub fetches that fail (all of them when the hub is unreachable) while ranks stall."))
+    hub_failing_for: str = field(default="5m", metadata=_doc("How long the hub fails before the alert."))
+    egress_price_usd_per_gb: float = field(default=0.02, metadata=_doc(
+        "Price of one GB (10^9 bytes) fetched from the hub across regions; also the dashboards' default."))
+    egress_budget_usd_per_hour: float = field(default=5.0, metadata=_doc(
+        "Cross-region egress spend per hour, all spokes together, above which the alert fires."))
+    egress_for: str = field(default="15m", metadata=_doc("How long spend stays over budget before the alert."))
+    dropped_events_ratio: float = field(default=0.01, metadata=_doc(
+        "Share of training-client events lost (by the client or the agent's receiver) that the alerts allow."))
+    dropped_events_for: str = field(default="10m", metadata=_doc("How long events are lost before the alert."))
+    agent_scrape_job: str = field(default="stallwatch", metadata=_doc(
+        "The Prometheus scrape job (the `job` of `up`) of the node agents."))
+    agent_down_for: str = field(default="5m", metadata=_doc("How long an agent is unreachable before the alert."))
+    collector_failing_for: str = field(default="10m", metadata=_doc(
+        "How long a collector (gpu is NVML) keeps failing before the alert."))
+    xid_window: str = field(default="10m", metadata=_doc("Window in which any critical XID error alerts."))
+    xid_for: str = field(default="1m", metadata=_doc("How long the XID alert is pending before it fires."))
+    rate_window: str = field(default="5m", metadata=_doc("Window of the recording rules' rates."))
+    runbook_base_url: str = field(default="docs/runbooks.md", metadata=_doc(
+        "Where docs/runbooks.md is served; each alert's runbook_url is this plus the alert's anchor."))
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if (f.name.endswith(("_for", "_window", "_budget"))) and not _DURATION.match(value):
+                raise ValueError(f"{f.name}: {value!r} is not a Prometheus duration such as 5m")
+            if f.name.endswith("_ratio") and not 0 <= value <= 1:
+                raise ValueError(f"{f.name}: {value} is not a ratio between 0 and 1")
