@@ -190,9 +190,8 @@ def _instrumented_class(base: type[DataLoader[Any]]) -> type[DataLoader[Any]]:
         state = instrumentation(loader)
         view: DataLoader[Any] = object.__new__(view_class)
         object.__setattr__(view, "__dict__", loader.__dict__)  # one state: `_iterator`, resumption, epochs
-        if loader.num_workers == 0:
-            reads.bind_worker(state.source)  # the dataset reads in this process
-        return timed_steps(base.__iter__(view), sender().channel(state.source))
+        steps = timed_steps(base.__iter__(view), sender().channel(state.source))
+        return _reading_here(state.source, steps) if loader.num_workers == 0 else steps
 
     found = type(f"Instrumented{base.__name__}", (base,), {
         "__module__": __name__,
@@ -203,6 +202,12 @@ def _instrumented_class(base: type[DataLoader[Any]]) -> type[DataLoader[Any]]:
     _instrumented[base] = found
     _base_of[found] = base
     return found
+
+
+def _reading_here(source: wire.Source, steps: Iterator[Any]) -> Iterator[Any]:
+    """Without workers the dataset reads in this process: as the loader's source, during its epoch only."""
+    with reads.reads_as(source):
+        yield from steps
 
 
 def _reduce(loader: DataLoader[Any], protocol: object) -> tuple[Any, ...]:
