@@ -7,7 +7,7 @@
    another process, as the agent would.
 2. Throughput of a real DataLoader pipeline (workers, collation, a small matmul per step), plain
    and through `stallwatch.client.torch.instrument` with every sample read recorded, run
-   alternately and compared on their medians.
+   alternately: the median of the rounds' changes, and their spread.
 
     PYTHONPATH=. python benchmarks/client_overhead.py [--events N] [--rounds R]
 """
@@ -100,7 +100,7 @@ def per_event(events: int) -> dict[str, float]:
     return results
 
 
-def pipeline_throughput(rounds: int) -> tuple[float, float]:
+def pipeline_throughput(rounds: int) -> tuple[list[float], list[float]]:
     import torch
     from torch.utils.data import DataLoader, Dataset
 
@@ -138,10 +138,14 @@ def pipeline_throughput(rounds: int) -> tuple[float, float]:
                               job="bench", rank=0)
     epoch(plain_loader), epoch(instrumented)  # warm up: start the workers
     plain, with_client = [], []
-    for _ in range(rounds):
-        plain.append(epoch(plain_loader))
-        with_client.append(epoch(instrumented))
-    return statistics.median(plain), statistics.median(with_client)
+    for round_number in range(rounds):  # the order flips every round, so neither side always goes first
+        if round_number % 2:
+            with_client.append(epoch(instrumented))
+            plain.append(epoch(plain_loader))
+        else:
+            plain.append(epoch(plain_loader))
+            with_client.append(epoch(instrumented))
+    return plain, with_client
 
 
 def main() -> int:
@@ -156,7 +160,7 @@ def main() -> int:
             assert drain.stdout is not None and drain.stdout.readline().strip() == "ready"
             transport.configure(path)
             costs = per_event(args.events)
-            plain, with_client = pipeline_throughput(args.rounds)
+            plain_rounds, client_rounds = pipeline_throughput(args.rounds)
         finally:
             drain.kill()
             drain.wait()
@@ -169,10 +173,15 @@ def main() -> int:
     record = costs["record one event (append + pack + send)"]
     print(f"  record one event / Histogram.observe       {record / observe:8.2f}x")
     print(f"  monitor() step overhead / Histogram.observe {costs['monitor() overhead per step'] / observe:7.2f}x")
-    print(f"DataLoader pipeline (2 workers, batch 64, median of {args.rounds} alternating epochs):")
-    print(f"  plain          {plain:10.0f} samples/s")
-    print(f"  with client    {with_client:10.0f} samples/s")
-    print(f"  throughput change {100 * (with_client - plain) / plain:+.2f} %")
+    # Each round is a plain and an instrumented epoch side by side: its change pairs two neighbours in time.
+    changes = sorted(100 * (client / plain - 1) for plain, client in zip(plain_rounds, client_rounds, strict=True))
+    quartiles = statistics.quantiles(changes, n=4)
+    print(f"DataLoader pipeline (2 workers, batch 64, {args.rounds} rounds of a plain and an instrumented epoch):")
+    print(f"  plain          {statistics.median(plain_rounds):10.0f} samples/s (median)")
+    print(f"  with client    {statistics.median(client_rounds):10.0f} samples/s (median)")
+    print(f"  throughput change, median of the rounds {statistics.median(changes):+.2f} %")
+    print(f"  spread of the rounds: quartiles {quartiles[0]:+.2f} .. {quartiles[2]:+.2f} %, "
+          f"range {changes[0]:+.2f} .. {changes[-1]:+.2f} %")
     return 0
 
 
