@@ -68,7 +68,7 @@ class Monitored(Generic[T]):
 
 
 def monitor(
-    loader: Iterable[T], job: str | None = None, rank: int | None = None, gpu: int | None = None
+    loader: Iterable[T], job: str | None = None, rank: int | None = None, gpu: int | str | None = None
 ) -> Monitored[T]:
-    """Wrap any iterable of batches; job, rank and gpu default from the environment."""
+    """Wrap any iterable of batches; job, rank and gpu default from the environment (see `instrument`)."""
     return Monitored(loader, sender().channel(source_from_environment(job, rank, gpu)))

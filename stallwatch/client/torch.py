@@ -221,9 +221,12 @@ def _restore(base: type[DataLoader[Any]]) -> DataLoader[Any]:
     return loader
 
 
-def instrument(loader: L, job: str | None = None, rank: int | None = None, gpu: int | None = None) -> L:
+def instrument(
+    loader: L, job: str | None = None, rank: int | None = None, gpu: int | str | None = None
+) -> L:
     """Instrument `loader` in place and return it: iterating it records the loop's steps, and the reads
-    its dataset records carry the batch they serve. Job, rank and gpu default from the environment.
+    its dataset records carry the batch they serve. Job, rank and gpu default from the environment
+    (`identity.source_from_environment`; gpu is the CUDA device index the process trains on, or its UUID).
 
     Call it before the loader's first iteration: a `persistent_workers` iterator made earlier keeps its
     workers, whose batches are then numbered in arrival order. Instrumenting again only updates who

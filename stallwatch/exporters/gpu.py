@@ -32,6 +32,7 @@ from prometheus_client.core import Metric
 from stallwatch import catalogue
 from stallwatch.eventbatch import EventBatch, EventSink, discard
 from stallwatch.exporters.collector import CollectorContext, register_collector
+from stallwatch.exporters.gpu_directory import GpuDirectory
 from stallwatch.flags import positive_float
 
 log = logging.getLogger(__name__)
@@ -109,8 +110,10 @@ class GpuCollector:
         sink: EventSink = discard,
         clock: Callable[[], float] = time.monotonic,
         start: bool = True,
+        directory: GpuDirectory | None = None,
     ) -> None:
         self._nvml = nvml
+        self._directory = directory if directory is not None else GpuDirectory()
         self._interval = interval
         self._pcie_interval = pcie_interval
         self._idle_threshold = idle_threshold
@@ -184,6 +187,7 @@ class GpuCollector:
         log.info("gpu collector: %d GPU(s): %s", len(devices), ", ".join(d.name for d in devices))
         with self._lock:
             self._devices = devices
+        self._directory.learn({d.uuid: d.index for d in devices})
         self._initialised = True
         self._said_no_gpu = False
         self._start_thread(self._watch_xids, "stallwatch-gpu-xid")
@@ -455,6 +459,7 @@ def _from_context(context: CollectorContext) -> GpuCollector:
         pcie_interval=options.gpu_pcie_interval,
         idle_threshold=options.gpu_idle_threshold,
         sink=context.sink,
+        directory=context.gpus,
     )
 
 
