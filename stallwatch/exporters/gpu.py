@@ -185,9 +185,9 @@ class GpuCollector:
             log.warning("gpu collector: NVML found no GPU; GPU metrics are off, the agent runs on")
             self._said_no_gpu = True
         log.info("gpu collector: %d GPU(s): %s", len(devices), ", ".join(d.name for d in devices))
+        self._directory.learn({d.uuid: d.index for d in devices})  # before the devices show in a scrape
         with self._lock:
             self._devices = devices
-        self._directory.learn({d.uuid: d.index for d in devices})
         self._initialised = True
         self._said_no_gpu = False
         self._start_thread(self._watch_xids, "stallwatch-gpu-xid")
