@@ -13,7 +13,9 @@ from stallwatch.eventbatch import EventBatch, discard
 from stallwatch.exporters.agent import _build
 from stallwatch.exporters.collector import CollectorContext, CollectorSpec, ScrapeCollector, registered
 from stallwatch.exporters.config import parse
+from stallwatch.exporters.gpu import GpuCollector
 from stallwatch.exporters.gpu_directory import GpuDirectory
+from stallwatch.exporters.nvml_fake import FakeGpu, FakeNVML
 from tests.test_client_torch import wait_for
 
 
@@ -38,6 +40,12 @@ class Probe:
                                                                                strict=True)}
 
 
+def gpu_uuids(collector: Any) -> list[str]:
+    """The UUIDs the gpu collector reports, by index (`stallwatch_gpu_info`)."""
+    info = next(m for m in collector.collect() if m.name == "stallwatch_gpu_info")
+    return [s.labels["uuid"] for s in sorted(info.samples, key=lambda s: int(s.labels["gpu"]))]
+
+
 @pytest.fixture
 def node(tmp_path: Path) -> Iterator[tuple[Probe, list[str]]]:
     """The agent's own gpu (8 fake GPUs) and events collectors, built as the agent builds them."""
@@ -50,12 +58,8 @@ def node(tmp_path: Path) -> Iterator[tuple[Probe, list[str]]]:
     scrape = ScrapeCollector(collectors)
     transport.configure(socket)
     try:
-        def uuids() -> list[str]:
-            info = [m for m in collectors["gpu"].collect() if m.name == "stallwatch_gpu_info"]
-            return [s.labels["uuid"] for s in sorted(info[0].samples, key=lambda s: int(s.labels["gpu"]))]
-
-        assert wait_for(lambda: len(uuids()) == 8)
-        yield probe, uuids()
+        assert wait_for(lambda: len(gpu_uuids(collectors["gpu"])) == 8)
+        yield probe, gpu_uuids(collectors["gpu"])
     finally:
         transport.sender().close()
         scrape.close()
@@ -88,3 +92,17 @@ def test_an_agent_that_knows_no_gpu_keeps_the_clients_index() -> None:
     directory.learn({"GPU-6a1b2c3d-0000-4000-8000-00000000fa4e": 6})
     assert directory.index_of("GPU-6a1b2c3d-0000-4000-8000-00000000fa4e", 2) == 6
     assert directory.index_of("", 2) == 2
+
+
+def test_a_mig_device_counts_on_the_gpu_it_is_carved_from() -> None:
+    mig = "MIG-0d5e7c2a-aaaa-4bbb-8ccc-dddddddddddd"
+    directory = GpuDirectory()
+    collector = GpuCollector(FakeNVML([FakeGpu(), FakeGpu(), FakeGpu(mig_uuids=(mig,))]), start=False,
+                             directory=directory)
+    try:
+        collector.poll()
+        assert directory.index_of(mig, 0) == 2
+        assert directory.index_of(f"MIG-{gpu_uuids(collector)[1]}/1/0", 0) == 1  # the older MIG id
+    finally:
+        collector.close()
+

@@ -86,6 +86,7 @@ class _Device:
     handle: Any
     uuid: str = ""
     name: str = ""
+    mig_uuids: list[str] = field(default_factory=list)
     up: bool = True
     unsupported: set[str] = field(default_factory=set)
     last_sample_us: int = 0
@@ -97,6 +98,21 @@ class _Device:
     @property
     def label(self) -> str:
         return str(self.index)
+
+
+def _mig_uuids(nvml: Any, handle: Any) -> list[str]:
+    """The MIG devices carved out of a GPU, read once at init: none when MIG is off or unsupported."""
+    try:
+        slots = int(nvml.nvmlDeviceGetMaxMigDeviceCount(handle))
+    except nvml.NVMLError:
+        return []
+    found = []
+    for slot in range(slots):
+        try:
+            found.append(str(nvml.nvmlDeviceGetUUID(nvml.nvmlDeviceGetMigDeviceHandleByIndex(handle, slot))))
+        except nvml.NVMLError:  # an empty slot
+            continue
+    return found
 
 
 class GpuCollector:
@@ -173,6 +189,7 @@ class GpuCollector:
             for device in devices:
                 device.uuid = str(nvml.nvmlDeviceGetUUID(device.handle))
                 device.name = str(nvml.nvmlDeviceGetName(device.handle))
+                device.mig_uuids = _mig_uuids(nvml, device.handle)
         except nvml.NVMLError as error:
             self._count_error("", "nvmlInit", error)
             if not self._said_no_gpu:
@@ -185,7 +202,8 @@ class GpuCollector:
             log.warning("gpu collector: NVML found no GPU; GPU metrics are off, the agent runs on")
             self._said_no_gpu = True
         log.info("gpu collector: %d GPU(s): %s", len(devices), ", ".join(d.name for d in devices))
-        self._directory.learn({d.uuid: d.index for d in devices})  # before the devices show in a scrape
+        # Before the devices show in a scrape; a MIG device's steps count on the GPU it is carved from.
+        self._directory.learn({uuid: d.index for d in devices for uuid in (d.uuid, *d.mig_uuids)})
         with self._lock:
             self._devices = devices
         self._initialised = True
