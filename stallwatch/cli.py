@@ -14,8 +14,12 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("stallwatch.demo.run", "run a hub, a spoke, a training job and the agent on this machine"),
     "generate": ("stallwatch.mixin.generate", "write the generated artifacts (docs, dashboards, rules)"),
     "publish": ("stallwatch.publish", "push the generated dashboards to Grafana and rules to Prometheus"),
-    "report": ("stallwatch.report", "write an HTML warm-up report of a run"),
+    "report": ("stallwatch.report.command", "write an HTML warm-up report of a run"),
 }
+
+
+# Top-level modules that come with an optional extra, and the extra that brings them.
+EXTRAS: dict[str, str] = {"grafana_foundation_sdk": "generate", "matplotlib": "report"}
 
 
 def usage() -> str:
@@ -33,8 +37,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     if command is None:
         print(f"stallwatch: error: unknown command {args[0]!r} (try: {', '.join(COMMANDS)})", file=sys.stderr)
         return 2
-    module = importlib.import_module(command[0])
-    return int(module.main(args[1:]))
+    try:  # report imports matplotlib only when it draws, so the call is guarded as well as the import
+        module = importlib.import_module(command[0])
+        return int(module.main(args[1:]))
+    except ModuleNotFoundError as error:
+        extra = EXTRAS.get((error.name or "").partition(".")[0])
+        if extra is None:
+            raise
+        print(f"stallwatch {args[0]}: error: needs the {extra!r} extra: pip install 'stallwatch[{extra}]'",
+              file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT, AgentProcess
-from tests.test_client_torch import scrape, wait_for
+from stallwatch.harness import AgentProcess, scrape, wait_for
+from tests.conftest import ROOT
 
 pytestmark = pytest.mark.slow
 SAMPLES, EPOCHS, BATCH = 64, 2, 4
@@ -58,8 +58,7 @@ def assert_the_agent_saw_every_rank(agent: AgentProcess, job: str, served: dict[
             for rank, ids in served.items()
         )
 
-    counted = ("stallwatch_loader_wait_seconds_count", "stallwatch_dataset_reads_total")
-    assert wait_for(arrived), sorted((k, v) for k, v in scrape(agent.url).items() if k[0] in counted and v)
+    wait_for(f"every rank's steps and reads of {job} at the agent", arrived, 30, agent.process, agent.log)
     metrics = scrape(agent.url)
     for rank, ids in served.items():
         assert metrics[("stallwatch_dataset_read_bytes_total", labels(rank))] == SAMPLE_BYTES * len(ids)

@@ -16,7 +16,7 @@ from stallwatch.exporters.config import parse
 from stallwatch.exporters.gpu import GpuCollector
 from stallwatch.exporters.gpu_directory import GpuDirectory
 from stallwatch.exporters.nvml_fake import FakeGpu, FakeNVML
-from tests.test_client_torch import wait_for
+from stallwatch.harness import wait_for
 
 
 class Probe:
@@ -58,7 +58,7 @@ def node(tmp_path: Path) -> Iterator[tuple[Probe, list[str]]]:
     scrape = ScrapeCollector(collectors)
     transport.configure(socket)
     try:
-        assert wait_for(lambda: len(gpu_uuids(collectors["gpu"])) == 8)
+        wait_for("the gpu collector's first read of NVML", lambda: len(gpu_uuids(collectors["gpu"])) == 8, 30)
         yield probe, gpu_uuids(collectors["gpu"])
     finally:
         transport.sender().close()
@@ -82,7 +82,7 @@ def test_each_pods_gpu_is_the_nodes_gpu_it_runs_on(node: tuple[Probe, list[str]]
             monkeypatch.setenv(name, value)
         for _ in monitor(range(3), job="pods", rank=rank):
             pass
-    assert wait_for(lambda: len(probe.gpu_of_rank()) == len(pods))
+    wait_for("every rank's steps", lambda: len(probe.gpu_of_rank()) == len(pods), 30)
     assert probe.gpu_of_rank() == {rank: gpu for rank, (_, gpu) in pods.items()}
 
 
