@@ -72,12 +72,16 @@ def _is_stateful(component: object) -> bool:  # torchdata's Stateful protocol (S
     return callable(getattr(component, "state_dict", None)) and callable(getattr(component, "load_state_dict", None))
 
 
-class _NumberedIterator:
-    def __init__(self, inner: Iterator[Any], counter: Instrumentation, in_this_process: bool) -> None:
+class _Numbering:
+    """Wraps a batch sampler, or one epoch's iterator of it; `counter` numbers the lists of indices."""
+
+    def __init__(self, inner: Any, counter: Instrumentation, in_this_process: bool) -> None:
         self._inner = inner
         self._counter = counter
         self._in_this_process = in_this_process
 
+
+class _NumberedIterator(_Numbering):
     def __iter__(self) -> _NumberedIterator:
         return self
 
@@ -90,13 +94,8 @@ class _NumberedIterator:
         return NumberedIndices(indices, number)
 
 
-class _NumberedBatches:
+class _NumberedBatches(_Numbering):
     """The batch sampler as the loader's iterator sees it: the same lists of indices, numbered."""
-
-    def __init__(self, batch_sampler: Iterable[Any], counter: Instrumentation, in_this_process: bool) -> None:
-        self._inner = batch_sampler
-        self._counter = counter
-        self._in_this_process = in_this_process
 
     def __iter__(self) -> _NumberedIterator:
         inner = iter(self._inner)
@@ -104,13 +103,11 @@ class _NumberedBatches:
         return numbered(inner, self._counter, self._in_this_process)
 
     def __len__(self) -> int:
-        return len(self._inner)  # type: ignore[arg-type]  # raises as the wrapped sampler would
+        return len(self._inner)  # raises as the wrapped sampler would
 
 
-class _ForwardsState:
+class _ForwardsState(_Numbering):
     """Resumption (torchdata's StatefulDataLoader) saves and restores the wrapped sampler's own state."""
-
-    _inner: Any
 
     def state_dict(self) -> dict[str, Any]:
         return self._inner.state_dict()  # type: ignore[no-any-return]
