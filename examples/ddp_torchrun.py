@@ -43,7 +43,7 @@ def main() -> None:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     seen: list[int] = []
     for epoch in range(options.epochs):
-        loader.sampler.set_epoch(epoch)  # type: ignore[attr-defined]
+        loader.sampler.set_epoch(epoch)
         for ids, features in loader:
             loss = model(features).pow(2).mean()
             optimizer.zero_grad()

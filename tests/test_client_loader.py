@@ -82,6 +82,8 @@ CONFIGS: dict[str, Callable[[], DataLoader[Any]]] = {
                                                          persistent_workers=True, prefetch_factor=4),
     "custom batch sampler, drop_last": lambda: DataLoader(
         Numbers(), batch_sampler=BatchSampler(range(23), batch_size=6, drop_last=True), num_workers=1),
+    "spawned workers": lambda: DataLoader(Numbers(), batch_size=6, num_workers=1, multiprocessing_context="spawn",
+                                          persistent_workers=True),
     "no automatic batching": lambda: DataLoader(Numbers(), batch_size=None, num_workers=2),
     "sharded iterable dataset": lambda: DataLoader(Range(0, 19), batch_size=4, num_workers=2,
                                                    worker_init_fn=shard_range),
