@@ -143,7 +143,7 @@ class _BindWorker:
             self._init(worker_id)
 
 
-def instrumentation(loader: DataLoader[Any]) -> Instrumentation:
+def _instrumentation(loader: DataLoader[Any]) -> Instrumentation:
     found: Instrumentation | None = loader.__dict__.get(_STATE)
     if found is None:  # re-created by a framework from the loader's own arguments: the environment says who
         found = Instrumentation(source_from_environment())
@@ -156,7 +156,7 @@ def _view_index_sampler(view: DataLoader[Any]) -> Any:
     if view.batch_sampler is None:
         return view.sampler
     numbered = _StatefulNumberedBatches if _is_stateful(view.batch_sampler) else _NumberedBatches
-    return numbered(view.batch_sampler, instrumentation(view), in_this_process=view.num_workers == 0)
+    return numbered(view.batch_sampler, _instrumentation(view), in_this_process=view.num_workers == 0)
 
 
 def _view_collate_fn(view: DataLoader[Any]) -> Any:
@@ -165,7 +165,7 @@ def _view_collate_fn(view: DataLoader[Any]) -> Any:
 
 
 def _view_worker_init_fn(view: DataLoader[Any]) -> _BindWorker:
-    return _BindWorker(instrumentation(view).source, view.__dict__["worker_init_fn"])
+    return _BindWorker(_instrumentation(view).source, view.__dict__["worker_init_fn"])
 
 
 _instrumented: dict[type[DataLoader[Any]], type[DataLoader[Any]]] = {}
@@ -184,7 +184,7 @@ def _instrumented_class(base: type[DataLoader[Any]]) -> type[DataLoader[Any]]:
     })
 
     def iterate(loader: DataLoader[Any]) -> Iterator[Any]:
-        state = instrumentation(loader)
+        state = _instrumentation(loader)
         view: DataLoader[Any] = object.__new__(view_class)
         object.__setattr__(view, "__dict__", loader.__dict__)  # one state: `_iterator`, resumption, epochs
         steps = timed_steps(base.__iter__(view), sender().channel(state.source))
