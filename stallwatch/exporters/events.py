@@ -33,6 +33,7 @@ from stallwatch.client import wire
 from stallwatch.eventbatch import OVERFLOW, SCHEMAS, EventBatch, EventSink, Interner, discard
 from stallwatch.exporters.collector import CollectorContext, register_collector
 from stallwatch.exporters.events_decode import Decoded, Records, RejectedBatchError, decode, peek_events
+from stallwatch.exporters.gpu_directory import GpuDirectory
 from stallwatch.exporters.receiver import EventReceiver
 from stallwatch.flags import positive_int
 
@@ -84,8 +85,10 @@ class EventsCollector:
         socket_group: int | None = None,
         clock_ns: Callable[[], int] = time.monotonic_ns,
         wall_clock_ns: Callable[[], int] = time.time_ns,
+        gpus: GpuDirectory | None = None,
     ) -> None:
         self._jobs = jobs if jobs is not None else Interner()
+        self._gpus = gpus if gpus is not None else GpuDirectory()
         self._rank_limit = rank_limit
         self._ranks_folded = 0
         self._sink = sink
@@ -154,8 +157,8 @@ class EventsCollector:
         return found
 
     def _forward(self, accepted: list[tuple[int, Decoded]]) -> None:
-        sources = [{"job": job, "rank": d.source.rank, "gpu": d.source.gpu, "worker": d.source.worker}
-                   for job, d in accepted]
+        sources = [{"job": job, "rank": d.source.rank, "gpu": self._gpus.index_of(d.source.gpu_uuid, d.source.gpu),
+                    "worker": d.source.worker} for job, d in accepted]
         for kind, records in (("step", [d.steps for _, d in accepted]), ("read", [d.reads for _, d in accepted])):
             if not any(len(part) for part in records):
                 continue
@@ -245,7 +248,7 @@ def _from_context(context: CollectorContext) -> EventsCollector:
     options = context.options
     context.jobs.limit = options.events_job_limit
     return EventsCollector(options.events_socket, options.events_queue_limit, context.jobs,
-                           options.events_rank_limit, context.sink, options.events_socket_group)
+                           options.events_rank_limit, context.sink, options.events_socket_group, gpus=context.gpus)
 
 
 register_collector("events", True, "loader waits, steps and dataset reads sent by training clients",

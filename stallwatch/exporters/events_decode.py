@@ -165,4 +165,17 @@ def decode(data: bytes, now_ns: int, wall_now_ns: int) -> Decoded:
     if clock_offset:
         steps = _shift(steps, ("wait_start_ns", "wait_end_ns", "compute_end_ns"), clock_offset)
         reads = _shift(reads, ("start_ns", "end_ns"), clock_offset)
-    return Decoded(wire.Source(strings[job], rank, gpu, worker), dropped, steps, reads)
+    return Decoded(wire.Source(strings[job], rank, gpu, worker, _attributes(strings, job).get(wire.GPU_UUID, "")),
+                   dropped, steps, reads)
+
+
+def _attributes(strings: list[str], job: int) -> dict[str, str]:
+    """The source's `name=value` strings (every string but the job's); names it does not know are ignored."""
+    found = {}
+    for index, text in enumerate(strings):
+        if index != job:
+            name, equals, value = text.partition("=")
+            if not equals or not value:
+                raise RejectedBatchError("bad_string", "a source attribute is not name=value")
+            found[name] = value
+    return found
