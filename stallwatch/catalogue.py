@@ -102,7 +102,8 @@ def histogram(
 
 
 # --- agent -------------------------------------------------------------------------------------------
-BUILD_INFO = gauge("agent", "build_info", "", ["version"], "Always 1; the agent's version as a label.")
+BUILD_INFO = gauge("agent", "build_info", "", ["version", "revision"],
+                   "Always 1; the agent's version and the git revision it was built from (unknown if not known).")
 SCRAPE_COLLECTOR_DURATION = gauge(
     "agent", "scrape_collector_duration_seconds", "seconds", ["collector"],
     "Time a collector took to produce its metrics on this scrape.",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import select
 import signal
 import socket
@@ -17,7 +18,7 @@ import pytest
 import requests
 from prometheus_client.core import Metric
 
-from stallwatch import catalogue, harness
+from stallwatch import __version__, build, catalogue, harness
 from stallwatch.eventbatch import EventBatch, discard
 from stallwatch.exporters.agent import _build
 from stallwatch.exporters.collector import Collector, CollectorContext, CollectorSpec
@@ -183,3 +184,40 @@ def test_a_burst_of_connections_waits_in_the_listen_queue(agent_factory: Callabl
             client.close()
     print(f"{established} of 50 simultaneous connections established while the agent was busy")
     assert established == 50
+
+
+def checkout_revision() -> str:
+    """What the agent should report from this tree: git's HEAD where it is a checkout, else unknown."""
+    if not (ROOT / ".git").exists():
+        return build.UNKNOWN
+    return subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True,
+                          check=True).stdout.strip()[:12]
+
+
+@pytest.mark.parametrize("command", [["--version"], ["agent", "--version"]])
+def test_version_prints_version_and_revision_and_exits_0(command: list[str]) -> None:
+    result = run_cli(*command)
+    assert result.returncode == 0, result.stderr
+    program = "stallwatch agent" if command[0] == "agent" else "stallwatch"
+    assert result.stdout.startswith(f"{program}, version {__version__} (revision: {checkout_revision()},")
+    assert len(result.stdout.strip().splitlines()) == 1
+
+
+def test_build_info_carries_version_and_revision(agent_factory: Callable[..., AgentProcess]) -> None:
+    metrics = scrape(agent_factory("--no-collector.gpu", "--no-collector.host"))
+    assert metrics[catalogue.BUILD_INFO.name] == [({"version": __version__, "revision": checkout_revision()}, 1.0)]
+
+
+def test_revision_sources(tmp_path: Path) -> None:
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    assert build._from_direct_url(json.dumps({"url": "https://x/y.git", "vcs_info": {"vcs": "git",
+                                                                                      "commit_id": commit}})) \
+        == commit[:12]
+    # An install from a directory or an index records no commit; a damaged record is no revision either.
+    assert build._from_direct_url(json.dumps({"url": "file:///src", "dir_info": {}})) is None
+    assert build._from_direct_url("{not json") is None
+    (tmp_path / "_revision").write_text(commit.upper() + "\n")
+    assert build._from_file(tmp_path / "_revision") == commit[:12]
+    (tmp_path / "_revision").write_text("v1.2 dirty\n")
+    assert build._from_file(tmp_path / "_revision") is None
+    assert build._from_checkout(tmp_path) is None  # not a git checkout

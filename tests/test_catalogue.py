@@ -18,7 +18,7 @@ UNIT_SUFFIXES = {
     "hertz": "_hertz", "celsius": "_celsius", "bytes_per_second": "_bytes_per_second",
 }
 BOUNDED_LABELS = {
-    "job", "rank", "gpu", "uuid", "name", "spoke", "cause", "phase", "collector", "version", "direction",
+    "job", "rank", "gpu", "uuid", "name", "spoke", "cause", "phase", "collector", "version", "revision", "direction",
     "reason", "xid", "call", "error", "mode", "interface", "device", "verdict", "result", "source", "kind",
     "label", "capacity_factor",
 }

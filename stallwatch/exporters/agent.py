@@ -13,6 +13,7 @@ from prometheus_client.core import Metric
 from prometheus_client.registry import CollectorRegistry
 
 from stallwatch import __version__, catalogue
+from stallwatch.build import revision
 from stallwatch.eventbatch import EventSink, discard
 
 # Importing a collector module registers it by name.
@@ -46,7 +47,7 @@ log = logging.getLogger("stallwatch.agent")
 class _BuildInfo:
     def collect(self) -> Iterator[Metric]:
         family = catalogue.BUILD_INFO.family()
-        family.add_metric([__version__], 1)
+        family.add_metric([__version__, revision()], 1)
         yield family
 
 

@@ -21,6 +21,7 @@ from typing import Any, NoReturn
 import yaml
 from yaml.composer import ComposerError
 
+from stallwatch.build import version_text
 from stallwatch.exporters.collector import CollectorSpec
 from stallwatch.flags import shown
 
@@ -41,6 +42,7 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser(collectors: Mapping[str, CollectorSpec]) -> argparse.ArgumentParser:
     parser = _Parser(prog="stallwatch agent", description="Serve GPU, host, loader and spoke metrics.")
+    parser.add_argument("--version", action="version", version=version_text("stallwatch agent"))
     parser.add_argument("--config.file", dest="config_file", metavar="PATH",
                         help="YAML file presetting any of these flags (names without the dashes)")
     parser.add_argument("--web.listen-address", dest="web_listen_address", default=DEFAULT_LISTEN_ADDRESS,
