@@ -94,6 +94,7 @@ def test_config_file_sets_options_and_flags_win(
     ("args", "config", "message"),
     [
         (["--bogus"], None, "unrecognized arguments: --bogus"),
+        (["--log.format", "text"], None, "invalid choice: 'text'"),
         (["--gpu.interval", "-1"], None, "must be in (0, 60]"),
         (["--web.listen-address", "nowhere"], None, "is not [HOST]:PORT"),
         (["--config.file", "{config}"], "collector.gpu: [", "not valid YAML at line"),

@@ -38,6 +38,7 @@ from stallwatch.exporters.collector import (
     registered,
 )
 from stallwatch.exporters.config import ConfigError, log_level, parse, parse_listen_address
+from stallwatch.exporters.logformat import configure as configure_logging
 from stallwatch.exporters.web import MetricsServer
 from stallwatch.exporters.web_config import WebConfig, load_web_config
 
@@ -82,11 +83,7 @@ def main(argv: Sequence[str]) -> int:
     except ConfigError as error:
         print(f"stallwatch agent: error: {error}", file=sys.stderr)
         return 2
-    logging.basicConfig(
-        level=log_level(options.log_level),
-        format="ts=%(asctime)s level=%(levelname)s logger=%(name)s msg=%(message)r",
-        stream=sys.stderr,
-    )
+    configure_logging(log_level(options.log_level), options.log_format)
     registry = CollectorRegistry()
     host_name, port = parse_listen_address(options.web_listen_address)
     try:  # bind first: a taken port fails before any collector starts a thread

@@ -23,6 +23,7 @@ from yaml.composer import ComposerError
 
 from stallwatch.build import version_text
 from stallwatch.exporters.collector import CollectorSpec
+from stallwatch.exporters.logformat import FORMATS
 from stallwatch.flags import shown
 
 DEFAULT_PORT = 9842
@@ -53,6 +54,8 @@ def build_parser(collectors: Mapping[str, CollectorSpec]) -> argparse.ArgumentPa
                         help="TLS and basic auth for every path, in the Prometheus exporter toolkit's format")
     parser.add_argument("--log.level", dest="log_level", default="info",
                         choices=["debug", "info", "warning", "error"], help="(default: %(default)s)")
+    parser.add_argument("--log.format", dest="log_format", default="logfmt", choices=FORMATS,
+                        help="how each log line is written (default: %(default)s)")
     enable = parser.add_argument_group("collectors")
     for name, spec in collectors.items():
         state = "on" if spec.default_enabled else "off"
