@@ -124,6 +124,41 @@ def test_tls_and_basic_auth_from_a_web_config_file(agent_factory: Callable[..., 
     assert PASSWORD not in agent.stderr() and hashed not in agent.stderr()
 
 
+def test_a_rotated_certificate_is_served_without_a_restart(
+    agent_factory: Callable[..., AgentProcess], tmp_path: Path,
+) -> None:
+    """As cert-manager renews a Secret: the files are replaced (a new inode), and the next connection gets
+    the new certificate. A pair that does not load (a key not matching its certificate, half-way through
+    a rotation) is logged once and the certificate before it is served on."""
+    issued = {name: self_signed(tmp_path, name) for name in ("first", "second", "third")}
+
+    def install(key_of: str, cert_of: str) -> None:
+        for source, target in ((issued[key_of][0], "server.key"), (issued[cert_of][1], "server.crt")):
+            staged = tmp_path / f".{target}.new"
+            staged.write_bytes(source.read_bytes())
+            os.replace(staged, tmp_path / target)
+
+    def served_by(name: str) -> bool:
+        try:
+            return get(agent.url, ssl.create_default_context(cafile=str(issued[name][1])))[0] == 200
+        except (urllib.error.URLError, ssl.SSLError, ConnectionError):
+            return False
+
+    install("first", "first")
+    config = tmp_path / "web.yml"
+    config.write_text("tls_server_config:\n  cert_file: server.crt\n  key_file: server.key\n")
+    agent = agent_factory("--no-collector.gpu", "--web.config.file", str(config))
+    assert served_by("first") and not served_by("second")
+    install("second", "second")
+    assert served_by("second") and not served_by("first")
+    install("second", "third")  # the certificate is new, its key not yet
+    assert served_by("second") and served_by("second")
+    assert agent.stderr().count("serving the previous certificate") == 1, agent.stderr()
+    install("third", "third")
+    assert served_by("third")
+    assert agent.process.poll() is None  # the same process all along
+
+
 def test_client_certificates_are_verified_when_required(
     agent_factory: Callable[..., AgentProcess], tmp_path: Path,
 ) -> None:

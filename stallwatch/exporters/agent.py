@@ -84,7 +84,8 @@ def main(argv: Sequence[str]) -> int:
         print(f"stallwatch agent: error: {error}", file=sys.stderr)
         return 2
     configure_logging(log_level(options.log_level), options.log_format)
-    registry = CollectorRegistry()
+    # Our collectors name their metrics only when collected: `name[]` must still reach them.
+    registry = CollectorRegistry(support_collectors_without_names=True)
     host_name, port = parse_listen_address(options.web_listen_address)
     try:  # bind first: a taken port fails before any collector starts a thread
         server = MetricsServer(registry, host_name, port, options.web_telemetry_path, web_config)

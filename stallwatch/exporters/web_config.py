@@ -10,7 +10,10 @@
       prometheus: $2b$12$...                         # bcrypt hashes, as `htpasswd -B` writes them
 
 Relative paths are relative to the file. The file is read and checked once at start: every mistake
-(unknown key, unreadable certificate, malformed hash) is a one-line `ConfigError`. Of the toolkit's
+(unknown key, unreadable certificate, malformed hash) is a one-line `ConfigError`. The certificate, key
+and client CA files are read again when they change (checked at each new connection), so a rotated
+certificate (cert-manager, a renewed Secret) is served without a restart; a new set that does not load
+(a key not yet written beside its certificate) is logged once and the previous one stays in use. Of the toolkit's
 client_auth_type values, RequestClientCert and RequireAnyClientCert (ask for a certificate without
 verifying it) have no equivalent in Python's ssl module and are refused rather than weakened.
 
@@ -26,6 +29,8 @@ from __future__ import annotations
 import base64
 import hashlib
 import hmac
+import logging
+import os
 import ssl
 import threading
 import time
@@ -53,6 +58,8 @@ _VERSIONS = {
 }
 _TLS_KEYS = {"cert_file", "key_file", "client_auth_type", "client_ca_file", "min_version"}
 _TOP_KEYS = {"tls_server_config", "basic_auth_users"}
+log = logging.getLogger(__name__)
+
 _CACHE_SIZE = 64
 # How long a check waits for the bcrypt slot before it is refused (scrapes time out after 10 s).
 _CHECK_QUEUE_SECONDS = 5.0
@@ -106,9 +113,42 @@ def _cost(hashed: bytes) -> int:
     return int(hashed[4:6])  # $2b$12$...: the log2 of bcrypt's rounds
 
 
+class ReloadingTLS:
+    """The TLS context of a `tls_server_config`, rebuilt when one of its files changes."""
+
+    def __init__(self, section: Mapping[str, Any], file: Path):
+        self._section, self._file = section, file
+        self._lock = threading.Lock()
+        self._stamp = self._stamps()
+        self._context = _tls_context(section, file)
+
+    def context(self) -> ssl.SSLContext:
+        stamp = self._stamps()
+        with self._lock:
+            if stamp != self._stamp:
+                self._stamp = stamp  # a set that fails is tried again only once a file changes again
+                try:
+                    self._context = _tls_context(self._section, self._file)
+                    log.info("web config: TLS certificate files changed; reloaded")
+                except ConfigError as error:
+                    log.warning("web config: %s; serving the previous certificate", error)
+            return self._context
+
+    def _stamps(self) -> tuple[tuple[int, int, int] | None, ...]:
+        """What tells a changed file: inode (Kubernetes swaps a symlink), size and mtime, per file."""
+        stamps: list[tuple[int, int, int] | None] = []
+        for key in ("cert_file", "key_file", "client_ca_file"):
+            try:
+                info = os.stat(_resolve(self._section, self._file, key)) if self._section.get(key) else None
+            except OSError:
+                info = None
+            stamps.append((info.st_ino, info.st_size, info.st_mtime_ns) if info else None)
+        return tuple(stamps)
+
+
 @dataclass(frozen=True)
 class WebConfig:
-    tls: ssl.SSLContext | None = None
+    tls: ReloadingTLS | None = None
     auth: BasicAuth | None = None
 
 
@@ -125,18 +165,27 @@ def load_web_config(path: str) -> WebConfig:
     tls = document.get("tls_server_config")
     users = document.get("basic_auth_users")
     return WebConfig(
-        tls=_tls_context(tls, file) if tls is not None else None,
+        tls=ReloadingTLS(_checked_tls_section(tls, file), file) if tls is not None else None,
         auth=_basic_auth(users, path) if users else None,
     )
 
 
-def _tls_context(section: Any, file: Path) -> ssl.SSLContext:
+def _checked_tls_section(section: Any, file: Path) -> Mapping[str, Any]:
     where = f"{file}: tls_server_config"
     if not isinstance(section, dict):
         raise ConfigError(f"{where}: expected a mapping")
     unknown = set(map(str, section)) - _TLS_KEYS
     if unknown:
         raise ConfigError(f"{where}: unknown key {shown(sorted(unknown)[0])}")
+    return section
+
+
+def _resolve(section: Mapping[str, Any], file: Path, key: str) -> str:
+    return str(file.parent / str(section[key]))
+
+
+def _tls_context(section: Mapping[str, Any], file: Path) -> ssl.SSLContext:
+    where = f"{file}: tls_server_config"
     if not section.get("cert_file") or not section.get("key_file"):
         raise ConfigError(f"{where}: cert_file and key_file are both required")
     client_auth = str(section.get("client_auth_type") or "NoClientCert")
@@ -149,13 +198,10 @@ def _tls_context(section: Any, file: Path) -> ssl.SSLContext:
     if min_version not in _VERSIONS:
         raise ConfigError(f"{where}: min_version must be one of {', '.join(_VERSIONS)}")
 
-    def resolve(key: str) -> str:
-        return str(file.parent / str(section[key]))
-
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     context.minimum_version = _VERSIONS[min_version]
     try:
-        context.load_cert_chain(resolve("cert_file"), resolve("key_file"))
+        context.load_cert_chain(_resolve(section, file, "cert_file"), _resolve(section, file, "key_file"))
     except (OSError, ssl.SSLError) as error:
         raise ConfigError(f"{where}: cannot load cert_file/key_file: {_reason(error)}") from error
     context.verify_mode = _CLIENT_AUTH[client_auth]
@@ -163,7 +209,7 @@ def _tls_context(section: Any, file: Path) -> ssl.SSLContext:
         if not section.get("client_ca_file"):
             raise ConfigError(f"{where}: client_auth_type {client_auth} needs client_ca_file")
         try:
-            context.load_verify_locations(resolve("client_ca_file"))
+            context.load_verify_locations(_resolve(section, file, "client_ca_file"))
         except (OSError, ssl.SSLError) as error:
             raise ConfigError(f"{where}: cannot load client_ca_file: {_reason(error)}") from error
     return context
