@@ -13,9 +13,11 @@ Relative paths are relative to the file. The file is read and checked once at st
 (unknown key, unreadable certificate, malformed hash) is a one-line `ConfigError`. The certificate, key
 and client CA files are read again when they change (checked at each new connection), so a rotated
 certificate (cert-manager, a renewed Secret) is served without a restart; a new set that does not load
-(a key not yet written beside its certificate) is logged once and the previous one stays in use. Of the toolkit's
-client_auth_type values, RequestClientCert and RequireAnyClientCert (ask for a certificate without
-verifying it) have no equivalent in Python's ssl module and are refused rather than weakened.
+(a key not yet written beside its certificate) is logged once and the previous one stays in use.
+
+Of the toolkit's client_auth_type values, RequestClientCert and RequireAnyClientCert (ask for a
+certificate without verifying it) have no equivalent in Python's ssl module and are refused rather
+than weakened.
 
 bcrypt is slow by design (~0.2 s a check at cost 12), so a successful (user, password) pair is kept,
 as a SHA-256 digest, in a small cache: Prometheus repeats the same credentials every scrape. Everything
@@ -44,6 +46,8 @@ import bcrypt
 from stallwatch.exporters.config import ConfigError, load_yaml
 from stallwatch.flags import shown
 
+log = logging.getLogger(__name__)
+
 _CLIENT_AUTH = {
     "NoClientCert": ssl.CERT_NONE,
     "VerifyClientCertIfGiven": ssl.CERT_OPTIONAL,
@@ -58,8 +62,6 @@ _VERSIONS = {
 }
 _TLS_KEYS = {"cert_file", "key_file", "client_auth_type", "client_ca_file", "min_version"}
 _TOP_KEYS = {"tls_server_config", "basic_auth_users"}
-log = logging.getLogger(__name__)
-
 _CACHE_SIZE = 64
 # How long a check waits for the bcrypt slot before it is refused (scrapes time out after 10 s).
 _CHECK_QUEUE_SECONDS = 5.0
