@@ -104,7 +104,8 @@ def histogram(
 
 
 # --- agent -------------------------------------------------------------------------------------------
-BUILD_INFO = gauge("agent", "build_info", "", ["version"], "Always 1; the agent's version as a label.")
+BUILD_INFO = gauge("agent", "build_info", "", ["version", "revision"],
+                   "Always 1; the agent's version and the git revision it was built from (unknown if not known).")
 SCRAPE_COLLECTOR_DURATION = gauge(
     "agent", "scrape_collector_duration_seconds", "seconds", ["collector"],
     "Time a collector took to produce its metrics on this scrape.",
@@ -253,7 +254,8 @@ RECEIVER_FOLDED_LABELS = counter(
 )
 RECEIVER_UP = gauge(
     "loader", "receiver_up", "", [],
-    "1 if the agent is bound to the events socket, 0 if it could not bind (clients count their events as dropped).",
+    "1 if the agent is bound to the events socket, 0 if it could not bind, another running agent holds the path, "
+    "or the path no longer names its socket (clients count their events as dropped).",
 )
 
 
@@ -298,7 +300,7 @@ SPOKE_HUB_PROBE_FAILURES = counter(
 )
 SPOKE_COLLECTOR_ERRORS = counter(
     "spoke", "spoke_collector_errors_total", "", ["spoke", "reason"],
-    "Problems reading the spoke's statistics: malformed log lines, failed scrapes, timeouts.",
+    "Problems reading the spoke's statistics: malformed, oversize or lost log lines, failed scrapes, timeouts.",
 )
 # NFS client view of a spoke mounted over NFS (/proc/self/mountstats, READ operations only): the
 # spoke's latency as the node sees it, where the spoke itself has no hit/miss counter.

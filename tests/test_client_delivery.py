@@ -213,19 +213,6 @@ def test_an_unbindable_socket_leaves_the_agent_running_and_says_so(tmp_path: Pat
         collector.close()
 
 
-@pytest.mark.parametrize(("env", "expected"), [
-    ({}, wire.Source("unknown", 0, -1)),
-    ({"STALLWATCH_JOB": "a", "TORCHELASTIC_RUN_ID": "b", "RANK": "5", "LOCAL_RANK": "1"}, wire.Source("a", 5, 1)),
-    ({"TORCHELASTIC_RUN_ID": "b", "RANK": "3", "LOCAL_RANK": "1", "CUDA_VISIBLE_DEVICES": "4,6"},
-     wire.Source("b", 3, 6)),
-    ({"SLURM_JOB_ID": "991", "SLURM_PROCID": "9", "SLURM_LOCALID": "0", "CUDA_VISIBLE_DEVICES": "GPU-1f2a"},
-     wire.Source("991", 9, -1)),
-    ({"STALLWATCH_JOB": "tab\there" + "x" * 200, "RANK": "junk"}, wire.Source("tab_here" + "x" * 120, 0, -1)),
-])
-def test_identity_comes_from_the_launchers_environment(env: dict[str, str], expected: wire.Source) -> None:
-    assert source_from_environment(env=env) == expected
-
-
 def test_http_get_records_the_spokes_cache_verdict(agent: tuple[EventsCollector, Received]) -> None:
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 

@@ -31,6 +31,7 @@ import yaml
 from stallwatch.demo.stack import query, start_prometheus
 from stallwatch.exporters import agent  # noqa: F401  (registers the collectors this checkout has)
 from stallwatch.exporters.collector import registered
+from stallwatch.exporters.config import parse
 from stallwatch.harness import free_port, start_agent, stop_agent, wait_for
 from stallwatch.mixin.config import Thresholds
 from stallwatch.mixin.generate import ARTIFACTS, CHART_COPIES, chart_copies
@@ -584,6 +585,19 @@ def test_probes_work_with_the_web_config_on(helm: str, chart: Path, tmp_path: Pa
         assert endpoint["scheme"] == ("https" if "tls" in security else "http")
     finally:
         stop_agent(running)
+
+
+def test_the_node_proc_means_the_nodes_mounts(rendered: dict[str, list[Manifest]], tmp_path: Path) -> None:
+    """With the node's /proc the agent reads PID 1's mountstats: its own /proc/self lists the pod's mounts."""
+    config = agent_config(rendered["device-mounts-and-host-paths"])
+    mount = next(m for m in pod_spec(rendered["device-mounts-and-host-paths"])["containers"][0]["volumeMounts"]
+                 if m["name"] == "host-proc")
+    assert config["spoke_nfs.proc"] == mount["mountPath"] and config["spoke_nfs.pid"] == 1
+    config_file = tmp_path / "agent.yaml"
+    config_file.write_text(yaml.safe_dump({key: config[key] for key in ("spoke_nfs.proc", "spoke_nfs.pid")}))
+    options = parse(["--config.file", str(config_file)], registered())
+    assert (options.spoke_nfs_proc, options.spoke_nfs_pid) == ("/host/proc", "1")
+    assert not any(key.startswith("spoke_nfs.") for key in agent_config(rendered["defaults"]))
 
 
 def test_example_training_job_matches_the_chart(rendered: dict[str, list[Manifest]]) -> None:

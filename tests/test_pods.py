@@ -22,8 +22,8 @@ from prometheus_client.core import Metric
 
 from stallwatch import catalogue
 from stallwatch.exporters import pods
-from stallwatch.exporters.devices import GpuDirectory
 from stallwatch.exporters.gpu import GpuCollector
+from stallwatch.exporters.gpu_directory import GpuDirectory
 from stallwatch.exporters.kubelet import api_pb2
 from stallwatch.exporters.nvml_fake import FakeGpu, FakeNVML
 from stallwatch.exporters.pods import PodsCollector

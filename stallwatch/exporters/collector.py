@@ -22,7 +22,7 @@ from prometheus_client.registry import Collector as PromCollector
 
 from stallwatch import catalogue
 from stallwatch.eventbatch import EventBatch, EventSink, Interner, discard
-from stallwatch.exporters.devices import GpuDirectory
+from stallwatch.exporters.gpu_directory import GpuDirectory
 
 log = logging.getLogger(__name__)
 
@@ -45,8 +45,8 @@ class CollectorContext:
 
     `jobs` and `spokes` turn training-job and spoke names into the small ids batches carry; the agent
     hands every collector the same two, so the correlator reads names back from what the receiver and
-    the spoke collectors interned. `gpus` is where the gpu collector says which GPU each device id
-    (GPU and MIG UUIDs) belongs to, for the pods collector.
+    the spoke collectors interned. `gpus` is what the gpu collector learns of the node's GPU UUIDs,
+    for the receiver to map clients' GPUs to NVML indices.
     """
 
     options: argparse.Namespace

@@ -27,7 +27,7 @@ from prometheus_client.core import Metric
 from stallwatch import catalogue
 from stallwatch.exporters.collector import CollectorContext, register_collector
 from stallwatch.exporters.config import ConfigError
-from stallwatch.exporters.devices import GpuDirectory
+from stallwatch.exporters.gpu_directory import GpuDirectory
 from stallwatch.flags import positive_float
 
 log = logging.getLogger(__name__)
@@ -146,7 +146,7 @@ class PodsCollector:
             allocations, up, errors, dropped = list(self._allocations), self._up, dict(self._errors), self._dropped
         info = catalogue.GPU_POD_INFO.family()
         for a in allocations:
-            info.add_metric([self._directory.gpu_of(a.device), a.device, a.resource, a.namespace, a.pod,
+            info.add_metric([self._directory.gpu_label(a.device), a.device, a.resource, a.namespace, a.pod,
                              a.container], 1)
         kubelet_up = catalogue.PODS_KUBELET_UP.family()
         kubelet_up.add_metric([], 1 if up else 0)

@@ -58,6 +58,11 @@ then agent.config on top, so any flag can be preset from values.
 {{- if .Values.agent.collectors.events }}
 {{- $_ := set $config "events.socket" (include "stallwatch.socketPath" .) }}
 {{- end }}
+{{- if .Values.hostProc.enabled }}
+{{- /* The node's mounts are its init's: the agent's own /proc/self lists only the pod's. */}}
+{{- $_ := set $config "spoke_nfs.proc" .Values.hostProc.mountPath }}
+{{- $_ := set $config "spoke_nfs.pid" 1 }}
+{{- end }}
 {{- if .Values.podResources.enabled }}
 {{- $_ := set $config "collector.pods" true }}
 {{- $_ := set $config "pods.socket" "/var/lib/kubelet/pod-resources/kubelet.sock" }}
