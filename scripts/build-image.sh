@@ -47,6 +47,8 @@ if [ -z "${BASE:-}" ]; then
   context=$cache/context
   rm -rf "$context" && mkdir -p "$context"
   tar -c --exclude=__pycache__ pyproject.toml README.md stallwatch | tar -x -C "$context"
+  # The revision stallwatch_build_info reports (stallwatch/build.py): the checkout's commit.
+  git rev-parse HEAD > "$context/stallwatch/_revision" 2>/dev/null || rm -f "$context/stallwatch/_revision"
   # Built from the copy, not the checkout: setuptools' build/ of the checkout may hold modules of older trees.
   "${PYTHON:-.venv/bin/python}" -m pip wheel --quiet --disable-pip-version-check --wheel-dir "$context/wheels" \
     "$(cd "$context" && pwd)[kubernetes]"

@@ -83,7 +83,11 @@ def test_the_agent_in_the_image_is_scraped_over_http(container: str) -> None:
                 pass
             time.sleep(0.5)
         assert 'stallwatch_gpu_up{gpu="1"} 1.0' in body, agent.stdout.read() if agent.poll() is not None else body
-        assert f'stallwatch_build_info{{version="{__version__}"}} 1.0' in body
+        revision = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=ROOT,
+                                  check=True).stdout.strip()
+        # the image names the commit it was built from (stallwatch_build_info shows it abbreviated)
+        [shown] = re.findall(rf'stallwatch_build_info{{revision="(\w+)",version="{__version__}"}} 1.0', body)
+        assert len(shown) >= 7 and revision.startswith(shown)
         assert 'stallwatch_scrape_collector_success{collector="host"} 1.0' in body
     finally:
         stop_group(agent)

@@ -76,7 +76,7 @@ def test_no_client_can_name_its_job_like_the_overflow_bucket(
                                       time.time_ns()), path)
     samples = scrape_after(agent.url, 2)
     assert total(samples, "stallwatch_receiver_batches_total", result="bad_string") == 1
-    jobs = {dict(labels).get("job") for (name, labels) in samples if name.startswith("stallwatch_loader_")}
+    jobs = {dict(labels).get("training_job") for (name, labels) in samples if name.startswith("stallwatch_loader_")}
     assert jobs - {None} == {"honest"}
     assert source_from_environment(job="__other__", env={}).job == "unknown"
 
