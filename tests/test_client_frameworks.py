@@ -48,7 +48,7 @@ def assert_each_rank_read_its_own_shard(served: dict[int, list[int]]) -> None:
 
 def assert_the_agent_saw_every_rank(agent: AgentProcess, job: str, served: dict[int, list[int]]) -> None:
     def labels(rank: int, **extra: str) -> tuple[tuple[str, str], ...]:
-        return tuple(sorted({"job": job, "rank": str(rank), **extra}.items()))
+        return tuple(sorted({"training_job": job, "rank": str(rank), **extra}.items()))
 
     def arrived() -> bool:
         metrics = scrape(agent.url)
