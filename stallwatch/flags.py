@@ -19,10 +19,14 @@ MAX_COUNT = 10**9
 MAX_BYTES = 2**62  # byte sizes stay int64
 
 
+def cut(text: str, limit: int) -> str:
+    """`text` cut to `limit` characters, so a message never carries a whole hostile value."""
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
 def shown(value: object, limit: int = 40) -> str:
     """A value as a message may quote it: its repr, cut to `limit` characters."""
-    text = repr(value)
-    return text if len(text) <= limit else text[:limit] + "..."
+    return cut(repr(value), limit)
 
 
 def _finite(text: str) -> float:

@@ -24,7 +24,7 @@ from yaml.composer import ComposerError
 from stallwatch.build import version_text
 from stallwatch.exporters.collector import CollectorSpec
 from stallwatch.exporters.logformat import FORMATS
-from stallwatch.flags import shown
+from stallwatch.flags import cut, shown
 
 DEFAULT_PORT = 9842
 DEFAULT_LISTEN_ADDRESS = f":{DEFAULT_PORT}"
@@ -156,7 +156,7 @@ def _file_value(path: str, key: str, action: argparse.Action, value: Any) -> Any
         try:
             value = action.type(str(value))  # type: ignore[operator]
         except (ValueError, argparse.ArgumentTypeError) as error:
-            raise ConfigError(f"{path}: {key}: {shown(str(error), 120)}") from error
+            raise ConfigError(f"{path}: {key}: {cut(str(error), 120)}") from error
     if action.choices is not None and value not in action.choices:
         raise ConfigError(f"{path}: {key} must be one of {', '.join(map(str, action.choices))}")
     return value
