@@ -70,11 +70,16 @@ def test_the_clients_verdicts_agree_with_the_spokes_log(outcome: Outcome) -> Non
 def test_stalls_are_attributed_to_remote_fetches_and_sum_to_the_stall(outcome: Outcome) -> None:
     causes = {cause: value(outcome, c.STALL_SECONDS.name, training_job="demo", cause=cause) for cause in c.CAUSES}
     total = sum(causes.values())
-    # The cold epoch and the 12 s hub outage dominate the stall time, and both are reads that missed.
+    # The cold epoch and the hub outage dominate the stall time, and both are reads that missed.
     assert causes["remote_fetch"] > 0.6 * total, causes
-    assert total >= 12 * 0.5, causes
+    # How long the outage stalls depends on when a read first misses in it; what must hold is that the
+    # seconds the clients measured waiting are booked to causes (stalls are the waits over 1 ms: the
+    # many short ones add little), and that the outage did make the job wait, once at least over 1 s.
     waits = value(outcome, c.LOADER_WAIT.name + "_sum", training_job="demo")
-    assert total <= waits + 1e-6
+    assert 0.8 * waits <= total <= waits + 1e-6, (causes, waits)
+    long_waits = (value(outcome, c.LOADER_WAIT.name + "_count", training_job="demo")
+                  - value(outcome, c.LOADER_WAIT.name + "_bucket", training_job="demo", le="1.0"))
+    assert long_waits >= 1
     idle = value(outcome, c.GPU_STALL_IDLE_SECONDS.name, training_job="demo", cause="remote_fetch")
     assert idle > 0.5 * causes["remote_fetch"]  # the emulated GPU idled through those stalls
 
