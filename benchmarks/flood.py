@@ -59,7 +59,7 @@ def client_flood(socket_path: str, rate: int, seconds: float) -> ClientCounts:
     while tick < end:
         now = time.monotonic_ns()
         for i in range(steps_per_tick):
-            ranks[i % RANKS].step((batch, now - 3000, now - 2000, now - 1000))
+            ranks[i % RANKS].step((batch, now - 3000, now - 2000, now - 1000, now - 2500))
             batch += 1
         for i in range(per_tick - steps_per_tick):
             workers[i % WORKERS].read((batch, i, 4096, now - 2000, now - 1000, wire.VERDICT_HIT))
@@ -77,7 +77,7 @@ def client_flood(socket_path: str, rate: int, seconds: float) -> ClientCounts:
             break
         for channel in pending:
             now = time.monotonic_ns()
-            channel.step((-1, now - 3000, now - 2000, now - 1000))
+            channel.step((-1, now - 3000, now - 2000, now - 1000, -1))
             sent += 1
             channel.flush()
             time.sleep(0.002)

@@ -53,10 +53,11 @@ class NaiveAttributor:
             self.on_step(row)
 
     def on_step(self, row: dict[str, int]) -> None:
-        job, rank, ws, we = row["job"], row["rank"], row["wait_start_ns"], row["wait_end_ns"]
-        if we - ws <= self.threshold_ns:
+        job, rank, ws, waited = row["job"], row["rank"], row["wait_start_ns"], row["wait_end_ns"]
+        if waited - ws <= self.threshold_ns:
             return
         split = self.stall_ns[(job, rank)]
+        we = min(max(row["ready_ns"], ws), waited) if row["ready_ns"] >= 0 else waited  # then delivery
         mine = self.by_batch.pop((job, rank, row["batch"]), None) if row["batch"] >= 0 else None
         recent = self.by_rank[(job, rank)]
         while recent and recent[0][1] < ws - self.lookback_ns:
@@ -70,7 +71,8 @@ class NaiveAttributor:
         split[1] += cover - missed
         preprocess = max(busy - cover, 0) if mine else 0
         split[2] += preprocess
-        split[3] += (we - ws) - cover - preprocess
+        split[3] += waited - we
+        split[4] += (we - ws) - cover - preprocess
 
 
 def rows(batch: EventBatch) -> Iterator[tuple[str, dict[str, int]]]:

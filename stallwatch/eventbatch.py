@@ -11,7 +11,8 @@ column is a plain array. The kinds:
 
 - `step` (training client, one row per training step): the source's job, rank and gpu (-1 unknown),
   then the wire's step record: batch (the batch index the step consumed), the loader wait
-  wait_start_ns..wait_end_ns and compute_end_ns (the end of the step's work).
+  wait_start_ns..wait_end_ns, compute_end_ns (the end of the step's work) and ready_ns (when a loader
+  worker handed the batch over, -1 unknown).
 - `read` (loader workers, one row per dataset read): the source's job, rank and worker, then the
   wire's read record: batch (-1 unknown), key (`keys.read_key`), bytes, start_ns, end_ns, verdict.
 - `spoke_request` (spoke collectors, one row per request the cache served): spoke, key, bytes,
@@ -133,7 +134,7 @@ def discard(batch: EventBatch) -> None:
     """The sink used when nothing consumes batches (the correlator is disabled)."""
 
 
-OVERFLOW = "__other__"
+OVERFLOW = wire.OVERFLOW_NAME
 
 
 class Interner:

@@ -1,12 +1,14 @@
 """Ground truth: generated scenarios with known causes, through the whole offline pipeline.
 
-Tolerances (from the issue): attributed seconds per cause within 5 % of truth, warm-up phases
-within one window of truth, the cache what-if within 5 points of an exact LRU simulation.
+Tolerances (from the issue): attributed seconds per cause within 5 % of truth, GPU idle during stalls
+within 5 % of truth (from driver-like samples: irregular periods, gaps), warm-up phases within one
+window of truth, the cache what-if within 5 points of an exact LRU simulation.
 Example counts stay small: each example simulates one to two minutes of a training node.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import numpy as np
@@ -26,13 +28,25 @@ PHASE_SPAN_S = math.ceil(SPAN_S / WINDOW_S) * WINDOW_S  # the warm-up judges spa
 # No shrinking: one example simulates a minute of a node; a failure prints its seeds to rerun.
 FEW = settings(max_examples=4, deadline=None, phases=(Phase.explicit, Phase.reuse, Phase.generate))
 seeds = st.integers(0, 2**16)
-REMOTE, CACHE, PREPROCESS, OTHER = (CAUSES.index(c) for c in CAUSES)
+REMOTE, CACHE, PREPROCESS, DELIVERY, OTHER = (CAUSES.index(c) for c in CAUSES)
 
 
 def assert_every_rank_close(outcome: Outcome) -> None:
     attributed = outcome.stall_by_rank()
     for key, truth in outcome.generated.truth.stall_s.items():
         assert_attribution_close(attributed.get(key, np.zeros(len(CAUSES))), truth)
+
+
+def assert_gpu_idle_close(outcome: Outcome) -> None:
+    """A GPU is busy exactly while its rank computes, so it idles through every stall: per job, the
+    GPU idle attributed to stalls is within 5 % of the stall seconds, in total and per cause."""
+    truth = outcome.generated.truth
+    for job in {job for job, _ in truth.stall_s}:
+        idle = sum((np.array(g.idle_s) for w in outcome.windows for g in w.gpus if g.job == job),
+                   np.zeros(len(CAUSES)))
+        want = truth.stall_by_job(job)
+        assert idle.sum() == pytest.approx(want.sum(), rel=0.05)
+        assert_attribution_close(idle, want)
 
 
 def assert_whatif_close(outcome: Outcome, scenario: Scenario) -> None:
@@ -64,6 +78,7 @@ def test_cold_start_then_warm_steady(seed: int, compute: float, preprocess: floa
     assert all(phase == "steady" for start, phase in phases if start >= truth.last_miss_s[0] + PHASE_SPAN_S)
     assert regressions == 0
     assert hub_bytes == spec.dataset_items * spec.item_bytes  # the whole dataset crossed once, while warming
+    assert_gpu_idle_close(outcome)
     assert_whatif_close(outcome, scenario)
 
 
@@ -78,6 +93,7 @@ def test_working_set_larger_than_cache_thrashes(seed: int, oversubscription: flo
     assert job_state(outcome, 0)[0] is None
     stall = outcome.stall_by_rank()[(0, 0)]
     assert stall.argmax() == REMOTE
+    assert_gpu_idle_close(outcome)
     assert_whatif_close(outcome, scenario)
 
 
@@ -96,9 +112,7 @@ def test_cpu_bound_preprocessing_with_warm_cache(seed: int, preprocess: float, w
     time_to_steady, regressions, _, hub_bytes = job_state(outcome, 0)
     assert time_to_steady is not None and time_to_steady <= PHASE_SPAN_S
     assert (regressions, hub_bytes) == (0, 0)
-    # The GPU idles through every stall: its idle seconds by cause follow the stall's causes.
-    idle = sum(np.array(g.idle_s) for w in outcome.windows for g in w.gpus)
-    assert idle[PREPROCESS] == pytest.approx(stall[PREPROCESS], rel=0.1)
+    assert_gpu_idle_close(outcome)
 
 
 @FEW
@@ -117,6 +131,7 @@ def test_hub_outage_mid_run(seed: int, outage_start: float) -> None:
     assert job_state(outcome, 0)[1] == 1
     stall = outcome.stall_by_rank()[(0, 0)]
     assert stall[REMOTE] > 0.9 * stall.sum()
+    assert_gpu_idle_close(outcome)
 
 
 @FEW
@@ -128,6 +143,7 @@ def test_mixed_jobs_on_one_node(seed: int) -> None:
     outcome = correlate(scenario)
     assert_every_rank_close(outcome)
     assert {key[0] for key in outcome.stall_by_rank()} == {0, 1}
+    assert_gpu_idle_close(outcome)
     for job in (0, 1):
         assert job_state(outcome, job)[1] == 0  # one job ending first is no regression
     gpus = {(g.job, g.gpu) for w in outcome.windows for g in w.gpus}
@@ -185,7 +201,56 @@ def test_untagged_preprocessing_is_other() -> None:
 
 def test_windows_are_event_time_and_cover_the_run() -> None:
     outcome = correlate(Scenario([JobSpec(0, steps=600)], cache_bytes=800 * MB, seed=3))
-    starts = [(w.start_ns - BASE_NS) / 1e9 for w in outcome.windows]
+    assert not outcome.windows[0].ranks  # GPU samples from before the job began: a window of their own
+    starts = [(w.start_ns - BASE_NS) / 1e9 for w in outcome.windows[1:]]
     assert starts == [WINDOW_S * i for i in range(len(starts))]
     assert starts[-1] <= outcome.generated.truth.end_s < starts[-1] + WINDOW_S
     assert outcome.correlator is not None and not outcome.correlator.windows.late
+
+
+def phase_changes(phases: list[tuple[float, str]]) -> int:
+    return sum(a != b for (_, a), (_, b) in itertools.pairwise(phases))
+
+
+@FEW
+@given(seed=seeds)
+def test_a_steady_job_with_a_partial_hit_ratio_keeps_its_phase(seed: int) -> None:
+    """11 % of reads are of never-seen items: each window's hit ratio wobbles around 0.89, across the
+    steady threshold (0.9); the phase may settle once but never flaps, and nothing is a regression."""
+    spec = JobSpec(0, steps=1500, new_item_fraction=0.11)
+    outcome = correlate(Scenario([spec], cache_bytes=800 * MB, prewarm=True, seed=seed))
+    ratios = [j.hit_ratio for w in outcome.windows for j in w.jobs if j.hit_ratio is not None]
+    assert min(ratios) > 0.8 and max(ratios) < 0.95
+    assert phase_changes(outcome.phases(0)) <= 1
+    assert job_state(outcome, 0)[1] == 0
+
+
+@FEW
+@given(seed=seeds, at=st.floats(30.0, 45.0), regression=st.sampled_from(["eviction", "outage"]))
+def test_a_regression_of_a_partly_missing_steady_job_is_caught_within_a_window(
+        seed: int, at: float, regression: str) -> None:
+    spec = JobSpec(0, steps=2000, new_item_fraction=0.06)
+    scenario = Scenario([spec], cache_bytes=800 * MB, prewarm=True, seed=seed,
+                        evictions=[at] if regression == "eviction" else [],
+                        outages=[(at, at + 20.0)] if regression == "outage" else [])
+    outcome = correlate(scenario)
+    phases = outcome.phases(0)
+    before = [(start, phase) for start, phase in phases if start + WINDOW_S <= at]
+    assert {phase for _, phase in before} == {"steady"}
+    left = next(start for start, phase in phases if start + WINDOW_S > at and phase != "steady")
+    assert left - at <= WINDOW_S
+    assert job_state(outcome, 0)[1] >= 1
+
+
+@FEW
+@given(seed=seeds, delivery=st.floats(0.01, 0.08), prewarm=st.booleans())
+def test_delivery_after_the_worker_handed_the_batch_over_is_its_own_cause(
+        seed: int, delivery: float, prewarm: bool) -> None:
+    """Large batches: each takes tens of ms from its worker to the trainer. The handover stamp splits
+    it off, so preprocessing keeps only the worker's own time."""
+    spec = JobSpec(0, steps=800, workers=3, preprocess_s=0.03, delivery_s=delivery)
+    outcome = correlate(Scenario([spec], cache_bytes=800 * MB, prewarm=prewarm, seed=seed))
+    assert_every_rank_close(outcome)
+    assert_gpu_idle_close(outcome)
+    stall = outcome.stall_by_rank()[(0, 0)]
+    assert stall[DELIVERY] > 0.1 * stall.sum()

@@ -68,7 +68,7 @@ def total(families: Iterable[Metric], name: str, **labels: str) -> float:
 # --- events: the client wire format ------------------------------------------------------------------
 def a_batch() -> bytes:
     now = time.monotonic_ns()
-    steps = [(i, now - 3000, now - 2000, now - 1000) for i in range(3)]
+    steps = [(i, now - 3000, now - 2000, now - 1000, now - 2500) for i in range(3)]
     reads = [(1, 7, 4096, now - 2000, now - 1000, wire.VERDICT_MISS)] * 2
     return wire.encode(wire.Source("fuzz", 1, 0, 2), steps, reads, 3, 2, 0, now, time.time_ns())
 

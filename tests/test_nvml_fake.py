@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import inspect
 
+import numpy as np
 import pynvml
 import pytest
 
-from stallwatch.exporters.nvml_fake import FakeGpu, FakeNVML
+from stallwatch.exporters.nvml_fake import ComputeTrace, DriverSampling, FakeGpu, FakeNVML
 
 # Every NVML function the gpu collector calls (grep `nvml\w+` in stallwatch/exporters/gpu.py to extend).
 CALLED = [
@@ -16,7 +17,8 @@ CALLED = [
     "nvmlDeviceGetMemoryInfo", "nvmlDeviceGetPowerUsage", "nvmlDeviceGetTotalEnergyConsumption",
     "nvmlDeviceGetClockInfo", "nvmlDeviceGetPcieThroughput", "nvmlDeviceGetTemperature",
     "nvmlDeviceGetCurrentClocksEventReasons", "nvmlDeviceGetComputeRunningProcesses", "nvmlEventSetCreate",
-    "nvmlDeviceRegisterEvents", "nvmlEventSetWait", "nvmlEventSetFree",
+    "nvmlDeviceRegisterEvents", "nvmlEventSetWait", "nvmlEventSetFree", "nvmlDeviceGetMaxMigDeviceCount",
+    "nvmlDeviceGetMigDeviceHandleByIndex",
 ]
 
 
@@ -56,6 +58,21 @@ def test_errors_are_pynvml_classes_with_pynvml_codes() -> None:
         _ = nvml.nvmlDeviceGetFanSpeed  # not implemented: must not fall through to the real library
 
 
+def test_uuids_and_mig_devices_answer_as_pynvml_does() -> None:
+    mig = "MIG-0d5e7c2a-aaaa-4bbb-8ccc-dddddddddddd"
+    nvml = FakeNVML([FakeGpu(), FakeGpu(mig_uuids=(mig,))])
+    nvml.nvmlInit()
+    plain, split = nvml.nvmlDeviceGetHandleByIndex(0), nvml.nvmlDeviceGetHandleByIndex(1)
+    uuid = nvml.nvmlDeviceGetUUID(plain)
+    assert isinstance(uuid, str) and uuid.startswith("GPU-") and len(uuid) == 40
+    with pytest.raises(pynvml.NVMLError_NotSupported):
+        nvml.nvmlDeviceGetMaxMigDeviceCount(plain)
+    assert nvml.nvmlDeviceGetMaxMigDeviceCount(split) == 7
+    assert nvml.nvmlDeviceGetUUID(nvml.nvmlDeviceGetMigDeviceHandleByIndex(split, 0)) == mig
+    with pytest.raises(pynvml.NVMLError_NotFound):
+        nvml.nvmlDeviceGetMigDeviceHandleByIndex(split, 1)
+
+
 def test_return_types_and_units_match_pynvml() -> None:
     nvml = FakeNVML([FakeGpu(pids=(7,))], sample_period=0.1)
     nvml.nvmlInit()
@@ -91,3 +108,25 @@ def test_gpu_check_script_runs_against_the_fake_and_here() -> None:
             assert name in fake.stdout, name
     here = subprocess.run([sys.executable, script], capture_output=True, text=True, timeout=60)
     assert here.returncode == 0 and ("no GPU" in here.stdout or "GPU 0:" in here.stdout)
+
+
+def test_driver_like_samples_are_irregular_with_gaps_and_average_their_real_period() -> None:
+    """Busy 1 s, idle 1 s, repeating: each sample is the busy share since the sample before it, so the
+    samples' idle time over their real periods adds up to the idle time, whatever the spacing."""
+    spans = [(float(t), t + 1.0) for t in range(0, 60, 2)]
+    now = [0.0]
+    nvml = FakeNVML([FakeGpu(trace=ComputeTrace.of_spans(spans))], clock=lambda: now[0], sample_period=1 / 6,
+                    sample_buffer=1000, sampling=DriverSampling(seed=3))
+    nvml.nvmlInit()
+    now[0] = 60.0
+    _, raw = nvml.nvmlDeviceGetSamples(nvml.nvmlDeviceGetHandleByIndex(0), pynvml.NVML_GPU_UTILIZATION_SAMPLES, 0)
+    stamps = np.array([s.timeStamp for s in raw]) / 1e6
+    util = np.array([s.sampleValue.uiVal for s in raw]) / 100
+    periods = np.diff(stamps)
+    assert periods.min() < 0.9 / 6 and periods.max() > 4 / 6  # irregular, with gaps past 4 periods
+    assert 0.7 * 360 < stamps.size < 0.95 * 360
+    idle = float(((1 - util[1:] / 0.97) * periods).sum())  # busy is 97 % inside a span
+    assert idle == pytest.approx(stamps[-1] - stamps[0] - sum(min(e, stamps[-1]) - max(s, stamps[0])
+                                                              for s, e in spans if e > stamps[0]), rel=0.02)
+    again = nvml.nvmlDeviceGetSamples(nvml.nvmlDeviceGetHandleByIndex(0), pynvml.NVML_GPU_UTILIZATION_SAMPLES, 0)[1]
+    assert [s.timeStamp for s in again] == [s.timeStamp for s in raw]  # the same samples on every read

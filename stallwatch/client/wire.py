@@ -9,7 +9,9 @@ A batch, little-endian, no padding:
     header   HEADER: version, string count, the source (job string id, gpu, worker, rank),
              record counts, events the client dropped since its last delivered batch, and the
              client's clocks at send time (monotonic and wall, nanoseconds)
-    strings  n_strings x (u16 length, UTF-8 bytes); the header's job is an index into them
+    strings  n_strings x (u16 length, UTF-8 bytes); the header's job is an index into them, the
+             others are attributes of the source, `name=value` (`GPU_UUID`); a decoder ignores
+             names it does not know, so attributes are added without a new version
     steps    n_steps x STEP records (STEP_FIELDS)
     reads    n_reads x READ records (READ_FIELDS)
 
@@ -24,7 +26,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from itertools import starmap
 
-VERSION = 1
+VERSION = 2  # 2: a step carries ready_ns
 
 # Where batches travel: the agent binds this Unix datagram socket (`--events.socket`), clients send
 # to the path in SOCKET_ENV or, without it, to this default.
@@ -49,6 +51,7 @@ STEP_FIELDS: tuple[tuple[str, str], ...] = (
     ("wait_start_ns", "q"),
     ("wait_end_ns", "q"),
     ("compute_end_ns", "q"),
+    ("ready_ns", "q"),  # when a loader worker handed the step's batch over; -1 unknown
 )
 READ_FIELDS: tuple[tuple[str, str], ...] = (
     ("batch", "q"),
@@ -75,11 +78,16 @@ VERDICT_HIT = 0
 VERDICT_MISS = 1
 
 MAX_JOB_NAME = 128
+# The label value the agent folds jobs and ranks past its limits into; no client may name a job so.
+OVERFLOW_NAME = "__other__"
+# The source attribute naming its GPU as NVML does: `GPU-<uuid>`, or a MIG device's `MIG-...` id.
+# The header's gpu stays the client's guess at the physical index (-1 unknown), for agents before it.
+GPU_UUID = "gpu_uuid"
 # Events per datagram: at 41 bytes a read, a full batch stays near 21 KB, far below the socket's
 # send buffer (net.core.wmem_default, 208 KB here), and sending costs one syscall per 512 events.
 MAX_EVENTS = 512
 
-Step = tuple[int, int, int, int]
+Step = tuple[int, int, int, int, int]
 Read = tuple[int, int, int, int, int, int]
 
 
@@ -91,26 +99,36 @@ class Source:
     rank: int
     gpu: int = -1
     worker: int = -1
+    gpu_uuid: str = ""
 
 
 def job_name(name: str) -> str:
-    """A job name the agent accepts: printable, non-empty, at most MAX_JOB_NAME characters."""
+    """A job name the agent accepts: printable, non-empty, at most MAX_JOB_NAME characters, not the
+    reserved OVERFLOW_NAME."""
     cleaned = "".join(ch if ch.isprintable() else "_" for ch in name)[:MAX_JOB_NAME]
-    return cleaned or "unknown"
+    return cleaned if cleaned and cleaned != OVERFLOW_NAME else "unknown"
+
+
+def _strings(source: Source) -> list[bytes]:
+    strings = [source.job.encode()]
+    if source.gpu_uuid:
+        strings.append(f"{GPU_UUID}={source.gpu_uuid}".encode())
+    return strings
 
 
 def encode_header(
     source: Source, n_steps: int, n_reads: int, dropped: int, mono_ns: int, wall_ns: int
 ) -> bytes:
     """A batch's header, packed at send time: the drop count and clocks are those of the moment it leaves."""
-    return HEADER.pack(VERSION, 1, 0, source.gpu, source.worker, source.rank, n_steps, n_reads, dropped, mono_ns,
-                       wall_ns)
+    return HEADER.pack(VERSION, len(_strings(source)), 0, source.gpu, source.worker, source.rank, n_steps, n_reads,
+                       dropped, mono_ns, wall_ns)
 
 
 def encode_body(source: Source, steps: Iterable[Step], reads: Iterable[Read]) -> bytes:
     """What follows the header: the string table and the records, in STEP/READ field order."""
-    job = source.job.encode()
-    parts = [STRING_LENGTH.pack(len(job)), job]
+    parts: list[bytes] = []
+    for string in _strings(source):
+        parts += (STRING_LENGTH.pack(len(string)), string)
     # starmap keeps the per-record loop in C: ~90 ns a record here, against ~150 ns for pack_into.
     parts.extend(starmap(STEP.pack, steps))
     parts.extend(starmap(READ.pack, reads))

@@ -1,8 +1,11 @@
-"""Split every stall's seconds among `remote_fetch`, `cache_read`, `preprocess` and `other`.
+"""Split every stall's seconds among `remote_fetch`, `cache_read`, `preprocess`, `delivery`, `other`.
 
 A stall is a loader wait [wait_start, wait_end] longer than the threshold. Each instant of it gets
 one cause, so the causes always sum to the stall:
 
+- Delivery, when the step says when its batch was handed over (the loader worker finished it at
+  `ready`): every instant after it is `delivery` (the batch travelling to the trainer: pickling, the
+  result queue, pin-memory, unpickling); the rules below split the wait up to it.
 - Critical path, when the step's batch has tagged reads: the trainer waiting on batch k waits on the
   worker producing batch k. From the first read of batch k on, that worker is busy with it: an
   instant covered by a missed read of batch k is `remote_fetch`, else by a hit `cache_read`, else
@@ -24,7 +27,7 @@ import numpy.typing as npt
 from stallwatch.catalogue import CAUSES
 from stallwatch.correlator.intervals import F64, I64, composite_key, covered_and_subset, equal_join, overlap_join
 
-REMOTE, CACHE, PREPROCESS, OTHER = range(len(CAUSES))
+REMOTE, CACHE, PREPROCESS, DELIVERY, OTHER = range(len(CAUSES))
 
 
 @dataclass(frozen=True)
@@ -36,6 +39,7 @@ class Steps:
     wait_start: I64
     wait_end: I64
     compute_end: I64
+    ready: I64  # when a loader worker handed the step's batch over; -1 unknown
 
     def __len__(self) -> int:
         return int(self.job.size)
@@ -61,7 +65,7 @@ class Attribution:
     wait_ns: I64
     compute_ns: I64
     stalled: npt.NDArray[np.bool_]
-    cause_ns: I64  # shape (steps, 4); all zero where not stalled
+    cause_ns: I64  # shape (steps, len(CAUSES)); all zero where not stalled
 
 
 def attribute(steps: Steps, reads: Reads, threshold_ns: int) -> Attribution:
@@ -73,7 +77,9 @@ def attribute(steps: Steps, reads: Reads, threshold_ns: int) -> Attribution:
     stall_index = np.flatnonzero(stalled)
     if stall_index.size == 0:
         return Attribution(wait, compute, stalled, causes)
-    ws, we = steps.wait_start[stall_index], steps.wait_end[stall_index]
+    ws, waited = steps.wait_start[stall_index], steps.wait_end[stall_index]
+    ready = steps.ready[stall_index]
+    we = np.where(ready >= 0, np.clip(ready, ws, waited), waited)  # the worker's part of the wait ends here
     m = stall_index.size
     # One packing for both sides so equal (job, rank) gets equal keys.
     owner_all = composite_key(np.concatenate((steps.job[stall_index], reads.job)),
@@ -118,7 +124,8 @@ def attribute(steps: Steps, reads: Reads, threshold_ns: int) -> Attribution:
     split[:, REMOTE] = missed
     split[:, CACHE] = cover - missed
     split[:, PREPROCESS] = np.where(on_path, np.maximum(busy - cover, 0), 0)
-    split[:, OTHER] = (we - ws) - split[:, :OTHER].sum(axis=1)
+    split[:, DELIVERY] = waited - we
+    split[:, OTHER] = (waited - ws) - split[:, :OTHER].sum(axis=1)
     causes[stall_index] = split
     return Attribution(wait, compute, stalled, causes)
 
@@ -129,9 +136,12 @@ def gpu_idle_in_stalls(
 ) -> F64:
     """Per step, ns its GPU idled during its stall, split like the stall (shape (steps, 4)).
 
-    A utilization sample covers (ts - period, ts] and says how much of it was idle: (1 - util) x
-    period. Samples are coarser than stalls (about 1/6 s from the driver), so a sample's idle time is
-    placed in the stall first: a stall gets min(overlap, idle time) from each sample it overlaps. A
+    A utilization sample is the GPU's mean over its real period, from the GPU's sample before it to
+    its own stamp: the driver's periods are irregular and it skips samples, so the period a sample
+    carries (the agent bounds it) is used only for the first sample at hand. Its idle time,
+    (1 - util) x period, goes to the stalls it overlaps first, up to each one's overlap, since the
+    trainer waits while no kernel runs; stalls that together overlap it for longer than it was idle
+    (kernels still running into a wait, two ranks on one GPU) share its idle time by overlap. A
     stall's idle time is shared among causes in proportion to the stall's split.
     """
     n = len(steps)
@@ -139,13 +149,26 @@ def gpu_idle_in_stalls(
     stalled = np.flatnonzero(attribution.stalled & (steps.gpu >= 0))
     if stalled.size == 0 or sample_ts.size == 0:
         return out
-    begin = sample_ts - sample_period
+    begin = _sample_begin(sample_ts, sample_period, sample_gpu)
     step_of, sample_of = overlap_join(steps.gpu[stalled], steps.wait_start[stalled], steps.wait_end[stalled],
                                       sample_gpu, begin, sample_ts)
     s = stalled[step_of]
-    overlap = np.minimum(sample_ts[sample_of], steps.wait_end[s]) - np.maximum(begin[sample_of], steps.wait_start[s])
-    idle_time = (1.0 - np.clip(sample_util[sample_of], 0.0, 1.0)) * sample_period[sample_of]
-    idle_ns = np.bincount(step_of, weights=np.clip(np.minimum(overlap, idle_time), 0, None), minlength=stalled.size)
+    overlap = np.clip(np.minimum(sample_ts[sample_of], steps.wait_end[s])
+                      - np.maximum(begin[sample_of], steps.wait_start[s]), 0, None).astype(np.float64)
+    idle_time = (1.0 - np.clip(sample_util.astype(np.float64), 0.0, 1.0)) * (sample_ts - begin)
+    claimed = np.bincount(sample_of, weights=overlap, minlength=sample_ts.size)
+    placed = np.minimum(1.0, idle_time / np.maximum(claimed, 1.0))[sample_of]
+    idle_ns = np.bincount(step_of, weights=overlap * placed, minlength=stalled.size)
     share = attribution.cause_ns[stalled] / np.maximum(attribution.wait_ns[stalled], 1)[:, None]
     out[stalled] = share * idle_ns[:, None]
     return out
+
+
+def _sample_begin(ts: I64, period: I64, gpu: I64) -> I64:
+    """Where each sample's real period begins: the same GPU's previous stamp, else ts - period."""
+    order = np.lexsort((ts, gpu))
+    begin = np.empty_like(ts)
+    sorted_ts, sorted_gpu = ts[order], gpu[order]
+    follows = np.concatenate(([False], sorted_gpu[1:] == sorted_gpu[:-1]))
+    begin[order] = np.where(follows, np.concatenate((sorted_ts[:1], sorted_ts[:-1])), sorted_ts - period[order])
+    return begin

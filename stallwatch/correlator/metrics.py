@@ -11,7 +11,7 @@ from prometheus_client.core import Metric
 
 from stallwatch import catalogue
 from stallwatch.catalogue import CAUSES, PHASES
-from stallwatch.correlator.results import NameLookup, WindowResult
+from stallwatch.correlator.results import NameLookup, WhatIfCurve, WindowResult
 from stallwatch.eventbatch import Interner
 
 NO_SPOKE = "default"
@@ -41,6 +41,7 @@ class CorrelatorMetrics:
         self._warmup_bytes: dict[str, float] = {}
         self._regressions: dict[str, float] = {}
         self._whatif: dict[float, float] = {}
+        self._whatif_curve: WhatIfCurve | None = None
         self._windows = 0
         self._late: dict[str, int] = {}
         self._dropped: dict[tuple[str, str], int] = {}
@@ -67,6 +68,7 @@ class CorrelatorMetrics:
                 self._warmup_bytes[job] = j.warmup_hub_bytes
                 self._regressions[job] = j.regressions
             self._whatif.update(result.whatif)
+            self._whatif_curve = result.whatif_curve or self._whatif_curve
             for job in map(name, result.retired_jobs):
                 self._forget(job)
 
@@ -87,6 +89,7 @@ class CorrelatorMetrics:
         c = catalogue
         spoke = whatif_spoke_label(self._spokes)  # read at scrape time: spoke collectors intern after this is built
         with self._lock:
+            curve = self._whatif_curve
             tables: list[tuple[Any, Mapping[tuple[str, ...], float]]] = [
                 (c.STALL_SECONDS.family(), self._stall),
                 (c.COMPUTE_SECONDS.family(), self._compute),
@@ -97,6 +100,8 @@ class CorrelatorMetrics:
                 (c.WARMUP_HUB_BYTES.family(), {(j,): v for j, v in self._warmup_bytes.items()}),
                 (c.WARMUP_REGRESSIONS.family(), {(j,): v for j, v in self._regressions.items()}),
                 (c.CACHE_WHATIF_HIT_RATIO.family(), {(spoke, f"{f:g}"): v for f, v in self._whatif.items()}),
+                (c.CACHE_WHATIF_SAMPLING.family(), {(spoke,): curve.sample_rate} if curve else {}),
+                (c.CACHE_WHATIF_KEYS.family(), {(spoke,): curve.keys} if curve else {}),
                 (c.CORRELATOR_WINDOWS.family(), {(): self._windows}),
                 (c.CORRELATOR_LATE_EVENTS.family(), {(k,): v for k, v in self._late.items()}),
                 (c.CORRELATOR_DROPPED_EVENTS.family(), {k: v for k, v in self._dropped.items()}),

@@ -47,6 +47,14 @@ class JobRow:
 
 
 @dataclass(frozen=True)
+class WhatIfCurve:
+    """The state of the what-if's miss-ratio curve: its sampling rate and the keys it tracks."""
+
+    sample_rate: float
+    keys: int
+
+
+@dataclass(frozen=True)
 class WindowResult:
     start_ns: int
     end_ns: int
@@ -55,6 +63,7 @@ class WindowResult:
     jobs: tuple[JobRow, ...]
     whatif: dict[float, float] = field(default_factory=dict)  # capacity factor -> hit ratio
     retired_jobs: tuple[int, ...] = ()
+    whatif_curve: WhatIfCurve | None = None  # None before the curve saw a reference
 
     def record(self, job_names: NameLookup) -> dict[str, Any]:
         """The window as one JSON-ready row (a line of the window file)."""
@@ -79,4 +88,6 @@ class WindowResult:
                 for j in self.jobs
             ],
             "whatif_hit_ratio": {str(factor): ratio for factor, ratio in self.whatif.items()},
+            "whatif_sample_rate": self.whatif_curve.sample_rate if self.whatif_curve else None,
+            "whatif_keys": self.whatif_curve.keys if self.whatif_curve else None,
         }

@@ -8,6 +8,12 @@ Per closed window a job is
   window's (quarters, not single steps, so a periodic pattern such as alternating workers is still
   steady), and, once a steady pace is known, it keeps at least `min_pace` of it;
 - `transition` in between.
+Each threshold has hysteresis: a phase is entered at its threshold and left only past it by a margin
+(`hit_ratio_hysteresis` below a hit-ratio threshold, `dispersion_hysteresis` times `max_dispersion`),
+and steady is left on the hit ratio of this window's and the previous window's reads together. So a
+job whose hit ratio or step time wobbles from window to window (a working set that partly fits hits
+unevenly within an epoch) keeps its phase, while a real change (an eviction, a hub outage) crosses
+the margin in the window it begins in.
 Leaving `steady` is a regression (evictions, thrash, hub trouble), counted only on the cache's
 evidence. A fall on the hit ratio counts at once. When it leaves on pace alone (few or no steps: a
 stall in progress, or the job ended) the phase turns `transition` at once but the regression is
@@ -35,7 +41,12 @@ HIT_RATIO, PACE, DISPERSION = "hit_ratio", "pace", "dispersion"
 class WarmupSettings:
     cold_hit_ratio: float = 0.5
     steady_hit_ratio: float = 0.9
+    # A window's hit ratio moves a few points by chance (a 5 s window holds a few hundred reads, and
+    # a partly fitting working set hits unevenly within an epoch): a phase is left only this far past
+    # the threshold that entered it.
+    hit_ratio_hysteresis: float = 0.1
     max_dispersion: float = 0.5
+    dispersion_hysteresis: float = 2.0  # steady is left on dispersion only past this times max_dispersion
     min_pace: float = 0.5
     expiry_s: float = 120.0
 
@@ -63,6 +74,8 @@ class JobWarmup:
     ranks: int = 0
     phase: str = COLD
     hit_ratio: float | None = None
+    latest: tuple[int, int] = (0, 0)  # hits and reads of the latest window with reads
+    reads: tuple[int, int] = (0, 0)  # hits and reads of the latest two windows with reads
     steady_pace: float | None = None  # steps per rank per window while steady
     time_to_steady_s: float | None = None
     idle_gpu_seconds: float = 0.0
@@ -84,6 +97,8 @@ class WarmupTracker:
             state = self.jobs[job] = JobWarmup(first_event_ns=first_event_ns, last_step_ns=end_ns)
         if seen.reads:
             state.hit_ratio = seen.hits / seen.reads
+            state.reads = (state.latest[0] + seen.hits, state.latest[1] + seen.reads)
+            state.latest = (seen.hits, seen.reads)
         if seen.steps:
             state.last_step_ns = end_ns
             state.ranks = seen.ranks
@@ -113,11 +128,17 @@ class WarmupTracker:
         """The window's phase and, when it is not steady, why (HIT_RATIO, PACE or DISPERSION)."""
         s = self.settings
         ratio = state.hit_ratio
-        if ratio is None or ratio < s.cold_hit_ratio:
+        margin = s.hit_ratio_hysteresis
+        if ratio is None:
             return COLD, HIT_RATIO
-        if ratio < s.steady_hit_ratio:
+        if ratio < s.cold_hit_ratio - (0.0 if state.phase == COLD else margin):
+            return COLD, HIT_RATIO
+        steady = state.phase == STEADY
+        if steady:  # staying steady is judged on two windows' reads: one window's wobble is not a change
+            ratio = state.reads[0] / state.reads[1]
+        if ratio < s.steady_hit_ratio - (margin if steady else 0.0):
             return TRANSITION, HIT_RATIO
-        if state.phase == STEADY and state.steady_pace is not None and complete:
+        if steady and state.steady_pace is not None and complete:
             pace = seen.steps / seen.ranks if seen.ranks else 0.0
             if pace < s.min_pace * state.steady_pace:
                 return TRANSITION, PACE
@@ -128,7 +149,8 @@ class WarmupTracker:
         means = sums[counts > 0] / counts[counts > 0]
         overall = float(seen.step_seconds.mean())
         dispersion = float(means.max() - means.min()) / overall if overall > 0 else 0.0
-        return (STEADY, None) if dispersion <= s.max_dispersion else (TRANSITION, DISPERSION)
+        allowed = s.max_dispersion * (s.dispersion_hysteresis if steady else 1.0)
+        return (STEADY, None) if dispersion <= allowed else (TRANSITION, DISPERSION)
 
     def expire(self, now_ns: int) -> list[int]:
         """Forget jobs with no step for `expiry_s`; their ids, so their series can go too."""

@@ -3,17 +3,23 @@
 A spatially sampled miss-ratio curve (SHARDS, Waldspurger et al., FAST '15), fixed-size variant: a
 read is sampled when a hash of its key falls below a threshold T (rate R = T / 2^64), so every
 reference to a sampled key is seen and reuse distances among sampled keys, scaled by 1/R, estimate
-the true ones. When more than `max_keys` keys are tracked, T is lowered and the keys above it are
+the true ones. T starts at 2^64, every key sampled, so a working set of up to `max_keys` keys gets
+the exact curve; when a batch would bring the tracked keys past `max_keys`, T is lowered first, to
+the rate at which the tracked and the batch's keys fill 7/8 of the cap, and the keys above it are
 dropped: memory stays bounded whatever the working set. Reuse distances are in bytes (a reference
 hits an LRU cache of C bytes when the distinct bytes used since its last use, itself included, fit
 in C) and land in a log-spaced histogram, so any capacity can be asked after the fact.
+
+A failed fetch (a read of 0 bytes: the client records a read that raised with the bytes it got) is
+no reference for the curve: it moved nothing, the spoke cached nothing, and its retry is the
+reference. Failures are counted (`failed`), not sampled.
 
 Sampling by key assumes no single key carries a large share of all references. Training reads
 satisfy it (each item once per epoch); a few very hot keys make the estimate swing with whether
 they happen to be sampled.
 
-The sampling filter is vectorised; only sampled references (a fraction R of reads, which shrinks
-as the working set grows) take a Python step, each one vectorised over the tracked keys.
+All of it is array work: a batch's sampled references and the tracked keys (in recency order, one
+reference each) form one sequence whose exact reuse distances come from `reuse.reuse_distances`.
 """
 
 from __future__ import annotations
@@ -21,9 +27,11 @@ from __future__ import annotations
 import numpy as np
 import numpy.typing as npt
 
-_BINS_PER_OCTAVE = 32
+from stallwatch.correlator.reuse import reuse_distances
+
+_BINS_PER_OCTAVE = 256  # a bin is 0.27 % wide: a capacity is answered to that
 _OCTAVES = 56  # 1 byte .. 2^56 bytes
-_FULL = float(2**64)
+_FULL = 2**64
 
 
 def _mix(keys: npt.NDArray[np.uint64]) -> npt.NDArray[np.uint64]:
@@ -39,24 +47,26 @@ def _mix(keys: npt.NDArray[np.uint64]) -> npt.NDArray[np.uint64]:
 
 
 class MissRatioCurve:
-    def __init__(self, *, sample_rate: float = 0.1, max_keys: int = 1024) -> None:
+    def __init__(self, *, sample_rate: float = 1.0, max_keys: int = 8192) -> None:
         if not 0 < sample_rate <= 1:
             raise ValueError(f"sample rate must be in (0, 1], got {sample_rate}")
-        self._threshold = min(int(sample_rate * _FULL), 2**64 - 1)
+        self._threshold = min(round(sample_rate * _FULL), _FULL)  # sampled: hash < threshold
         self._max_keys = max_keys
-        self._slot_of: dict[int, int] = {}
-        self._hash = np.zeros(max_keys + 1, dtype=np.uint64)
-        self._size = np.zeros(max_keys + 1, dtype=np.int64)
-        self._last = np.full(max_keys + 1, -1, dtype=np.int64)  # -1: free slot
-        self._free = list(range(max_keys, -1, -1))
-        self._clock = 0
+        # Tracked keys, least recently used first, with their sizes at their last reference.
+        self._keys = np.zeros(0, dtype=np.uint64)
+        self._sizes = np.zeros(0, dtype=np.int64)
         self._hist = np.zeros(_BINS_PER_OCTAVE * _OCTAVES, dtype=np.float64)
-        self._cold = 0.0
         self._total = 0.0
+        self.failed = 0
 
     @property
     def sample_rate(self) -> float:
         return self._threshold / _FULL
+
+    @property
+    def keys(self) -> int:
+        """Keys tracked now; divided by the sample rate, an estimate of the distinct keys seen."""
+        return int(self._keys.size)
 
     @property
     def references(self) -> float:
@@ -65,49 +75,50 @@ class MissRatioCurve:
 
     def feed(self, keys: npt.NDArray[np.uint64], sizes: npt.NDArray[np.int64]) -> None:
         """References in time order."""
-        hashes = _mix(keys)
-        sampled = np.flatnonzero(hashes < np.uint64(self._threshold))
-        for h, size in zip(hashes[sampled].tolist(), sizes[sampled].tolist(), strict=True):
-            if h >= self._threshold:  # the threshold dropped earlier in this batch
-                continue
-            self._reference(h, max(int(size), 1))
+        fetched = sizes > 0
+        self.failed += int(fetched.size - fetched.sum())
+        hashes, sizes = _mix(keys[fetched]), sizes[fetched].astype(np.int64)
+        chosen = self._sampled(hashes)
+        hashes, sizes = hashes[chosen], sizes[chosen]
+        distinct = np.union1d(self._keys, hashes)
+        if distinct.size > self._max_keys:
+            # The batch would pass the cap: T drops first, to keep 7/8 of the cap of these keys.
+            self._threshold = int(distinct[self._max_keys * 7 // 8])
+            kept = self._keys < np.uint64(self._threshold)
+            self._keys, self._sizes = self._keys[kept], self._sizes[kept]
+            chosen = hashes < np.uint64(self._threshold)
+            hashes, sizes = hashes[chosen], sizes[chosen]
+        self._reference(hashes, sizes)
 
-    def _reference(self, h: int, size: int) -> None:
-        rate = self._threshold / _FULL
+    def _sampled(self, hashes: npt.NDArray[np.uint64]) -> npt.NDArray[np.bool_]:
+        if self._threshold >= _FULL:
+            return np.ones(hashes.size, dtype=bool)
+        return hashes < np.uint64(self._threshold)
+
+    def _reference(self, hashes: npt.NDArray[np.uint64], sizes: npt.NDArray[np.int64]) -> None:
+        """Fold references at one sampling rate into the histogram; the tracked keys precede them."""
+        if hashes.size == 0:
+            return
+        rate = self.sample_rate
         weight = 1.0 / rate
-        self._total += weight
-        self._clock += 1
-        slot = self._slot_of.get(h)
-        if slot is None:
-            self._cold += weight
-            slot = self._free.pop()
-            self._slot_of[h] = slot
-            self._hash[slot] = h
-        else:
-            newer = self._last > self._last[slot]
-            # Other keys' bytes are a 1/R sample of all others'; the key's own size is known exactly.
-            distance = size + int(self._size[newer].sum()) / rate
-            self._hist[self._bin(distance)] += weight
-        self._size[slot] = size
-        self._last[slot] = self._clock
-        if len(self._slot_of) > self._max_keys:
-            self._lower_threshold()
+        tracked = self._keys.size
+        sequence = np.concatenate((self._keys, hashes))
+        all_sizes = np.concatenate((self._sizes, sizes))
+        distance = reuse_distances(sequence, all_sizes)[tracked:]
+        reused = np.isfinite(distance)
+        # Other keys' bytes are a 1/R sample of all others'; the key's own size is known exactly.
+        scaled = sizes[reused] + (distance[reused] - sizes[reused]) / rate
+        np.add.at(self._hist, self._bins(scaled), weight)
+        self._total += weight * hashes.size
+        # The tracked keys afterwards: each one's last reference, in time order.
+        reversed_first = np.unique(sequence[::-1], return_index=True)[1]
+        last = np.sort(sequence.size - 1 - reversed_first)
+        self._keys, self._sizes = sequence[last], all_sizes[last]
 
     @staticmethod
-    def _bin(distance: float) -> int:
-        return min(int(np.log2(max(distance, 1.0)) * _BINS_PER_OCTAVE), _BINS_PER_OCTAVE * _OCTAVES - 1)
-
-    def _lower_threshold(self) -> None:
-        """Keep the smallest 7/8 of tracked hashes: T drops to the largest of them plus one."""
-        used = np.flatnonzero(self._last >= 0)
-        keep = len(used) * 7 // 8
-        ordered = np.sort(self._hash[used])
-        self._threshold = int(ordered[keep])
-        for slot in used[self._hash[used] >= np.uint64(self._threshold)].tolist():
-            del self._slot_of[int(self._hash[slot])]
-            self._last[slot] = -1
-            self._size[slot] = 0
-            self._free.append(slot)
+    def _bins(distance: npt.NDArray[np.float64]) -> npt.NDArray[np.int64]:
+        bins = (np.log2(np.maximum(distance, 1.0)) * _BINS_PER_OCTAVE).astype(np.int64)
+        return np.minimum(bins, _BINS_PER_OCTAVE * _OCTAVES - 1)
 
     def hit_ratio(self, capacity_bytes: float) -> float | None:
         """Estimated LRU hit ratio at this capacity; None before any reference."""

@@ -11,7 +11,7 @@ import numpy as np
 from stallwatch.catalogue import CAUSES
 from stallwatch.correlator.attribution import Reads, Steps, attribute, gpu_idle_in_stalls
 from stallwatch.correlator.intervals import composite_key
-from stallwatch.correlator.results import GpuRow, JobRow, RankRow, WindowResult
+from stallwatch.correlator.results import GpuRow, JobRow, RankRow, WhatIfCurve, WindowResult
 from stallwatch.correlator.settings import CorrelatorSettings, seconds_to_ns
 from stallwatch.correlator.verdicts import LatencySplit, join_spoke
 from stallwatch.correlator.warmup import WarmupTracker
@@ -53,7 +53,7 @@ class WindowAnalyser:
         miss = verdict == Verdict.MISS
         st = window.steps
         steps = Steps(*(st[name].astype(np.int64) for name in
-                        ("job", "rank", "gpu", "batch", "wait_start_ns", "wait_end_ns", "compute_end_ns")))
+                        ("job", "rank", "gpu", "batch", "wait_start_ns", "wait_end_ns", "compute_end_ns", "ready_ns")))
         reads = Reads(raw["job"], raw["rank"], raw["batch"],
                       raw["start_ns"], raw["end_ns"], miss)
         attribution = attribute(steps, reads, seconds_to_ns(s.stall_threshold_s))
@@ -75,7 +75,8 @@ class WindowAnalyser:
         retired = tuple(self.warmup.expire(end))
         for job in retired:
             self._first_seen.pop(job, None)
-        return WindowResult(start, end, ranks, gpus, jobs, whatif, retired)
+        curve = WhatIfCurve(self.whatif.sample_rate, self.whatif.keys) if self.whatif.references else None
+        return WindowResult(start, end, ranks, gpus, jobs, whatif, retired, curve)
 
     def _verdicts(self, reads: dict[str, np.ndarray], window: WindowInput) -> np.ndarray:
         """Each read's verdict: its own, else the spoke's, else the learnt latency split's."""

@@ -31,10 +31,11 @@ import numpy.typing as npt
 from stallwatch.eventbatch import SCHEMAS, Columns
 
 CONTEXT_KINDS = ("read", "spoke_request", "gpu_util")
-# When an event began: one that began after a window's end cannot overlap that window's stalls.
+# When an event began: one that began after a window's end cannot overlap that window's stalls. A GPU
+# sample's real period reaches back to the sample before it, past the period it carries (bounded by
+# the agent), so GPU samples are all kept.
 BEGIN: Mapping[str, Callable[[_Chunk], npt.NDArray[np.int64]]] = {
     "read": lambda c: c.column("read", "start_ns"),
-    "gpu_util": lambda c: c.column("gpu_util", "ts_ns") - c.column("gpu_util", "period_ns"),
 }
 
 

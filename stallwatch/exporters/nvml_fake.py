@@ -8,6 +8,11 @@ KB/s, microsecond wall-clock timestamps. Constants and exception classes are pyn
 Each scripted GPU follows a utilization timeline (percent as a function of seconds since
 `nvmlInit`), can be lost at a given moment, can refuse some functions with NotSupported, and can
 raise XID events. The driver can be unloaded mid-run.
+
+The driver's utilization samples (`nvmlDeviceGetSamples`) come on an ideal grid, each the
+utilization at its instant, unless a `DriverSampling` is given: then they look like a real driver's,
+stamped off the nominal grid, some missing, now and then a stretch with none, and each the mean
+utilization since the sample before it (the busy time the driver accumulated over its real period).
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from __future__ import annotations
 import bisect
 import itertools
 import math
+import random
 import struct
 import time
 import uuid as uuidlib
@@ -62,11 +68,20 @@ class ComputeTrace:
 
     RECORD = struct.Struct("<dd")
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path | None) -> None:
         self._path = path
         self._offset = 0
         self._starts: list[float] = []
         self._ends: list[float] = []
+
+    @classmethod
+    def of_spans(cls, spans: Iterable[tuple[float, float]]) -> ComputeTrace:
+        """A trace of known (start, end) spans in time order, with no file behind it."""
+        trace = cls(None)
+        for start, end in spans:
+            trace._starts.append(start)
+            trace._ends.append(end)
+        return trace
 
     @staticmethod
     def append_span(path: Path, start: float, end: float) -> None:
@@ -74,6 +89,8 @@ class ComputeTrace:
             handle.write(ComputeTrace.RECORD.pack(start, end))
 
     def _refresh(self) -> None:
+        if self._path is None:
+            return
         try:
             with self._path.open("rb") as handle:
                 handle.seek(self._offset)
@@ -91,6 +108,55 @@ class ComputeTrace:
         index = bisect.bisect_right(self._starts, wall_seconds) - 1
         return 97.0 if index >= 0 and wall_seconds < self._ends[index] else 0.0
 
+    def mean_percent(self, begin: float, end: float) -> float:
+        """Mean utilization over (begin, end] of wall-clock seconds: 97 % times the busy share."""
+        self._refresh()
+        if end <= begin:
+            return self.percent_at(end)
+        first = bisect.bisect_right(self._ends, begin)
+        last = bisect.bisect_left(self._starts, end)
+        busy = sum(max(0.0, min(e, end) - max(s, begin)) for s, e in zip(self._starts[first:last],
+                                                                        self._ends[first:last], strict=True))
+        return 97.0 * busy / (end - begin)
+
+
+@dataclass(frozen=True)
+class DriverSampling:
+    """Utilization samples as a real driver's look: each stamped up to `jitter` of a period after its
+    nominal grid point, missing with probability `missing`, and in a stretch of `4 * gap_samples`
+    samples, with probability `gap`, a run of `gap_samples` missing ones (longer than the 4 periods
+    an agent lets one sample cover). Every sample is the mean utilization since the one before it.
+    Seeded: the same samples whenever they are read."""
+
+    jitter: float = 0.5
+    missing: float = 0.1
+    gap: float = 0.2
+    gap_samples: int = 8
+    seed: int = 0
+
+    def _draw(self, k: int, salt: int) -> float:
+        return random.Random((self.seed * 1_000_003 + k) * 4 + salt).random()
+
+    def kept(self, k: int) -> bool:
+        if k < 0 or self._draw(k, 0) < self.missing:
+            return False
+        stretch = k // (4 * self.gap_samples)
+        if self._draw(stretch, 1) >= self.gap:
+            return True
+        opened = stretch * 4 * self.gap_samples + int(self._draw(stretch, 3) * 3 * self.gap_samples)
+        return not opened <= k < opened + self.gap_samples
+
+    def stamp(self, k: int, period: float) -> float:
+        """Seconds since init of the k-th grid point's sample."""
+        return (k + self.jitter * self._draw(k, 2)) * period
+
+    def previous(self, k: int) -> int:
+        """The latest kept sample before k, or -1 when there is none."""
+        j = k - 1
+        while j >= 0 and not self.kept(j):
+            j -= 1
+        return j
+
 
 @dataclass
 class FakeGpu:
@@ -105,11 +171,22 @@ class FakeGpu:
     idle_power_mw: int = 90_000
     max_power_mw: int = 700_000
     trace: ComputeTrace | None = None  # when set, utilization follows it instead of the timeline
+    mig_uuids: tuple[str, ...] = ()  # with MIG mode on: the MIG devices carved out of it (`MIG-<uuid>`)
 
 
 @dataclass
 class _Handle:
     index: int
+
+
+@dataclass
+class _MigHandle:
+    parent: int
+    slot: int
+
+
+# MIG slots per GPU (an A100/H100/H200 splits into at most seven); unused slots answer NOT_FOUND.
+MAX_MIG_DEVICES = 7
 
 
 @dataclass
@@ -152,6 +229,7 @@ class FakeNVML:
         sample_buffer: int = 120,
         pcie_latency: float = 0.02,
         library_present: bool = True,
+        sampling: DriverSampling | None = None,
     ) -> None:
         self.gpus = list(gpus)
         for i, gpu in enumerate(self.gpus):
@@ -160,6 +238,7 @@ class FakeNVML:
         self._clock = clock
         self._sample_period = sample_period
         self._sample_buffer = sample_buffer
+        self._sampling = sampling
         self._pcie_latency = pcie_latency
         self._library_present = library_present
         self._driver_loaded = True
@@ -254,8 +333,23 @@ class FakeNVML:
         self._device(handle, "nvmlDeviceGetIndex")
         return handle.index
 
-    def nvmlDeviceGetUUID(self, handle: _Handle) -> str:  # noqa: N802
+    def nvmlDeviceGetUUID(self, handle: _Handle | _MigHandle) -> str:  # noqa: N802
+        if isinstance(handle, _MigHandle):
+            return self._device(_Handle(handle.parent), "nvmlDeviceGetUUID").mig_uuids[handle.slot]
         return self._device(handle, "nvmlDeviceGetUUID").uuid
+
+    def nvmlDeviceGetMaxMigDeviceCount(self, device: _Handle) -> int:  # noqa: N802
+        if not self._device(device, "nvmlDeviceGetMaxMigDeviceCount").mig_uuids:
+            _raise(pynvml.NVML_ERROR_NOT_SUPPORTED)  # as a GPU without MIG mode answers
+        return MAX_MIG_DEVICES
+
+    def nvmlDeviceGetMigDeviceHandleByIndex(self, device: _Handle, index: int) -> _MigHandle:  # noqa: N802
+        gpu = self._device(device, "nvmlDeviceGetMigDeviceHandleByIndex")
+        if not 0 <= index < MAX_MIG_DEVICES:
+            _raise(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        if index >= len(gpu.mig_uuids):
+            _raise(pynvml.NVML_ERROR_NOT_FOUND)
+        return _MigHandle(device.index, index)
 
     def nvmlDeviceGetName(self, handle: _Handle) -> str:  # noqa: N802
         return self._device(handle, "nvmlDeviceGetName").name
@@ -278,17 +372,40 @@ class FakeNVML:
         if timeStamp:  # skip straight to the first sample newer than the caller's last
             oldest = max(oldest, math.floor((timeStamp / 1e6 - self._started) / self._sample_period))
         samples = []
+        elapsed = self._elapsed()
         for k in range(oldest, newest + 1):
-            at = k * self._sample_period
+            sample = self._sample(gpu, k)
+            if sample is None or sample[0] > elapsed:
+                continue
+            at, percent = sample
             stamp_us = int((self._started + at) * 1_000_000)
             if stamp_us <= timeStamp:
                 continue
             value = pynvml.c_nvmlValue_t()
-            value.uiVal = int(self._percent(gpu, at))
+            value.uiVal = int(percent)
             samples.append(pynvml.c_nvmlSample_t(timeStamp=stamp_us, sampleValue=value))
         if not samples:
             _raise(pynvml.NVML_ERROR_NOT_FOUND)
         return pynvml.NVML_VALUE_TYPE_UNSIGNED_INT, samples
+
+    def _sample(self, gpu: FakeGpu, k: int) -> tuple[float, float] | None:
+        """The k-th grid point's sample, (seconds since init, percent), or None where the driver has none."""
+        period, sampling = self._sample_period, self._sampling
+        if sampling is None:
+            return k * period, self._percent(gpu, k * period)
+        if not sampling.kept(k):
+            return None
+        at = sampling.stamp(k, period)
+        before = sampling.previous(k)
+        since = sampling.stamp(before, period) if before >= 0 else max(0.0, at - period)
+        return at, self._mean_percent(gpu, since, at)
+
+    def _mean_percent(self, gpu: FakeGpu, begin: float, end: float) -> float:
+        if gpu.trace is not None:
+            assert self._started is not None
+            return gpu.trace.mean_percent(self._started + begin, self._started + end)
+        points = [begin + (end - begin) * (i + 0.5) / 16 for i in range(16)]  # a timeline has no integral
+        return sum(self._percent(gpu, t) for t in points) / len(points)
 
     def nvmlDeviceGetMemoryInfo(self, handle: _Handle, version: int | None = None) -> pynvml.c_nvmlMemory_t:  # noqa: N802
         gpu = self._device(handle, "nvmlDeviceGetMemoryInfo")

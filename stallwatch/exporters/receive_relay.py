@@ -7,7 +7,8 @@ interpreter of its own and nothing else to do, so it is back in `recv` as soon a
 it run (measured in docs/benchmarks.md).
 
 It inherits the bound socket and the write end of a pipe, and writes each datagram to the pipe as a
-frame: `FRAME` (its length), then its bytes. While the agent reads slowly it holds up to
+frame: `FRAME` (its length and the bytes kept: a datagram longer than the receive buffer is cut,
+and the agent refuses it as `truncated`), then those bytes. While the agent reads slowly it holds up to
 `MAX_BUFFERED_BYTES` itself; past that it stops reading the socket, so the kernel's queue fills and
 clients keep, and at worst drop and count, their batches: nothing is lost without a count. It exits
 when the agent closes the pipe or when its parent process is gone.
@@ -26,7 +27,7 @@ import struct
 import sys
 from collections import deque
 
-FRAME = struct.Struct("<I")
+FRAME = struct.Struct("<II")  # the datagram's length, then how many of its bytes follow (fewer if cut)
 RECEIVE_BUFFER = 1 << 18  # larger than any batch a client sends
 MAX_BUFFERED_BYTES = 16 << 20
 PIPE_BYTES = 1 << 20  # the pipe's own buffer, as large as an unprivileged process may ask (fs.pipe-max-size)
@@ -53,11 +54,12 @@ def relay(sock: socket.socket, pipe_fd: int, parent_pid: int) -> None:
             if fd == sock_fd and event & select.POLLIN:
                 for _ in range(DRAIN_PER_WAKE):
                     try:
-                        size = sock.recv_into(buffer, 0, socket.MSG_DONTWAIT)
+                        size = sock.recv_into(buffer, 0, socket.MSG_DONTWAIT | socket.MSG_TRUNC)
                     except (BlockingIOError, InterruptedError):
                         break
-                    out.append(memoryview(FRAME.pack(size) + buffer[:size]))
-                    buffered += FRAME.size + size
+                    kept = min(size, len(buffer))
+                    out.append(memoryview(FRAME.pack(size, kept) + buffer[:kept]))
+                    buffered += FRAME.size + kept
         while out:
             try:
                 written = os.writev(pipe_fd, list(out)[:64])

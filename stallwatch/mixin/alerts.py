@@ -70,9 +70,11 @@ def training_alerts(t: Thresholds) -> tuple[AlertRule, ...]:
                     "pipeline, not the model, sets the pace (TensorFlow's input-pipeline analyzer calls 20 % or "
                     "more 'highly input-bound').\n\n"
                     "Check: *Training input stalls*: which cause dominates the stall seconds. `remote_fetch` and "
-                    "`cache_read` point at storage; `preprocess` at CPU-bound workers; `other` at missing read "
+                    "`cache_read` point at storage; `preprocess` at CPU-bound workers; `delivery` at the batch's "
+                    "trip from its worker to the trainer (pickling, queues, pin-memory); `other` at missing read "
                     "events (is the client wrapping the loader's dataset?).\n\n"
-                    "Act: for preprocessing, more workers or cheaper transforms; for storage, see "
+                    "Act: for preprocessing, more workers or cheaper transforms; for delivery, smaller batch "
+                    "payloads, tensors (shared memory) rather than Python objects, fewer copies; for storage, see "
                     f"[{ALERT_PREFIX}GPUsStarvedByRemoteFetches](#{ALERT_PREFIX.lower()}gpusstarvedbyremotefetches).",
         ),
         AlertRule(

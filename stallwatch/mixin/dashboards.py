@@ -109,7 +109,7 @@ def training(t: Thresholds) -> Dashboard:
     return Dashboard(
         uid=TRAINING_UID, title="stallwatch / Training input stalls",
         description="Is training waiting for its data, why, and since when: stalls per job and rank, attributed "
-                    "to remote fetches, cache reads, preprocessing or other causes.",
+                    "to remote fetches, cache reads, preprocessing, delivery or other causes.",
         variables=(CLUSTER_VARIABLE, JOB_VARIABLE, JOB_NODE_VARIABLE, JOB_GPU_VARIABLE),
         annotations=(Annotation(
             "Steady state changes",
@@ -131,7 +131,7 @@ def training(t: Thresholds) -> Dashboard:
                       ), width=24),
                 Panel("Share of rank time stalled, by cause",
                       "What share of the chosen ranks' time goes to stalls, and do they come from remote "
-                      "fetches, cache reads, preprocessing or unknown?", Viz.TIMESERIES, "percentunit",
+                      "fetches, cache reads, preprocessing, delivery or unknown?", Viz.TIMESERIES, "percentunit",
                       (Query(_per_member(by("cause", "sum", rate(c.STALL_SECONDS, RATE, JOB, NODE)), ranks),
                              "{{cause}}"),),
                       stacked=True),
@@ -292,6 +292,12 @@ def gpu_node() -> Dashboard:
                     Query(by(PER_GPU, "max", selector(c.GPU_MEMORY_USED, NODE, GPU)), "{{gpu}} used ({{node}})"),
                     Query(by(PER_GPU, "max", selector(c.GPU_MEMORY_TOTAL, NODE, GPU)), "{{gpu}} total ({{node}})"),
                 )),
+            )),
+            Row("Pods", (
+                Panel("GPUs by pod", "Which namespace, pod and container hold each GPU or MIG device (the "
+                      "kubelet's allocation; empty without the pods collector)?", Viz.TABLE, "none",
+                      (Query(by("node, gpu, device, namespace, pod, container", "max",
+                                selector(c.GPU_POD_INFO, NODE, GPU))),), width=24),
             )),
             Row("Power, clocks, PCIe", (
                 Panel("Power", "How much power does each GPU draw (instantaneous and from the energy counter)?",

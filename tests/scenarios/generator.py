@@ -8,22 +8,28 @@ The trainer waits for batch k, then computes. GPUs are busy exactly while their 
 
 Because the simulation knows what the awaited worker did at every instant of every wait, each stall
 comes with its true split among the causes; the generator also records when each job's cache
-became warm and the exact LRU hit ratio at other capacities. Output: the `EventBatch`es an agent would
-see (`step`, `read`, `spoke_request`, `gpu_util`), in arrival order with bounded delays.
+became warm and the exact LRU hit ratio at other capacities. GPU samples come the agent's way: the
+fake NVML, its GPUs busy exactly in the ranks' compute spans and sampling like a real driver
+(irregular periods, gaps), read by the real gpu collector polling every half second. Output: the
+`EventBatch`es an agent would see (`step`, `read`, `spoke_request`, `gpu_util`), in arrival order with
+bounded delays.
 """
 
 from __future__ import annotations
 
 import heapq
 import random
+import time
 from collections import OrderedDict, defaultdict, deque
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
 from stallwatch.catalogue import CAUSES
 from stallwatch.eventbatch import SCHEMAS, EventBatch, Verdict
+from stallwatch.exporters.gpu import GpuCollector
+from stallwatch.exporters.nvml_fake import ComputeTrace, DriverSampling, FakeGpu, FakeNVML
 
 NS = 1_000_000_000
 
@@ -41,6 +47,7 @@ class JobSpec:
     new_item_fraction: float = 0.0  # reads of never-seen items (a streaming dataset): always misses
     compute_s: float = 0.05
     preprocess_s: float = 0.01
+    delivery_s: float = 0.0  # from the worker handing a batch over to the trainer having it (pickling, queues)
     first_gpu: int = 0
     tagged: bool = True
     verdicts: str = "read"  # where the verdict is known: "read" (header), "spoke" (log) or "latency"
@@ -55,9 +62,11 @@ class Scenario:
     hit_s: tuple[float, float] = (0.002, 0.004)
     miss_s: tuple[float, float] = (0.040, 0.080)
     outages: Sequence[tuple[float, float]] = ()
+    evictions: Sequence[float] = ()  # moments the spoke loses everything it holds (a restart, another job's flood)
     prewarm: bool = False  # the spoke already holds every dataset item
     max_delay_s: float = 0.5  # events reach the agent up to this late (out of order)
-    gpu_period_s: float = 0.1
+    gpu_period_s: float = 1 / 6  # the driver's nominal sample period
+    gpu_sampling: DriverSampling | None = field(default_factory=DriverSampling)  # None: an ideal grid
     seed: int = 0
 
 
@@ -80,7 +89,7 @@ class Generated:
     truth: Truth
 
 
-class _Lru:
+class LruCache:
     def __init__(self, capacity: int) -> None:
         self.capacity, self.used = capacity, 0
         self.items: OrderedDict[int, int] = OrderedDict()
@@ -98,7 +107,7 @@ class _Lru:
 
 
 def exact_lru_hit_ratio(reads: Sequence[tuple[int, int]], capacity: float) -> float:
-    cache = _Lru(int(capacity))
+    cache = LruCache(int(capacity))
     hits = sum(cache.access(key, size) for key, size in reads)
     return hits / len(reads) if reads else 0.0
 
@@ -114,7 +123,8 @@ class _Rank:
     gpu: int
     order: list[int]
     skews: list[float]
-    ready: dict[int, float] = field(default_factory=dict)
+    ready: dict[int, float] = field(default_factory=dict)  # batch -> when the trainer can have it
+    handed_over: dict[int, float] = field(default_factory=dict)  # batch -> when its worker finished it
     queues: list[deque[tuple[float, int]]] = field(default_factory=list)  # per worker: (dispatched at, batch)
     busy: list[bool] = field(default_factory=list)
     segments: dict[int, list[tuple[float, float, int]]] = field(default_factory=dict)  # batch -> (s, e, cause)
@@ -125,7 +135,7 @@ class _Rank:
 
 def generate(scenario: Scenario) -> Generated:
     rng = random.Random(scenario.seed)
-    cache = _Lru(scenario.cache_bytes)
+    cache = LruCache(scenario.cache_bytes)
     truth = Truth()
     reads: list[tuple] = []
     spoke: list[tuple] = []
@@ -157,16 +167,22 @@ def generate(scenario: Scenario) -> Generated:
     def outage_end(t: float) -> float:
         return max((end for start, end in scenario.outages if start <= t < end), default=t)
 
+    evictions = sorted(scenario.evictions)
     while heap:
         t, _, index, k, i = heapq.heappop(heap)
+        while evictions and evictions[0] <= t:
+            evictions.pop(0)
+            cache = LruCache(scenario.cache_bytes)
         state = ranks[index]
         spec = state.spec
         worker = k % spec.workers
         if i == spec.reads_per_batch:  # the batch's reads are done: preprocess, then it is ready
             done = t + spec.preprocess_s
             state.segments[k].append((t, done, CAUSES.index("preprocess")))
+            state.segments[k].append((done, done + spec.delivery_s, CAUSES.index("delivery")))
             state.busy[worker] = False
-            state.ready[k] = done
+            state.handed_over[k] = done
+            state.ready[k] = done + spec.delivery_s
             seq = _advance_trainer(state, index, heap, seq)
             seq = _start_next(state, index, worker, done, heap, seq)
             continue
@@ -195,7 +211,9 @@ def generate(scenario: Scenario) -> Generated:
     for state in ranks:
         spec = state.spec
         for k, ws, we, ce in state.steps:
-            steps.append((spec.job, state.rank, state.gpu, k, ws, we, ce))
+            # The client stamps the handover inside the batch, which only a tagged (batched) loader has.
+            handover = state.handed_over[k] if spec.tagged else -1.0
+            steps.append((spec.job, state.rank, state.gpu, k, ws, we, ce, handover))
             split = np.zeros(len(CAUSES))
             for s, e, cause in state.segments[k]:
                 split[cause] += max(0.0, min(e, we) - max(s, ws))
@@ -205,7 +223,7 @@ def generate(scenario: Scenario) -> Generated:
                 total += split
                 truth.stalls[(spec.job, state.rank)] = truth.stalls.get((spec.job, state.rank), 0) + 1
         truth.end_s = max(truth.end_s, state.compute_end)
-    gpu_rows = _gpu_samples(ranks, scenario.gpu_period_s, truth.end_s)
+    gpu_rows = _gpu_samples(ranks, scenario, truth.end_s)
     batches = _arrange(rng, scenario.max_delay_s, steps, reads, spoke, gpu_rows)
     return Generated(batches, truth)
 
@@ -244,21 +262,41 @@ def _start_next(state: _Rank, index: int, worker: int, free_at: float, heap: lis
     return seq + 1
 
 
-def _gpu_samples(ranks: list[_Rank], period: float, end: float) -> list[tuple]:
-    rows = []
+def _gpu_samples(ranks: list[_Rank], scenario: Scenario, end: float) -> list[tuple]:
+    """(ts, period, gpu, util) rows, scenario seconds, as the agent's gpu collector emits them. The
+    agent runs from 5 s before the jobs start, as it would: its samples from then are kept."""
+    now = [-5.0]
+    wall_zero = 1_700_000_000.0
+    spans: dict[int, list[tuple[float, float]]] = defaultdict(list)
     for state in ranks:
-        busy = np.array([(we, ce) for _, _, we, ce in state.steps]) if state.steps else np.zeros((0, 2))
-        ticks = np.arange(state.spec.start_s + period, end + period, period)
-        starts = np.maximum(ticks - period, 0.0)
-        for begin, tick in zip(starts, ticks, strict=True):
-            lo, hi = np.searchsorted(busy[:, 1], begin), np.searchsorted(busy[:, 0], tick)
-            covered = np.clip(np.minimum(busy[lo:hi, 1], tick) - np.maximum(busy[lo:hi, 0], begin), 0, None).sum()
-            rows.append((tick, period, state.gpu, covered / period))
-    return rows
+        spans[state.gpu] += [(wall_zero + we, wall_zero + ce) for _, _, we, ce in state.steps]
+    gpus = [FakeGpu(trace=ComputeTrace.of_spans(sorted(spans.get(gpu, [])))) for gpu in range(max(spans) + 1)]
+    sampling = scenario.gpu_sampling
+    if sampling is not None:
+        sampling = replace(sampling, seed=scenario.seed)
+    nvml = FakeNVML(gpus, clock=lambda: wall_zero + now[0], sample_period=scenario.gpu_period_s,
+                    pcie_latency=0.0, sampling=sampling)
+    emitted: list[EventBatch] = []
+    collector = GpuCollector(nvml, pcie_interval=0.0, sink=emitted.append, clock=lambda: wall_zero + now[0],
+                             start=False)
+    rows = []
+    while now[0] <= end + 1.0:
+        collector.poll()
+        # The collector maps the driver's wall-clock stamps onto this process's monotonic clock.
+        wall_to_monotonic_ns = time.monotonic_ns() - time.time_ns()
+        for batch in emitted:
+            seconds = (batch.columns["ts_ns"] - wall_to_monotonic_ns) / 1e9 - wall_zero
+            rows += zip(seconds.tolist(), (batch.columns["period_ns"] / 1e9).tolist(),
+                        batch.columns["gpu"].tolist(), batch.columns["util"].tolist(), strict=True)
+        emitted.clear()
+        now[0] += 0.5
+    collector.close()
+    return [row for row in rows if row[2] in spans]
 
 
 # Rows are tuples in the contract's column order; times and durations in them are seconds.
 _TIMES = frozenset({"wait_start_ns", "wait_end_ns", "compute_end_ns", "start_ns", "end_ns", "ts_ns"})
+_OPTIONAL_TIMES = frozenset({"ready_ns"})  # times that may be unknown: negative, -1
 _DURATIONS = frozenset({"duration_ns", "upstream_ns", "period_ns"})  # negative: -1, "none"
 BASE_NS = 10**12  # monotonic clocks do not start at zero
 
@@ -280,6 +318,9 @@ def _arrange(
             values = [row[position] for row in rows]
             if name in _TIMES:
                 columns[name] = (np.array(values) * NS).round().astype(np.int64) + BASE_NS
+            elif name in _OPTIONAL_TIMES:
+                at = np.array(values)
+                columns[name] = np.where(at < 0, -1, (at * NS).round().astype(np.int64) + BASE_NS)
             elif name in _DURATIONS:
                 columns[name] = np.where(np.array(values) < 0, -1, (np.array(values) * NS).round()).astype(np.int64)
             else:

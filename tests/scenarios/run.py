@@ -35,7 +35,7 @@ class Outcome:
 def correlate(scenario: Scenario, **settings: object) -> Outcome:
     generated = generate(scenario)
     outcome = Outcome(generated)
-    defaults: dict[str, object] = {"cache_capacity_bytes": scenario.cache_bytes, "whatif_sample_rate": 1.0}
+    defaults: dict[str, object] = {"cache_capacity_bytes": scenario.cache_bytes}
     correlator = CorrelatorPipeline(CorrelatorSettings(**{**defaults, **settings}),  # type: ignore[arg-type]
                                     listeners=[outcome.windows.append])
     correlator.run(generated.batches)
