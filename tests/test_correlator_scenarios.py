@@ -75,7 +75,8 @@ def test_cold_start_then_warm_steady(seed: int, compute: float, preprocess: floa
     time_to_steady, regressions, _, hub_bytes = job_state(outcome, 0)
     assert time_to_steady is not None
     assert abs(time_to_steady - truth.last_miss_s[0]) <= PHASE_SPAN_S
-    assert all(phase == "steady" for start, phase in phases if start >= truth.last_miss_s[0] + PHASE_SPAN_S)
+    # A window's row carries the phase judged at the end of the previous span: up to two spans behind.
+    assert all(phase == "steady" for start, phase in phases if start >= truth.last_miss_s[0] + 2 * PHASE_SPAN_S)
     assert regressions == 0
     assert hub_bytes == spec.dataset_items * spec.item_bytes  # the whole dataset crossed once, while warming
     assert_gpu_idle_close(outcome)
