@@ -15,15 +15,15 @@ from stallwatch.flags import bounded_float, byte_size, non_negative_float, posit
 
 @dataclass(frozen=True)
 class CorrelatorSettings:
-    window_s: float = 2.0  # short enough to publish within ~2 s of the events, long enough for warm-up quarters
-    lateness_s: float = 0.4  # clients flush every 0.2 s and retry a full queue within milliseconds
+    window_s: float = 5.0
+    lateness_s: float = 5.0
     stall_threshold_s: float = 0.001
     lookback_s: float = 2.0  # how far before a stall a batch's reads are looked for (> any preprocess time)
     retention_s: float = 60.0  # the longest stall whose reads and GPU samples are still at hand
-    # Per kind. Bounds the window store's memory (a read is 51 bytes, about half once merged): 4 s at
-    # the nominal 50k events/s, more than the window, the lateness and the lookback need together; past
-    # it, a flood's batches are shed and counted.
-    max_buffered_events: int = 200_000
+    # Per kind. Bounds the window store's memory (a read is 51 bytes, about half once merged): 10 s of
+    # window and lateness at the nominal 50k events/s with room to spare; past it, a flood's batches are
+    # shed and counted.
+    max_buffered_events: int = 600_000
     spoke_join_tolerance_s: float = 1.0
     cache_capacity_bytes: int | None = None
     whatif_sample_rate: float = 1.0  # the initial rate: every key until the cap, then it lowers itself

@@ -14,8 +14,7 @@ from stallwatch.correlator.intervals import composite_key
 from stallwatch.correlator.results import GpuRow, JobRow, RankRow, WhatIfCurve, WindowResult
 from stallwatch.correlator.settings import CorrelatorSettings, seconds_to_ns
 from stallwatch.correlator.verdicts import LatencySplit, join_spoke
-from stallwatch.correlator.warmup import WarmupTracker
-from stallwatch.correlator.warmup_span import SPAN_S, Spans, WindowPiece
+from stallwatch.correlator.warmup import JobWindow, WarmupTracker
 from stallwatch.correlator.whatif import MissRatioCurve
 from stallwatch.correlator.windows import WindowInput
 from stallwatch.eventbatch import Verdict
@@ -42,7 +41,6 @@ class WindowAnalyser:
         self.whatif = MissRatioCurve(sample_rate=s.whatif_sample_rate, max_keys=s.whatif_max_keys)
         self.cache_capacity_bytes = s.cache_capacity_bytes
         self._first_seen: dict[int, int] = {}
-        self._spans = Spans(seconds_to_ns(SPAN_S))  # what the warm-up judges
 
     def __call__(self, window: WindowInput) -> WindowResult:
         s = self.settings
@@ -121,16 +119,17 @@ class WindowAnalyser:
             self._first_seen[job] = min(self._first_seen.get(job, first), first)
         step_seconds = (steps.compute_end - steps.wait_start) / 1e9
         idle_per_step = idle.sum(axis=1) / 1e9
-        window_reads: dict[int, tuple[int, int]] = {}
+        rows = []
         for job in sorted(set(self._first_seen) | set(self.warmup.jobs)):
             mine = steps.job == job
             read_mine = read_jobs == job
             misses = reads.miss[in_window] & read_mine
-            piece = WindowPiece(
-                start_ns=window.start_ns,
-                ranks=steps.rank[mine],
+            seen = JobWindow(
+                steps=int(mine.sum()),
+                ranks=int(np.unique(steps.rank[mine]).size) or self._known_ranks(job),
                 step_seconds=step_seconds[mine],
-                step_end_ns=steps.compute_end[mine],
+                step_quarter=np.clip((steps.compute_end[mine] - window.start_ns) * 4
+                                     // (window.end_ns - window.start_ns), 0, 3),
                 reads=int(read_mine.sum()),
                 hits=int((read_mine & ~misses).sum()),
                 hub_bytes=int(sizes[in_window][misses].sum()),
@@ -138,18 +137,10 @@ class WindowAnalyser:
                 stall_start_ns=steps.wait_start[mine & stalled],
                 stall_end_ns=steps.wait_end[mine & stalled],
             )
-            self._spans.add(job, piece)
-            window_reads[job] = (piece.reads, piece.hub_bytes)
-        if window.final or self._spans.complete(window.end_ns):
-            start, judged = self._spans.close(window.end_ns, self._known_ranks)
-            for job, seen in judged.items():
-                self.warmup.update(job, start, window.end_ns, seen, self._first_seen[job], complete=not window.final)
-        rows = []
-        for job, (n_reads, hub_bytes) in window_reads.items():
-            state = self.warmup.jobs.get(job)
-            if state is not None:  # a job's first row comes with the first judgement of its phase
-                rows.append(JobRow(job, state.phase, state.hit_ratio, n_reads, hub_bytes, state.time_to_steady_s,
-                                   state.idle_gpu_seconds, state.hub_bytes, state.regressions))
+            state = self.warmup.update(job, window.start_ns, window.end_ns, seen, self._first_seen[job],
+                                       complete=not window.final)
+            rows.append(JobRow(job, state.phase, state.hit_ratio, seen.reads, seen.hub_bytes,
+                               state.time_to_steady_s, state.idle_gpu_seconds, state.hub_bytes, state.regressions))
         return tuple(rows)
 
     def _known_ranks(self, job: int) -> int:
