@@ -20,7 +20,7 @@ UNIT_SUFFIXES = {
 BOUNDED_LABELS = {
     "job", "rank", "gpu", "uuid", "name", "spoke", "cause", "phase", "collector", "version", "direction",
     "reason", "xid", "call", "error", "mode", "interface", "device", "verdict", "result", "source", "kind",
-    "label", "capacity_factor",
+    "label", "capacity_factor", "recording",
 }
 
 

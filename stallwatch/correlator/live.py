@@ -113,7 +113,7 @@ class LiveCorrelator:
         if self.correlator.windows.closed_until != closed_until:
             _return_freed_memory()
         dropped = self._dropped_snapshot()
-        self.metrics.set_losses(self.correlator.windows.late, dropped)
+        self.metrics.set_losses(self.correlator.windows.late, dropped, self._record_errors())
 
     def _dropped_snapshot(self) -> dict[tuple[str, str], int]:
         with self._lock:
@@ -123,6 +123,11 @@ class LiveCorrelator:
         for kind, events in self.correlator.windows.shed.items():
             dropped[(kind, "window_full")] = events
         return dropped
+
+    def _record_errors(self) -> dict[tuple[str, str], int]:
+        recorders = (("events", self._events), ("windows", self._window_file))
+        return {(name, reason): count for name, recorder in recorders if recorder is not None and recorder.file
+                for reason, count in recorder.file.errors.items()}
 
     def _run(self) -> None:
         while not self._stop.wait(self._tick_s):

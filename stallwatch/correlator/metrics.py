@@ -44,6 +44,7 @@ class CorrelatorMetrics:
         self._windows = 0
         self._late: dict[str, int] = {}
         self._dropped: dict[tuple[str, str], int] = {}
+        self._record_errors: dict[tuple[str, str], int] = {}
 
     def observe(self, result: WindowResult) -> None:
         name = self._job_names
@@ -79,9 +80,10 @@ class CorrelatorMetrics:
                         self._regressions):
             per_job.pop(job, None)
 
-    def set_losses(self, late: Mapping[str, int], dropped: Mapping[tuple[str, str], int]) -> None:
+    def set_losses(self, late: Mapping[str, int], dropped: Mapping[tuple[str, str], int],
+                   record_errors: Mapping[tuple[str, str], int]) -> None:
         with self._lock:
-            self._late, self._dropped = dict(late), dict(dropped)
+            self._late, self._dropped, self._record_errors = dict(late), dict(dropped), dict(record_errors)
 
     def collect(self) -> Iterator[Metric]:
         c = catalogue
@@ -100,6 +102,7 @@ class CorrelatorMetrics:
                 (c.CORRELATOR_WINDOWS.family(), {(): self._windows}),
                 (c.CORRELATOR_LATE_EVENTS.family(), {(k,): v for k, v in self._late.items()}),
                 (c.CORRELATOR_DROPPED_EVENTS.family(), {k: v for k, v in self._dropped.items()}),
+                (c.CORRELATOR_RECORD_ERRORS.family(), {k: v for k, v in self._record_errors.items()}),
                 (c.WARMUP_PHASE.family(), {(j, p): float(p == phase) for j, phase in self._phase.items()
                                            for p in PHASES}),
             ]

@@ -1,0 +1,119 @@
+"""The agent under ordinary use that outgrows it and input that tries to: label caps that forget finished
+jobs, collectors that overrun their deadline, a recording on a full disk. Real agents throughout."""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import subprocess
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from stallwatch.client import wire
+from stallwatch.correlator.eventfile import read_events
+from tests.conftest import AgentProcess
+
+Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
+
+
+def scrape(url: str, timeout: float = 10) -> Samples:
+    with urllib.request.urlopen(url, timeout=timeout) as reply:
+        return {(s.name, tuple(sorted(s.labels.items()))): s.value
+                for family in text_string_to_metric_families(reply.read().decode()) for s in family.samples}
+
+
+def of(samples: Samples, name: str, **labels: str) -> float:
+    return sum(v for (n, ls), v in samples.items() if n == name and all((k, x) in ls for k, x in labels.items()))
+
+
+def label_values(samples: Samples, name: str, label: str) -> set[str]:
+    return {dict(ls)[label] for (n, ls) in samples if n == name}
+
+
+def wait_for(condition: Callable[[], bool], timeout: float = 30) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.1)
+    return condition()
+
+
+class Sender:
+    """Sends client batches straight to an agent's socket, as the training client does."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._socket = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+
+    def steps(self, job: str, rank: int, count: int = 1) -> None:
+        now = time.monotonic_ns()
+        steps = [(n, now - 3_000_000, now - 2_000_000, now - 1_000_000) for n in range(count)]
+        self._socket.sendto(wire.encode(wire.Source(job, rank), steps, [], len(steps), 0, 0, now, time.time_ns()),
+                            self.path)
+
+    def close(self) -> None:
+        self._socket.close()
+
+
+@pytest.fixture
+def full_filesystem(tmp_path: Path) -> Iterator[Path]:
+    """A directory on a 64 KiB tmpfs where mount works, so a file there fills the disk; else /dev/full's
+    directory, where every write fails with ENOSPC (then the recorder's path is /dev/full itself)."""
+    mount_point = tmp_path / "full"
+    mount_point.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mount_point)],
+                             capture_output=True).returncode == 0
+    try:
+        yield mount_point if mounted else Path("/dev")
+    finally:
+        if mounted:
+            subprocess.run(["umount", "-l", str(mount_point)], check=False)
+
+
+# --- item 4: a full disk under the correlator's recorders --------------------------------------------
+def test_a_full_disk_under_the_recorders_never_stops_attribution(
+    agent_factory: Callable[..., AgentProcess], tmp_path: Path, full_filesystem: Path,
+) -> None:
+    on_tmpfs = full_filesystem != Path("/dev")
+    events_path = full_filesystem / "events.sw" if on_tmpfs else Path("/dev/full")
+    windows_path = full_filesystem / "windows.jsonl" if on_tmpfs else Path("/dev/full")
+    path = str(tmp_path / "events.sock")
+    agent = agent_factory("--no-collector.gpu", "--no-collector.host", "--events.socket", path,
+                          "--correlator.window", "0.5", "--correlator.lateness", "0.25",
+                          "--correlator.record-events", str(events_path),
+                          "--correlator.record-windows", str(windows_path))
+    sender = Sender(path)
+    try:
+        def attributed() -> bool:
+            for rank in range(4):
+                sender.steps("full-disk", rank, 100)
+            samples = scrape(agent.url)
+            return (of(samples, "stallwatch_correlator_windows_total") >= 10
+                    and of(samples, "stallwatch_correlator_record_errors_total", recording="events") > 0)
+
+        assert wait_for(attributed), agent.stderr()
+        samples = scrape(agent.url)
+    finally:
+        sender.close()
+    steps = of(samples, "stallwatch_receiver_events_total", kind="step")
+    errors = {dict(ls)["recording"]: v for (n, ls), v in samples.items()
+              if n == "stallwatch_correlator_record_errors_total"}
+    print(f"{'64 KiB tmpfs' if on_tmpfs else '/dev/full'}: {of(samples, 'stallwatch_correlator_windows_total'):.0f} "
+          f"windows closed, {steps:.0f} steps received, record errors {errors}")
+    assert of(samples, "stallwatch_compute_seconds_total", job="full-disk") > 0  # attributed
+    assert of(samples, "stallwatch_correlator_record_errors_total", recording="events", reason="ENOSPC") > 0
+    assert of(samples, "stallwatch_correlator_dropped_events_total") == 0
+    log = agent.stderr()
+    assert "Traceback" not in log
+    assert log.count("cannot record events") == 1, log  # once per cause, however many failed
+    if on_tmpfs:  # what did fit is whole records: the file replays
+        assert sum(len(batch) for batch in read_events(events_path)) > 0
+        with contextlib.suppress(FileNotFoundError):
+            for line in windows_path.read_text().splitlines():
+                assert line.startswith("{") and line.endswith("}")
