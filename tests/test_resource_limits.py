@@ -4,9 +4,11 @@ jobs, collectors that overrun their deadline, a recording on a full disk. Real a
 from __future__ import annotations
 
 import contextlib
+import os
 import socket
 import subprocess
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -117,3 +119,50 @@ def test_a_full_disk_under_the_recorders_never_stops_attribution(
         with contextlib.suppress(FileNotFoundError):
             for line in windows_path.read_text().splitlines():
                 assert line.startswith("{") and line.endswith("}")
+
+
+# --- item 3: a collector wedged on a FIFO ---------------------------------------------------------
+def threads_of(agent: AgentProcess) -> int:
+    status = Path(f"/proc/{agent.process.pid}/status").read_text()
+    return int(next(line.split()[1] for line in status.splitlines() if line.startswith("Threads:")))
+
+
+def test_a_collector_wedged_on_a_fifo_fails_alone_and_makes_the_agent_unhealthy(
+    agent_factory: Callable[..., AgentProcess], tmp_path: Path,
+) -> None:
+    log_path = tmp_path / "nginx.log"  # absent at start: the tailer opens it when it appears
+    agent = agent_factory("--no-collector.gpu", "--collector.spoke_nginx", "--spoke_nginx.log", str(log_path),
+                          "--spoke_nginx.interval", "0.2", "--collector.timeout", "1")
+    assert scrape(agent.url)[("stallwatch_scrape_collector_success", (("collector", "spoke_nginx"),))] == 1
+    os.mkfifo(log_path)  # opening it for reading blocks until a writer comes: the tailer wedges, lock held
+    time.sleep(0.5)
+    durations, threads = [], []
+    for _ in range(6):
+        started = time.monotonic()
+        samples = scrape(agent.url, timeout=30)
+        durations.append(time.monotonic() - started)
+        threads.append(threads_of(agent))
+    healthy = urllib.request.Request(agent.base + "/-/healthy")
+    with pytest.raises(urllib.error.HTTPError) as unhealthy:
+        urllib.request.urlopen(healthy, timeout=10)
+    answer = unhealthy.value.read().decode().strip()
+    print(f"wedged: scrapes took {', '.join(f'{d:.2f}' for d in durations)} s; agent threads {threads}; "
+          f"/-/healthy {unhealthy.value.code} {answer!r}")
+    success = {dict(ls)["collector"]: v for (n, ls), v in samples.items() if n == "stallwatch_scrape_collector_success"}
+    assert success.pop("spoke_nginx") == 0 and set(success.values()) == {1.0}, success
+    assert of(samples, "stallwatch_receiver_up") == 1  # the rest are served
+    assert max(durations) < 5  # the deadline is 1 s: never the blocked call's time
+    assert max(threads) - min(threads) <= 1  # one call outstanding, however many scrapes
+    assert unhealthy.value.code == 503 and answer == "wedged collectors: spoke_nginx"
+    unblock = os.open(log_path, os.O_RDWR)  # a writer: the tailer's open returns
+    try:
+        def recovered() -> bool:
+            served = scrape(agent.url)
+            return served[("stallwatch_scrape_collector_success", (("collector", "spoke_nginx"),))] == 1
+
+        assert wait_for(recovered, timeout=20), agent.stderr()
+        with urllib.request.urlopen(healthy, timeout=10) as reply:
+            assert reply.status == 200
+    finally:
+        os.close(unblock)
+    assert agent.stderr().count("collector spoke_nginx overran its deadline") == 1

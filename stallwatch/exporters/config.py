@@ -15,7 +15,8 @@ from typing import Any, NoReturn
 
 import yaml
 
-from stallwatch.exporters.collector import CollectorSpec
+from stallwatch.exporters.collector import DEFAULT_TIMEOUT_S, WEDGED_DEADLINES, CollectorSpec
+from stallwatch.flags import positive_float
 
 DEFAULT_PORT = 9842
 DEFAULT_LISTEN_ADDRESS = f":{DEFAULT_PORT}"
@@ -42,6 +43,10 @@ def build_parser(collectors: Mapping[str, CollectorSpec]) -> argparse.ArgumentPa
                         help="TLS and basic auth for every path, in the Prometheus exporter toolkit's format")
     parser.add_argument("--log.level", dest="log_level", default="info",
                         choices=["debug", "info", "warning", "error"], help="(default: %(default)s)")
+    parser.add_argument("--collector.timeout", dest="collector_timeout", type=positive_float, default=DEFAULT_TIMEOUT_S,
+                        metavar="SECONDS", help="a collector that takes longer on a scrape is reported failed and the "
+                        "rest are served; keep it under Prometheus's scrape timeout. One still running after "
+                        f"{WEDGED_DEADLINES} times this makes /-/healthy fail (default: %(default)s)")
     enable = parser.add_argument_group("collectors")
     for name, spec in collectors.items():
         state = "on" if spec.default_enabled else "off"

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import socket
 import threading
+from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
@@ -34,6 +35,7 @@ class _Server(ThreadingHTTPServer):
     registry: CollectorRegistry
     telemetry_path: str
     web_config: WebConfig
+    wedged: Callable[[], list[str]]  # collectors stuck past their deadlines: /-/healthy fails while any are
 
     def handle_error(self, request: Any, client_address: Any) -> None:
         # A failed handshake or a client gone mid-reply is the client's problem, not a traceback on stderr.
@@ -66,6 +68,8 @@ class _Handler(BaseHTTPRequestHandler):
         elif path == "/":
             page = LANDING_PAGE.format(path=self.server.telemetry_path)
             self._reply(200, "text/html; charset=utf-8", page.encode())
+        elif path == "/-/healthy" and (wedged := self.server.wedged()):
+            self._reply(503, "text/plain; charset=utf-8", f"wedged collectors: {', '.join(wedged)}\n".encode())
         elif path in ("/-/healthy", "/-/ready"):
             self._reply(200, "text/plain; charset=utf-8", b"OK\n")
         else:
@@ -91,6 +95,7 @@ class MetricsServer:
         self._server.registry = registry
         self._server.telemetry_path = telemetry_path
         self._server.web_config = web_config or WebConfig()
+        self._server.wedged = list
         if self._server.web_config.tls is not None:
             self._server.socket = self._server.web_config.tls.wrap_socket(
                 self._server.socket, server_side=True, do_handshake_on_connect=False
@@ -104,6 +109,10 @@ class MetricsServer:
         shown = "localhost" if host in ("0.0.0.0", "::") else (f"[{host}]" if ":" in host else host)
         scheme = "https" if self._server.web_config.tls is not None else "http"
         return f"{scheme}://{shown}:{port}{self._server.telemetry_path}"
+
+    def report_wedged(self, wedged: Callable[[], list[str]]) -> None:
+        """Where /-/healthy learns which collectors are wedged (by default: none ever are)."""
+        self._server.wedged = wedged
 
     def start(self) -> None:
         self._thread.start()
