@@ -18,6 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from stallwatch.client import wire
 from stallwatch.correlator.eventfile import read_events
+from stallwatch.eventbatch import OVERFLOW, Interner
 from tests.conftest import AgentProcess
 
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
@@ -166,3 +167,123 @@ def test_a_collector_wedged_on_a_fifo_fails_alone_and_makes_the_agent_unhealthy(
     finally:
         os.close(unblock)
     assert agent.stderr().count("collector spoke_nginx overran its deadline") == 1
+
+
+# --- item 1: caps that forget finished jobs -------------------------------------------------------
+def job_ranks(samples: Samples, name: str, job: str) -> set[str]:
+    return {dict(ls)["rank"] for (n, ls) in samples if n == name and dict(ls).get("job") == job}
+
+
+LOADER, CORRELATOR = "stallwatch_loader_wait_seconds_count", "stallwatch_compute_seconds_total"
+
+
+def test_two_hundred_short_jobs_never_fill_the_caps_and_finished_ones_expire(
+    agent_factory: Callable[..., AgentProcess], tmp_path: Path,
+) -> None:
+    path = str(tmp_path / "events.sock")
+    agent = agent_factory("--no-collector.gpu", "--no-collector.host", "--events.socket", path,
+                          "--events.expire-after", "0.5", "--correlator.window", "0.25",
+                          "--correlator.lateness", "0.25")
+    sender = Sender(path)
+    most_jobs = most_pairs = 0
+    try:
+        for number in range(200):  # 8-rank jobs one after another, 0.2 s each: about 5 live at a time
+            job = f"slurm-{number}"
+            for _ in range(4):
+                for rank in range(8):
+                    sender.steps(job, rank, 5)
+                time.sleep(0.05)
+            samples = scrape(agent.url)
+            loader_jobs = label_values(samples, LOADER, "job")
+            most_jobs = max(most_jobs, len(loader_jobs))
+            most_pairs = max(most_pairs, sum(1 for (n, _) in samples if n == LOADER))
+            assert job_ranks(samples, LOADER, job) == {str(rank) for rank in range(8)}, (number, loader_jobs)
+            if number == 10:
+                assert wait_for(lambda: bool(job_ranks(scrape(agent.url), CORRELATOR, "slurm-10")), timeout=10)
+                assert job_ranks(scrape(agent.url), CORRELATOR, "slurm-10") == {str(rank) for rank in range(8)}
+        live = scrape(agent.url)
+
+        def all_expired() -> bool:
+            samples = scrape(agent.url)
+            return not label_values(samples, LOADER, "job") and not label_values(samples, CORRELATOR, "job")
+
+        assert wait_for(all_expired, timeout=10), label_values(scrape(agent.url), LOADER, "job")
+        after = scrape(agent.url)
+    finally:
+        sender.close()
+    print(f"200 jobs x 8 ranks: at most {most_jobs} jobs and {most_pairs} (job, rank) loader series at once; "
+          f"folded: receiver {of(live, 'stallwatch_receiver_folded_label_values_total'):.0f}, correlator "
+          f"{of(live, 'stallwatch_correlator_folded_label_values_total'):.0f}; "
+          f"{of(after, 'stallwatch_receiver_events_total', kind='step'):.0f} steps; all series gone after 0.5 s idle")
+    assert of(live, "stallwatch_receiver_folded_label_values_total") == 0
+    assert of(live, "stallwatch_correlator_folded_label_values_total") == 0
+    assert of(after, "stallwatch_receiver_events_total", kind="step") == 200 * 4 * 8 * 5
+    assert most_pairs <= 64
+    assert not label_values(after, "stallwatch_stall_seconds_total", "job")
+    assert not label_values(after, "stallwatch_gpu_stall_idle_seconds_total", "job")
+    assert not label_values(after, "stallwatch_warmup_phase", "job")
+
+
+# --- item 2: the correlator's series under any number of ranks ----------------------------------------
+def peak_rss_mib(agent: AgentProcess) -> float:
+    status = Path(f"/proc/{agent.process.pid}/status").read_text()
+    return int(next(line.split()[1] for line in status.splitlines() if line.startswith("VmHWM:"))) / 1024
+
+
+RANKS = 50_000
+RSS_LIMIT_MIB = 256  # the systemd unit's MemoryMax and the chart's memory limit
+
+
+def test_fifty_thousand_ranks_fold_in_the_correlator_and_the_agent_stays_under_its_memory_limit(
+    agent_factory: Callable[..., AgentProcess], tmp_path: Path,
+) -> None:
+    path = str(tmp_path / "events.sock")
+    agent = agent_factory("--no-collector.gpu", "--no-collector.host", "--events.socket", path,
+                          "--correlator.window", "1", "--correlator.lateness", "10")
+    sender = Sender(path)
+    try:
+        for rank in range(RANKS):  # one step each: a rank per datagram, as a client sends
+            sender.steps("wide", rank)
+
+        def accounted(samples: Samples) -> float:  # steps attributed (1 ms of compute each) or counted late
+            return of(samples, CORRELATOR, job="wide") / 0.001 + of(samples, "stallwatch_correlator_late_events_total")
+
+        def attributed() -> bool:
+            return accounted(scrape(agent.url)) >= RANKS - 0.5
+
+        assert wait_for(attributed, timeout=60), agent.stderr()
+        started = time.monotonic()
+        with urllib.request.urlopen(agent.url, timeout=10) as reply:
+            size = len(reply.read())
+        scrape_s = time.monotonic() - started
+        samples = scrape(agent.url)
+    finally:
+        sender.close()
+    peak = peak_rss_mib(agent)
+    print(f"{RANKS:,} ranks: {len(samples):,} samples, scrape {scrape_s * 1e3:.0f} ms ({size:,} bytes), "
+          f"peak RSS {peak:.1f} MiB; "
+          f"folded ranks: receiver {of(samples, 'stallwatch_receiver_folded_label_values_total', label='rank'):.0f}, "
+          f"correlator {of(samples, 'stallwatch_correlator_folded_label_values_total', label='rank'):.0f} "
+          f"({of(samples, 'stallwatch_correlator_late_events_total'):.0f} steps late)")
+    assert job_ranks(samples, CORRELATOR, "wide") == {*(str(rank) for rank in range(64)), "__other__"}
+    late = of(samples, "stallwatch_correlator_late_events_total")
+    assert of(samples, "stallwatch_correlator_folded_label_values_total", label="rank") == RANKS - late - 64
+    assert of(samples, "stallwatch_receiver_folded_label_values_total", label="rank") == RANKS - 64
+    assert accounted(samples) == pytest.approx(RANKS)  # folded, not lost
+    assert len(samples) < 5_000
+    assert peak < RSS_LIMIT_MIB
+
+
+def test_the_job_cap_counts_live_jobs_and_a_released_id_still_names_its_job() -> None:
+    now = [0]
+    jobs = Interner(limit=2, expire_after_s=1.0, clock_ns=lambda: now[0])
+    first, second = jobs.intern("a"), jobs.intern("b")
+    assert jobs.name(jobs.intern("c")) == OVERFLOW and jobs.folded == 1  # two live: full
+    now[0] = 1_500_000_000
+    jobs.intern("b")  # b is live again, a has been idle past the expiry
+    third = jobs.intern("d")
+    assert jobs.name(third) == "d" and third not in (first, second)  # a's place, not its id
+    assert jobs.name(first) == "a"  # a lagging consumer can still name it
+    now[0] = 3_000_000_000
+    jobs.intern("e")
+    assert jobs.name(first) == OVERFLOW and jobs.names() == ["e"]

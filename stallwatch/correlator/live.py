@@ -27,7 +27,7 @@ from stallwatch.correlator.pipeline import CorrelatorPipeline, Watermark, event_
 from stallwatch.correlator.results import NameLookup
 from stallwatch.correlator.settings import CorrelatorSettings, seconds_to_ns
 from stallwatch.correlator.windowfile import WindowFileWriter
-from stallwatch.eventbatch import EventBatch, Interner
+from stallwatch.eventbatch import DEFAULT_EXPIRE_AFTER_S, EventBatch, Interner
 
 log = logging.getLogger(__name__)
 
@@ -66,13 +66,15 @@ class LiveCorrelator:
         spokes: Interner | None = None,
         windows_path: str | Path | None = None,
         events_path: str | Path | None = None,
+        rank_limit: int = 64,
+        expire_after_s: float | None = DEFAULT_EXPIRE_AFTER_S,
         clock_ns: Callable[[], int] = time.monotonic_ns,
         tick_s: float = 0.25,
         max_backlog_events: int = DEFAULT_BACKLOG_EVENTS,
         start: bool = True,
     ) -> None:
         self.settings = settings or CorrelatorSettings()
-        self.metrics = CorrelatorMetrics(job_names, spokes)
+        self.metrics = CorrelatorMetrics(job_names, spokes, rank_limit, expire_after_s)
         self._window_file = WindowFileWriter(windows_path, job_names) if windows_path else None
         self._events = EventFileWriter(events_path) if events_path else None
         listeners = [self.metrics.observe] + ([self._window_file.write] if self._window_file else [])
