@@ -19,6 +19,9 @@ from prometheus_client.core import (
 )
 
 PREFIX = "stallwatch_"
+# The label naming the training job on loader and correlator metrics. Rules and dashboards refer to it
+# by this name, never by spelling it, so that renaming it is a change here and in the labels below.
+JOB_LABEL = "job"
 
 
 class Kind(Enum):
@@ -256,8 +259,20 @@ SPOKE_CACHE_SIZE = gauge("spoke", "spoke_cache_size_bytes", "bytes", ["spoke"], 
 SPOKE_CACHE_CAPACITY = gauge(
     "spoke", "spoke_cache_capacity_bytes", "bytes", ["spoke"], "Bytes the spoke may hold in cache."
 )
-SPOKE_HUB_RTT = gauge(
-    "spoke", "spoke_hub_rtt_seconds", "seconds", ["spoke"], "Round-trip time from the spoke to its hub."
+# The node agent's active probe of each spoke's hub (collector hub_probe), as blackbox_exporter's
+# probe_* series: hub latency even while nothing misses.
+SPOKE_HUB_PROBE_DURATION = gauge(
+    "spoke", "spoke_hub_probe_duration_seconds", "seconds", ["spoke", "phase"],
+    "Duration of the last probe of the spoke's hub from this node, by phase: connect (TCP handshake, one "
+    "network round trip) and http (the HEAD or ranged GET, request sent to response headers).",
+)
+SPOKE_HUB_PROBE_SUCCESS = gauge(
+    "spoke", "spoke_hub_probe_success", "", ["spoke"], "1 if the last probe of the spoke's hub succeeded, else 0."
+)
+SPOKE_HUB_PROBE_FAILURES = counter(
+    "spoke", "spoke_hub_probe_failures_total", "", ["spoke", "reason"],
+    "Probes of the spoke's hub that failed, by reason: connect (refused, unreachable, DNS), timeout, tls "
+    "(handshake or certificate), protocol (not an HTTP answer), status (an HTTP status of 400 or more).",
 )
 SPOKE_COLLECTOR_ERRORS = counter(
     "spoke", "spoke_collector_errors_total", "", ["spoke", "reason"],

@@ -18,6 +18,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
+# Top-level modules that come with an optional extra, and the extra that brings them.
+EXTRAS: dict[str, str] = {"grafana_foundation_sdk": "generate", "matplotlib": "report"}
+
+
 def usage() -> str:
     lines = ["usage: stallwatch COMMAND [ARGS]   (stallwatch COMMAND --help for its options)", "", "commands:"]
     lines += [f"  {name:10} {text}" for name, (_, text) in COMMANDS.items()]
@@ -33,8 +37,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     if command is None:
         print(f"stallwatch: error: unknown command {args[0]!r} (try: {', '.join(COMMANDS)})", file=sys.stderr)
         return 2
-    module = importlib.import_module(command[0])
-    return int(module.main(args[1:]))
+    try:  # report imports matplotlib only when it draws, so the call is guarded as well as the import
+        module = importlib.import_module(command[0])
+        return int(module.main(args[1:]))
+    except ModuleNotFoundError as error:
+        extra = EXTRAS.get((error.name or "").partition(".")[0])
+        if extra is None:
+            raise
+        print(f"stallwatch {args[0]}: error: needs the {extra!r} extra: pip install 'stallwatch[{extra}]'",
+              file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

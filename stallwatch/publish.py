@@ -3,14 +3,17 @@
 - Grafana: each dashboard through the HTTP API (`POST /api/dashboards/db`, overwrite) into a folder
   created when missing; a dashboard whose stored copy already matches is left alone, so publishing
   twice changes nothing. The service-account token comes from a file or `GRAFANA_TOKEN`, never a flag.
-- Prometheus: each rule file is written next to its target, checked with `promtool check rules`, and
-  only then moved over the old one (atomically); then `POST /-/reload` when a URL is given (the server
-  must run with `--web.enable-lifecycle`). A broken rule never replaces a good file.
+- Prometheus: each rule file is installed as `stallwatch-<name>.yaml`, the name the shipped scrape configs'
+  `rule_files` glob (`rules/stallwatch-*.yaml`) loads. It is staged next to its target under a name no
+  `*.yaml` glob matches, checked with `promtool check rules`, and only then moved over the old one
+  (atomically); then `POST /-/reload` when a URL is given (the server must run with
+  `--web.enable-lifecycle`). A broken rule never replaces a good file, and no staged file is left behind.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -26,6 +29,7 @@ from typing import Any
 from stallwatch.mixin.generate import ARTIFACTS
 
 TIMEOUT_SECONDS = 10.0
+RULE_FILE_PREFIX = "stallwatch-"  # deploy/prometheus/scrape-*.yml load rules/stallwatch-*.yaml
 
 
 class PublishError(Exception):
@@ -116,25 +120,47 @@ def read_token(path: str | None) -> str:
 
 
 # --- Prometheus ----------------------------------------------------------------------------------------
+def find_promtool(promtool: str) -> str:
+    """The promtool to run: a path as given, a bare name looked up on PATH."""
+    found = shutil.which(promtool)
+    if found is None:
+        raise PublishError(f"promtool not found: {promtool!r} is not an executable file nor a command on PATH "
+                           "(install Prometheus's promtool or pass --promtool PATH)")
+    return found
+
+
 def install_rules(rules: Mapping[str, str], directory: Path, promtool: str) -> list[str]:
-    """Check each rule file with promtool, then move it into place atomically. Returns what changed."""
+    """Check each rule file with promtool, then move it into place atomically. Returns the names that changed.
+
+    Each file is installed as RULE_FILE_PREFIX + its name; the staged copy ends in `.tmp`, so a Prometheus
+    loading `*.yaml` from the directory never sees it, and it is removed whatever happens.
+    """
+    promtool = find_promtool(promtool)
     directory.mkdir(parents=True, exist_ok=True)
     changed = []
     for name, text in rules.items():
-        target = directory / name
+        target = directory / (RULE_FILE_PREFIX + name)
         if target.exists() and target.read_text() == text:
             continue
-        fd, staged = tempfile.mkstemp(prefix=f".{name}.", suffix=".yaml", dir=directory)
-        with os.fdopen(fd, "w") as handle:
-            handle.write(text)
-        check = subprocess.run([promtool, "check", "rules", staged], capture_output=True, text=True, timeout=60)
-        if check.returncode != 0:
-            os.unlink(staged)
-            detail = " ".join((check.stdout + check.stderr).split())
-            raise PublishError(f"{name} failed promtool check rules, the installed copy is unchanged: {detail}")
-        os.chmod(staged, 0o644)
-        os.replace(staged, target)
-        changed.append(name)
+        fd, staged = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=directory)
+        try:
+            with os.fdopen(fd, "w") as handle:
+                handle.write(text)
+            try:
+                check = subprocess.run([promtool, "check", "rules", staged], capture_output=True, text=True,
+                                       timeout=60)
+            except (OSError, subprocess.TimeoutExpired) as error:
+                raise PublishError(f"cannot run promtool ({promtool}): {error}") from error
+            if check.returncode != 0:
+                detail = " ".join((check.stdout + check.stderr).split())
+                raise PublishError(f"{target.name} failed promtool check rules, the installed copy is unchanged: "
+                                   f"{detail}")
+            os.chmod(staged, 0o644)
+            os.replace(staged, target)
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(staged)
+        changed.append(target.name)
     return changed
 
 
@@ -164,7 +190,8 @@ def main(argv: Sequence[str]) -> int:
     parser.add_argument("--prometheus.rules-dir", dest="rules_dir", type=Path,
                         help="directory Prometheus loads rule files from (rule_files glob)")
     parser.add_argument("--prometheus.url", dest="prometheus_url", help="reload this Prometheus after writing rules")
-    parser.add_argument("--promtool", default=shutil.which("promtool") or "promtool", help="(default: %(default)s)")
+    parser.add_argument("--promtool", default="promtool",
+                        help="promtool to check rules with, a path or a command on PATH (default: %(default)s)")
     options = parser.parse_args(argv)
     if not options.grafana_url and not options.rules_dir:
         parser.error("nothing to do: give --grafana.url and/or --prometheus.rules-dir")

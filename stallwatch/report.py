@@ -314,6 +314,8 @@ def main(argv: Sequence[str]) -> int:
                         help="cross-region transfer price in $/GB (default: %(default)s)")
     parser.add_argument("--out", type=Path, default=Path("stallwatch-report.html"), help="(default: %(default)s)")
     options = parser.parse_args(argv)
+    import matplotlib  # noqa: F401  # the figures need it: without the extra, fail before reading the run
+
     end = options.end or time.time()
     start = options.start or end - 900
     try:

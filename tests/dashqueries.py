@@ -12,14 +12,15 @@ from tests.conftest import ROOT
 
 # Grafana's values for a 1 s scrape interval; `All` of a variable is its allValue, `.*`.
 GRAFANA_RANGES = {"__rate_interval": "5s", "__interval": "1s", "__range": "30s"}
-METRIC = re.compile(r"(?<![\w:])stallwatch_\w+")
+# stallwatch's metrics, and dcgm-exporter's the dashboards offer beside them
+METRIC = re.compile(r"(?<![\w:])(?:stallwatch_\w+|DCGM_\w+)")
 
 
 def grafana_expand(expr: str, dashboard: dict[str, Any]) -> str:
     values = dict(GRAFANA_RANGES)
     for variable in dashboard["templating"]["list"]:
         values[variable["name"]] = variable["query"] if variable["type"] == "textbox" else ".*"
-    return re.sub(r"\$\{?(\w+)\}?", lambda m: values[m.group(1)], expr)
+    return re.sub(r"\$\{?([A-Za-z_]\w*)\}?", lambda m: values[m.group(1)], expr)  # not label_replace's $1
 
 
 def dashboard_queries() -> Iterator[tuple[str, str, str, bool]]:

@@ -82,11 +82,21 @@ CASES = (
         s(c.SPOKE_HUB_ERRORS, 'spoke="s1"', N1): "0+30x20",
         s(c.SPOKE_HUB_FETCH_DURATION, 'spoke="s1"', N1, suffix="_count"): "0+30x20",
         s(c.STALL_SECONDS, 'job="train"', N1, 'rank="0"', 'cause="remote_fetch"'): "0+30x20",
-    }, "15m", (({"spoke": "s1"}, "Spoke s1: 50% of fetches from the hub fail while training ranks stall."),)),
+    }, "15m", (({"spoke": "s1"}, "Spoke s1: 50% of fetches from the hub fail while training ranks reading "
+                                 "through it stall."),)),
     Case("StallwatchHubFailingWhileTrainingStalls", {  # the hub fails but nobody stalls on it
         s(c.SPOKE_HUB_ERRORS, 'spoke="s1"', N1): "0+30x20",
         s(c.SPOKE_HUB_FETCH_DURATION, 'spoke="s1"', N1, suffix="_count"): "0+30x20",
         s(c.STALL_SECONDS, 'job="train"', N1, 'rank="0"', 'cause="remote_fetch"'): "0x20",
+    }, "15m"),
+    Case("StallwatchHubFailingWhileTrainingStalls", {
+        # s1's hub fails; the job that stalls hard runs on n2, which reads through s2 (its hub probe says so);
+        # on n1, which reads through s1, a rank stalls 1 % of its time (the 1 ms stall threshold's noise).
+        s(c.SPOKE_HUB_ERRORS, 'spoke="s1"', N1): "0+30x20",
+        s(c.SPOKE_HUB_FETCH_DURATION, 'spoke="s1"', N1, suffix="_count"): "0+30x20",
+        s(c.STALL_SECONDS, 'job="small"', N1, 'rank="0"', 'cause="other"'): "0+0.6x20",
+        s(c.SPOKE_HUB_PROBE_SUCCESS, 'spoke="s2"', 'instance="n2"'): "1x20",
+        s(c.STALL_SECONDS, 'job="train"', 'instance="n2"', 'rank="0"', 'cause="remote_fetch"'): "0+40x20",
     }, "15m"),
     Case("StallwatchEgressOverBudget", {  # 6 GB a minute: 360 GB an hour at 0.02 USD/GB
         s(c.SPOKE_BYTES, 'spoke="s1"', N1, 'source="hub"'): "0+6000000000x100",
@@ -131,23 +141,41 @@ CASES = (
     Case("StallwatchCollectorFailing", {  # failed twice, recovered
         s(c.SCRAPE_COLLECTOR_SUCCESS, 'collector="gpu"', N1): "1 1 0 0 1x12",
     }, "14m"),
-    Case("StallwatchGPUsUnreachable", {  # GPU 1 lost at minute 5; then the driver goes at minute 20
+    Case("StallwatchGPUsUnreachable", {  # GPU 1 lost at minute 5
         s(c.GPU_DEVICES, N1): "2x30",
         s(c.GPU_UP, N1, 'gpu="0"'): "1x30",
         s(c.GPU_UP, N1, 'gpu="1"'): "1x4 0x26",
-    }, "17m", (({"instance": "n1"}, "2 GPUs answered NVML on n1 in the last hour; fewer answer now (a GPU lost, "
-                                    "or the driver gone)."),)),
+    }, "17m", (({"instance": "n1"}, "1 GPUs on n1 do not answer NVML (a GPU lost, or the driver gone)."),)),
+    Case("StallwatchGPUsUnreachable", {  # the driver goes at minute 5: no GPU left where there were 2
+        s(c.GPU_DEVICES, N1): "2x4 0x26",
+        s(c.GPU_UP, N1, 'gpu="0"'): "1x4 _x26",
+        s(c.GPU_UP, N1, 'gpu="1"'): "1x4 _x26",
+    }, "17m", (({"instance": "n1"}, "2 GPUs on n1 do not answer NVML (a GPU lost, or the driver gone)."),)),
     Case("StallwatchGPUsUnreachable", {  # a node without GPUs, and one whose 2 GPUs answer
         s(c.GPU_DEVICES, N1): "0x30",
         s(c.GPU_DEVICES, 'instance="n2"'): "2x30",
         s(c.GPU_UP, 'instance="n2"', 'gpu="0"'): "1x30",
         s(c.GPU_UP, 'instance="n2"', 'gpu="1"'): "1x30",
     }, "17m"),
+    Case("StallwatchGPUsUnreachable", {  # GPU 1 taken out on purpose at minute 5: quiet at once, not for an hour
+        s(c.GPU_DEVICES, N1): "2x4 1x26",
+        s(c.GPU_UP, N1, 'gpu="0"'): "1x30",
+        s(c.GPU_UP, N1, 'gpu="1"'): "1x4 _x26",
+    }, "17m"),
     Case("StallwatchGPUXidErrors", {s(c.GPU_XID_ERRORS, N1, 'gpu="0"', 'xid="79"'): "0 0 0 1x10"}, "12m",
-         (({"instance": "n1", "gpu": "0", "xid": "79"}, "GPU 0 on n1 reported critical XID 79 errors: 1 in the "
-                                                        "last 10m."),)),
+         (({"instance": "n1", "gpu": "0", "xid": "79"}, "GPU 0 on n1 reported XID 79, a hardware or driver fault: "
+                                                        "1 in the last 10m."),)),
     Case("StallwatchGPUXidErrors", {  # an old count that does not grow: no sticky alert
         s(c.GPU_XID_ERRORS, N1, 'gpu="0"', 'xid="79"'): "3x20",
+    }, "12m"),
+    Case("StallwatchGPUXidErrors", {  # the application's XIDs (and deferrable ones) never page
+        s(c.GPU_XID_ERRORS, N1, 'gpu="0"', f'xid="{xid}"'): "0 0 0 1+1x10" for xid in (13, 31, 43, 45, 63, 92, 94)
+    }, "12m"),
+    Case("StallwatchGPUXidWarnings", {s(c.GPU_XID_ERRORS, N1, 'gpu="1"', 'xid="13"'): "0 0 0 2x10"}, "12m",
+         (({"instance": "n1", "gpu": "1", "xid": "13"}, "GPU 1 on n1 reported XID 13: 2 in the last 10m."),)),
+    Case("StallwatchGPUXidWarnings", {  # a hardware XID is the critical alert's, not also a warning
+        s(c.GPU_XID_ERRORS, N1, 'gpu="0"', 'xid="79"'): "0 0 0 1x10",
+        s(c.GPU_XID_ERRORS, N1, 'gpu="1"', 'xid="13"'): "3x20",
     }, "12m"),
 )
 

@@ -20,7 +20,7 @@ SCHEMAS = ROOT / "tests/data/grafana"  # from grafana-foundation-sdk's jsonschem
 PANEL_SCHEMAS = {"timeseries": "timeseries", "stat": "stat", "heatmap": "heatmap", "table": "table",
                  "state-timeline": "statetimeline"}
 GRAFANA_BUILTINS = {"__rate_interval", "__range", "__interval"}
-VARIABLE_USE = re.compile(r"\$\{?(\w+)")
+VARIABLE_USE = re.compile(r"\$\{?([A-Za-z_]\w*)")  # not label_replace's $1
 
 
 def load(path: Path) -> dict[str, Any]:
@@ -94,14 +94,72 @@ def test_variables_are_defined_and_links_reach_the_siblings(path: str) -> None:
     used = {name for expr in expressions(dashboard) for name in VARIABLE_USE.findall(expr)}
     used |= {name for v in dashboard["templating"]["list"] for name in VARIABLE_USE.findall(str(v.get("query", "")))}
     assert used - GRAFANA_BUILTINS <= set(defined)
-    siblings = {f"/d/{d['uid']}" for d in DASHBOARDS.values() if d["uid"] != dashboard["uid"]}
-    assert {link["url"] for link in dashboard["links"]} == siblings
-    assert all(link["includeVars"] and link["keepTime"] for link in dashboard["links"])
+    # One link by tag: Grafana lists the tagged dashboards itself, so the links keep any sub-path Grafana is
+    # served under (an absolute /d/uid would drop it); every dashboard carries the tag.
+    [link] = dashboard["links"]
+    assert link["type"] == "dashboards" and link["tags"] == ["stallwatch"] and not link.get("url")
+    assert link["includeVars"] and link["keepTime"]
+    assert all("stallwatch" in d["tags"] for d in DASHBOARDS.values())
 
 
 def test_the_issues_template_variables_exist() -> None:
     names = {v["name"] for d in DASHBOARDS.values() for v in d["templating"]["list"]}
-    assert {"datasource", "job", "node", "gpu", "spoke", "egress_price_usd_per_gb"} <= names
+    assert {"datasource", "cluster", "job", "node", "gpu", "spoke", "egress_price_usd_per_gb"} <= names
+
+
+def variable_queries(dashboard: dict[str, Any]) -> dict[str, str]:
+    return {v["name"]: v["query"] for v in dashboard["templating"]["list"] if v["type"] == "query"}
+
+
+def test_nodes_are_keyed_on_their_name_and_the_variables_chain_job_node_gpu() -> None:
+    training = variable_queries(DASHBOARDS["dashboards/stallwatch-training.json"])
+    node = variable_queries(DASHBOARDS["dashboards/stallwatch-gpu-node.json"])
+    for queries in (training, node):
+        assert queries["node"].endswith(", node)") and "instance" not in queries["node"]
+        assert queries["cluster"].endswith(", cluster)") and '$cluster' in queries["node"]
+        assert '$node' in queries["gpu"]
+    assert '$job' in training["node"] and '$job' in training["gpu"]
+    assert list(training) == ["cluster", "job", "node", "gpu"]  # in the order Grafana refreshes them
+    # legends name nodes, never scrape addresses
+    legends = [t.get("legendFormat", "") for d in DASHBOARDS.values() for p in panels(d) for t in p["targets"]]
+    assert not [legend for legend in legends if "{{instance}}" in legend]
+
+
+def test_every_selector_is_limited_to_the_cluster() -> None:
+    for dashboard in DASHBOARDS.values():
+        for expr in expressions(dashboard):
+            for selected in re.findall(r"(?<![\w:])(?:stallwatch_\w+|DCGM_\w+)(\{[^}]*\})?", expr):
+                assert 'cluster=~"$cluster"' in selected, expr
+
+
+def test_the_jobs_gpu_panels_show_only_the_jobs_gpus() -> None:
+    # Each training-dashboard query of a per-GPU NVML series is joined on the correlator's job -> GPU map.
+    training = DASHBOARDS["dashboards/stallwatch-training.json"]
+    gpu_series = (catalogue.GPU_UTILIZATION.name, catalogue.GPU_INFO.name)
+    queries = [t["expr"] for p in panels(training) for t in p["targets"]
+               if any(name in t["expr"] for name in gpu_series)]
+    assert len(queries) >= 2
+    job_map = f"{catalogue.GPU_STALL_IDLE_SECONDS.name}{{cluster=~\"$cluster\", {catalogue.JOB_LABEL}=~\"$job\""
+    assert all("and on (instance, gpu)" in q and job_map in q for q in queries), queries
+
+
+def test_rates_of_seconds_are_shown_as_shares_not_seconds() -> None:
+    # rate() of a *_seconds_total is seconds per second: a share of time, never the unit `s`.
+    for dashboard in DASHBOARDS.values():
+        for panel in panels(dashboard):
+            rates = [t["expr"] for t in panel["targets"] if re.search(r"rate\(stallwatch_\w+_seconds_total", t["expr"])]
+            if rates:
+                assert panel["fieldConfig"]["defaults"]["unit"] == "percentunit", (panel["title"], rates)
+
+
+def test_dcgm_sm_activity_is_offered_beside_nvml_utilization() -> None:
+    for path, title in (("dashboards/stallwatch-gpu-node.json", "GPU utilization"),
+                        ("dashboards/stallwatch-training.json", "GPU utilization, loader wait and spoke misses")):
+        panel = next(p for p in panels(DASHBOARDS[path]) if p["title"] == title)
+        exprs = [t["expr"] for t in panel["targets"]]
+        assert any(catalogue.GPU_UTILIZATION.name in e for e in exprs)
+        [dcgm] = [e for e in exprs if "DCGM_FI_PROF_SM_ACTIVE" in e]
+        assert "on (UUID)" in dcgm and catalogue.GPU_INFO.name in dcgm  # matched to our GPUs by UUID
 
 
 def test_panel_ids_and_grid_positions_do_not_overlap() -> None:

@@ -45,6 +45,17 @@ def test_prometheus_examples_are_valid(config: str) -> None:
     assert result.returncode == 0, result.stdout + result.stderr
 
 
+@pytest.mark.parametrize("config", ["scrape-static.yml", "scrape-file-sd.yml"])
+def test_prometheus_examples_label_each_target_with_its_node(config: str) -> None:
+    # The dashboards key nodes on `node`; the demo's Prometheus sets it the same way.
+    import yaml
+
+    from stallwatch.demo.stack import NODE_RELABEL
+
+    [scrape] = yaml.safe_load((DEPLOY / "prometheus" / config).read_text())["scrape_configs"]
+    assert NODE_RELABEL in scrape["relabel_configs"]
+
+
 def test_file_sd_example_targets_parse() -> None:
     import json
 

@@ -6,8 +6,10 @@ runs through its query API; an alert of the generated rules travels through a re
 from __future__ import annotations
 
 import queue
+import threading
 import time
 from collections.abc import Callable, Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +18,7 @@ import requests
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
+from stallwatch import catalogue as c
 from stallwatch.demo.processes import free_port
 from stallwatch.demo.stack import Server, Webhook, query, start_alertmanager, start_prometheus, wait_for
 from stallwatch.mixin.alerts import render_alerting_rules
@@ -28,8 +31,8 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture
-def servers() -> Iterator[list[Server | Webhook]]:
-    started: list[Server | Webhook] = []
+def servers() -> Iterator[list[Server | Webhook | FakeDcgmExporter]]:
+    started: list[Server | Webhook | FakeDcgmExporter] = []
     yield started
     for server in reversed(started):
         server.close()
@@ -40,8 +43,40 @@ def served_names(agent: AgentProcess) -> set[str]:
     return {sample.name for family in text_string_to_metric_families(text) for sample in family.samples}
 
 
+class FakeDcgmExporter:
+    """Serves dcgm-exporter's SM-activity gauge for the given GPU UUIDs, as dcgm-exporter labels it."""
+
+    def __init__(self, uuids: list[str]) -> None:
+        body = "".join(f'DCGM_FI_PROF_SM_ACTIVE{{gpu="{i}",UUID="{uuid}",Hostname="n"}} 0.4\n'
+                       for i, uuid in enumerate(uuids)).encode()
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                self.send_response(200)
+                self.send_header("Content-Type", "text/plain; version=0.0.4")
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, format: str, *args: object) -> None:
+                pass
+
+        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self._server.serve_forever, daemon=True).start()
+        self.target = f"127.0.0.1:{self._server.server_address[1]}"
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+
+
+def gpu_uuids(agent: AgentProcess) -> list[str]:
+    text = requests.get(agent.url, timeout=10).text
+    return [s.labels["uuid"] for f in text_string_to_metric_families(text) for s in f.samples
+            if s.name == c.GPU_INFO.name]
+
+
 def test_generated_rules_and_dashboards_on_a_real_prometheus_and_alertmanager(
-    agent_factory: Callable[..., AgentProcess], servers: list[Server | Webhook], tmp_path: Path,
+    agent_factory: Callable[..., AgentProcess], servers: list[Server | Webhook | FakeDcgmExporter], tmp_path: Path,
 ) -> None:
     prometheus_bin = require_binary("prometheus", "prometheus")
     alertmanager_bin = require_binary("prometheus-alertmanager", "prometheus-alertmanager")
@@ -50,6 +85,8 @@ def test_generated_rules_and_dashboards_on_a_real_prometheus_and_alertmanager(
     dead_target = f"127.0.0.1:{free_port()}"  # nothing listens there: an agent that is down
     webhook = Webhook()
     servers.append(webhook)
+    dcgm = FakeDcgmExporter(gpu_uuids(agent))
+    servers.append(dcgm)
     received: queue.Queue[dict[str, Any]] = webhook.received
 
     # The rules come from the same code as alerts/*.yaml, with the agent-down alert made quick for the test.
@@ -59,8 +96,8 @@ def test_generated_rules_and_dashboards_on_a_real_prometheus_and_alertmanager(
     rule_files[1].write_text(render_alerting_rules(thresholds))
     alertmanager = start_alertmanager(alertmanager_bin, tmp_path / "alertmanager", webhook.url)
     servers.append(alertmanager)
-    prom = start_prometheus(prometheus_bin, tmp_path / "prometheus", [agent_target, dead_target], rule_files,
-                            alertmanager.url, job=thresholds.agent_scrape_job)
+    prom = start_prometheus(prometheus_bin, tmp_path / "prometheus", [agent_target, dead_target, dcgm.target],
+                            rule_files, alertmanager.url, job=thresholds.agent_scrape_job)
     servers.append(prom)
     prometheus, prom_log, am_log = prom.url, prom.log, alertmanager.log
 
@@ -70,7 +107,7 @@ def test_generated_rules_and_dashboards_on_a_real_prometheus_and_alertmanager(
         return bool(result)
 
     wait_for("scrapes of the agent", agent_scraped_enough, 30, prom.process, prom_log)
-    served = served_names(agent)
+    served = served_names(agent) | {"DCGM_FI_PROF_SM_ACTIVE"}
 
     checked, with_data = 0, 0
     for path, title, expr, is_panel in dashboard_queries():
@@ -81,6 +118,14 @@ def test_generated_rules_and_dashboards_on_a_real_prometheus_and_alertmanager(
             assert reply["data"]["result"], f"{path} / {title}: no data for {expr}"
             with_data += 1
     assert checked >= 60 and with_data >= 20, (checked, with_data)
+    # Series are keyed on the node name; dcgm-exporter's SM activity is matched to the agent's GPUs.
+    node = agent_target.rsplit(":", 1)[0]
+    gpu = query(prometheus, f'{c.GPU_UTILIZATION.name}{{instance="{agent_target}"}}')["data"]["result"]
+    assert gpu and all(series["metric"]["node"] == node for series in gpu)
+    sm = next(expr for _, title, expr, _ in dashboard_queries() if title == "GPU utilization" and "DCGM" in expr)
+    matched = query(prometheus, sm)["data"]["result"]
+    assert sorted(series["metric"]["gpu"] for series in matched) == ["0", "1"]
+    assert all(series["metric"]["node"] == node and series["value"][1] == "0.4" for series in matched)
 
     rules = requests.get(f"{prometheus}/api/v1/rules", timeout=10).json()["data"]["groups"]
     loaded = [rule for group in rules for rule in group["rules"]]
@@ -101,7 +146,7 @@ def test_generated_rules_and_dashboards_on_a_real_prometheus_and_alertmanager(
     alert = delivered[0]
     assert alert["status"] == "firing"
     assert alert["labels"] == {"alertname": "StallwatchAgentDown", "instance": dead_target, "job": "stallwatch",
-                               "severity": "warning", "component": "stallwatch"}
+                               "node": "127.0.0.1", "severity": "warning", "component": "stallwatch"}
     assert alert["annotations"]["runbook_url"] == "docs/runbooks.md#stallwatchagentdown"
     assert alert["annotations"]["description"] == f"The stallwatch agent at {dead_target} has been unreachable for 1s."
     firing = query(prometheus, 'ALERTS{alertname="StallwatchAgentDown", alertstate="firing"}')["data"]["result"]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import json
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -15,10 +16,11 @@ from typing import Any
 
 import pytest
 import requests
+import yaml
 
 from stallwatch.demo.processes import free_port
-from stallwatch.publish import Grafana, PublishError, install_rules, reload_prometheus
-from tests.conftest import require_binary
+from stallwatch.publish import Grafana, PublishError, find_promtool, generated, install_rules, reload_prometheus
+from tests.conftest import ROOT, require_binary
 
 TOKEN = "glsa_test_token"
 DASHBOARD = {"uid": "stallwatch-test", "title": "Test", "panels": [], "schemaVersion": 39}
@@ -145,12 +147,15 @@ BROKEN_RULES = GOOD_RULES.replace("sum by (job) (up)", "sum by (job) (up")
 
 
 @contextlib.contextmanager
-def running_prometheus(tmp_path: Path, lifecycle: bool = True) -> Iterator[tuple[str, Path]]:
+def running_prometheus(tmp_path: Path, lifecycle: bool = True, config: Path | None = None
+                       ) -> Iterator[tuple[str, Path]]:
+    """A Prometheus loading `rules/*.yaml` under tmp_path, or running the given config file."""
     binary = require_binary("prometheus", "prometheus")
     rules = tmp_path / "rules"
     rules.mkdir(exist_ok=True)
-    config = tmp_path / "prometheus.yml"
-    config.write_text(f"global:\n  evaluation_interval: 1s\nrule_files:\n  - {rules}/*.yaml\n")
+    if config is None:
+        config = tmp_path / "prometheus.yml"
+        config.write_text(f"global:\n  evaluation_interval: 1s\nrule_files:\n  - {rules}/*.yaml\n")
     port = free_port()
     process = subprocess.Popen(
         [binary, f"--config.file={config}", f"--storage.tsdb.path={tmp_path / 'data'}",
@@ -186,16 +191,70 @@ def test_rules_reach_a_real_prometheus_and_a_broken_file_never_replaces_a_good_o
     prometheus: tuple[str, Path], promtool: str
 ) -> None:
     url, rules = prometheus
-    assert install_rules({"stallwatch.yaml": GOOD_RULES}, rules, promtool) == ["stallwatch.yaml"]
+    installed = "stallwatch-test.yaml"
+    assert install_rules({"test.yaml": GOOD_RULES}, rules, promtool) == [installed]
     reload_prometheus(url)
     assert "stallwatch-publish-test" in loaded_groups(url)
-    assert install_rules({"stallwatch.yaml": GOOD_RULES}, rules, promtool) == []  # unchanged: not rewritten
+    assert install_rules({"test.yaml": GOOD_RULES}, rules, promtool) == []  # unchanged: not rewritten
     with pytest.raises(PublishError, match="failed promtool check rules"):
-        install_rules({"stallwatch.yaml": BROKEN_RULES}, rules, promtool)
-    assert (rules / "stallwatch.yaml").read_text() == GOOD_RULES
-    assert sorted(p.name for p in rules.iterdir()) == ["stallwatch.yaml"]  # no staged leftovers
+        install_rules({"test.yaml": BROKEN_RULES}, rules, promtool)
+    assert (rules / installed).read_text() == GOOD_RULES
+    assert sorted(p.name for p in rules.iterdir()) == [installed]  # no staged leftovers
     reload_prometheus(url)
     assert "stallwatch-publish-test" in loaded_groups(url)
+
+
+@pytest.mark.parametrize("promtool", ["/nonexistent/promtool", "no-such-promtool-command", "/etc/hostname"])
+def test_an_unusable_promtool_is_one_line_and_leaves_nothing_behind(tmp_path: Path, promtool: str) -> None:
+    rules = tmp_path / "rules"
+    with pytest.raises(PublishError, match=r"promtool not found|cannot run promtool") as error:
+        install_rules({"test.yaml": GOOD_RULES}, rules, promtool)
+    assert "\n" not in str(error.value)
+    assert not rules.exists() or not list(rules.iterdir())
+    command = subprocess.run([sys.executable, "-m", "stallwatch", "publish", "--prometheus.rules-dir", str(rules),
+                              "--promtool", promtool], capture_output=True, text=True, timeout=120)
+    assert command.returncode == 1 and "Traceback" not in command.stderr
+    assert command.stderr.count("\n") == 1 and "promtool" in command.stderr
+    assert not rules.exists() or not list(rules.iterdir())
+
+
+def test_a_promtool_that_cannot_run_leaves_no_staged_file(tmp_path: Path) -> None:
+    # An executable that the kernel refuses to start (no interpreter): the staged copy is still removed.
+    broken = tmp_path / "promtool"
+    broken.write_text("#!/nonexistent/interpreter\n")
+    broken.chmod(0o755)
+    rules = tmp_path / "rules"
+    with pytest.raises(PublishError, match="cannot run"):
+        install_rules({"test.yaml": GOOD_RULES}, rules, str(broken))
+    assert list(rules.iterdir()) == []
+
+
+def test_promtool_is_found_on_path_by_default(tmp_path: Path, promtool: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "promtool").symlink_to(promtool)
+    monkeypatch.setenv("PATH", str(bin_dir))
+    assert find_promtool("promtool") == str(bin_dir / "promtool")
+    rules = tmp_path / "rules"
+    assert install_rules({"test.yaml": GOOD_RULES}, rules, "promtool") == ["stallwatch-test.yaml"]
+
+
+def test_what_publish_writes_loads_through_the_shipped_scrape_config(tmp_path: Path, promtool: str) -> None:
+    # The shipped config, its /etc/prometheus paths pointed here: every generated group loads, none twice.
+    rules = tmp_path / "rules"
+    shipped = (ROOT / "deploy/prometheus/scrape-static.yml").read_text()
+    assert "/etc/prometheus/rules/stallwatch-*.yaml" in shipped
+    config = tmp_path / "prometheus.yml"
+    config.write_text(shipped.replace("/etc/prometheus/", f"{tmp_path}/"))
+    result = subprocess.run([sys.executable, "-m", "stallwatch", "publish", "--prometheus.rules-dir", str(rules),
+                             "--promtool", promtool], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    with running_prometheus(tmp_path, config=config) as (url, _):
+        reply = requests.get(url + "/api/v1/rules", timeout=5).json()
+    groups = [group["name"] for group in reply["data"]["groups"]]
+    expected = {g["name"] for text in generated("alerts/").values() for g in yaml.safe_load(text)["groups"]}
+    assert sorted(groups) == sorted(expected) and len(groups) == len(set(groups))
+    assert sum(len(group["rules"]) for group in reply["data"]["groups"]) > 0
 
 
 def test_reload_without_the_lifecycle_api_or_a_server_is_explained(tmp_path: Path) -> None:
@@ -205,3 +264,19 @@ def test_reload_without_the_lifecycle_api_or_a_server_is_explained(tmp_path: Pat
         reload_prometheus(url)
     with pytest.raises(PublishError, match="not reachable"):
         reload_prometheus(f"http://127.0.0.1:{free_port()}", timeout=2)
+
+
+@pytest.mark.parametrize(("module", "argv", "extra"), [
+    ("grafana_foundation_sdk", ["publish", "--prometheus.rules-dir", "rules"], "generate"),
+    ("grafana_foundation_sdk", ["generate"], "generate"),
+    ("matplotlib", ["report", "--windows", "windows.jsonl"], "report"),
+])
+def test_a_missing_extra_is_one_line_naming_it(tmp_path: Path, module: str, argv: list[str], extra: str) -> None:
+    # The extra's module made unimportable, as in an installation without it.
+    program = (f"import sys; sys.modules[{module!r}] = None; from stallwatch.cli import main; "
+               f"sys.exit(main({argv!r}))")
+    result = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True, timeout=120,
+                            cwd=tmp_path)
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    assert result.stderr.count("\n") == 1 and f"pip install 'stallwatch[{extra}]'" in result.stderr
+    assert not (tmp_path / "rules").exists()

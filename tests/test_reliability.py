@@ -199,11 +199,13 @@ def test_nvml_faults_keep_the_agent_serving_and_fire_the_alert(promtool: str, tm
 
     inputs = {key.replace("{", '{instance="n1", ' if "=" in key else '{instance="n1"'): values(points)
               for key, points in series.items()}
-    firing = (({"instance": "n1"}, "2 GPUs answered NVML on n1 in the last hour; fewer answer now (a GPU lost, or "
-                                   "the driver gone)."),)
+    def firing(gpus: int) -> tuple[tuple[dict[str, str], str], ...]:
+        return (({"instance": "n1"}, f"{gpus} GPUs on n1 do not answer NVML (a GPU lost, or the driver gone)."),)
+
     cases = [Case("StallwatchGPUsUnreachable", inputs, "4m"),  # healthy
-             Case("StallwatchGPUsUnreachable", inputs, "16m", firing),  # GPU 1 lost since minute 5
-             Case("StallwatchGPUsUnreachable", inputs, "29m", firing)]  # the driver gone since minute 15
+             # GPU 1 lost since minute 5 (pending until 15), then at minute 15 the driver goes: both GPUs
+             Case("StallwatchGPUsUnreachable", inputs, "16m", firing(2)),
+             Case("StallwatchGPUsUnreachable", inputs, "29m", firing(2))]  # the driver gone since minute 15
     tests = tmp_path / "nvml.test.yaml"
     tests.write_text(yaml.safe_dump({"rule_files": [str(p) for p in RULE_FILES], "evaluation_interval": "1m",
                                      "tests": [promtool_test(case) for case in cases]}))

@@ -126,6 +126,14 @@ class _HubHandler(BaseHTTPRequestHandler):
                     time.sleep(ahead)
         self.hub.account(sent)
 
+    def do_HEAD(self) -> None:
+        # What the agent's hub probe asks: one round trip, no body, not counted as a fetch.
+        self.hub.wait_out_outage()
+        time.sleep(self.hub.rtt_seconds)
+        self.send_response(200)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
     def _reply_small(self, status: int, text: str) -> None:
         body = text.encode()
         self.send_response(status)

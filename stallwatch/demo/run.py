@@ -146,12 +146,13 @@ class Demo:
             self.say(f"\n  ALERT received by the webhook: {labels.get('alertname')} ({alert.get('status')}) "
                      f"{alert.get('annotations', {}).get('description', '')}")
 
-    def _start_agent(self, work: Path, spoke: Nginx) -> tuple[subprocess.Popen[str], str]:
+    def _start_agent(self, work: Path, spoke: Nginx, hub_url: str) -> tuple[subprocess.Popen[str], str]:
         command = [
             sys.executable, "-m", "stallwatch", "agent", "--web.listen-address", "127.0.0.1:0",
             "--gpu.fake-devices", "1", "--gpu.fake-trace", str(work / "gpu.trace"), "--gpu.interval", "0.5",
             "--events.socket", str(work / "events.sock"),
             "--collector.spoke_nginx", "--spoke_nginx.log", str(spoke.access_log), "--spoke_nginx.name", SPOKE_NAME,
+            "--collector.hub_probe", "--hub_probe.target", f"{SPOKE_NAME}={hub_url}/", "--hub_probe.interval", "2",
             "--correlator.cache-capacity", str(self.s.cache_bytes),
             "--correlator.window", str(self.s.window_seconds),
             "--correlator.record-windows", str(work / "windows.jsonl"),
@@ -214,7 +215,7 @@ class Demo:
             spoke = Nginx(work / "spoke", spoke_server_block(hub.url), f"{max(1, s.cache_bytes // 2**20)}m")
             self._stack.callback(spoke.close)
             self.say(f"  spoke        {spoke.url()}  (nginx proxy_cache, {s.cache_bytes / 2**20:.0f} MiB)")
-            _, agent_url = self._start_agent(work, spoke)
+            _, agent_url = self._start_agent(work, spoke, hub.url)
             self.say(f"  agent        {agent_url}")
             prometheus = self._start_monitoring(work, agent_url)
             started = time.time()

@@ -112,6 +112,11 @@ def start_alertmanager(binary: str, workdir: Path, webhook_url: str, group_wait:
                   f"http://127.0.0.1:{port}", workdir / "alertmanager.log", "/-/ready")
 
 
+# The `node` label the dashboards key nodes on: the target's host without its port, as
+# deploy/prometheus/scrape-*.yml set it (tests/test_deploy.py keeps the two equal).
+NODE_RELABEL: dict[str, Any] = {"source_labels": ["__address__"], "regex": "(.+):\\d+", "target_label": "node"}
+
+
 def start_prometheus(binary: str, workdir: Path, targets: Sequence[str], rule_files: Sequence[Path],
                      alertmanager: str | None = None, interval_seconds: int = 1,
                      job: str = "stallwatch") -> Server:
@@ -120,7 +125,8 @@ def start_prometheus(binary: str, workdir: Path, targets: Sequence[str], rule_fi
     config: dict[str, Any] = {
         "global": {"scrape_interval": f"{interval_seconds}s", "evaluation_interval": f"{interval_seconds}s"},
         "rule_files": [str(p) for p in rule_files],
-        "scrape_configs": [{"job_name": job, "honor_labels": True, "static_configs": [{"targets": list(targets)}]}],
+        "scrape_configs": [{"job_name": job, "honor_labels": True, "relabel_configs": [NODE_RELABEL],
+                            "static_configs": [{"targets": list(targets)}]}],
     }
     if alertmanager is not None:
         config["alerting"] = {"alertmanagers": [{"static_configs": [{"targets": [alertmanager.split("//")[1]]}]}]}

@@ -21,6 +21,7 @@ from stallwatch.exporters import (  # noqa: F401
     events,
     gpu,
     host,
+    hub_probe,
     spoke_nfs,
     spoke_nginx,
     spoke_openmetrics,

@@ -1,7 +1,8 @@
 """The agent's configuration: exporter-style flags, optionally preset by a YAML file.
 
 The file is a flat mapping of flag names without their dashes (`web.listen-address: ":9842"`,
-`collector.gpu: false`, `gpu.interval: 0.25`); flags on the command line win over the file. Every
+`collector.gpu: false`, `gpu.interval: 0.25`); a repeatable flag takes a list or one value
+(`spoke_nfs.mount: [a=/mnt/a, b=/mnt/b]`). Flags on the command line win over the file. Every
 mistake, in a flag or in the file, is a `ConfigError` with a one-line message.
 """
 
@@ -78,26 +79,35 @@ def _load_file(parser: argparse.ArgumentParser, path: str) -> dict[str, Any]:
     actions = {opt[2:]: action for action in parser._actions for opt in action.option_strings}
     values: dict[str, Any] = {}
     for key, raw in document.items():
-        value = raw
         action = actions.get(str(key))
         if action is None or key in ("config.file", "help"):
             raise ConfigError(f"{path}: unknown option {key!r}")
-        if isinstance(action, argparse.BooleanOptionalAction):
-            if not isinstance(value, bool):
-                raise ConfigError(f"{path}: {key} must be true or false, got {value!r}")
-        elif value is None or isinstance(value, list | dict):
-            raise ConfigError(f"{path}: {key} needs one value, got {value!r}")
-        elif action.type is None:
-            value = str(value)
+        if isinstance(action, argparse._AppendAction):
+            # A repeatable flag: a list of values, or one value, as if the flag were given that often.
+            items = raw if isinstance(raw, list) else [raw]
+            values[action.dest] = [_file_value(path, key, action, item) for item in items]
         else:
-            try:
-                value = action.type(str(value))  # type: ignore[operator]
-            except (ValueError, argparse.ArgumentTypeError) as error:
-                raise ConfigError(f"{path}: {key}: {error}") from error
-        if action.choices is not None and value not in action.choices:
-            raise ConfigError(f"{path}: {key} must be one of {', '.join(map(str, action.choices))}")
-        values[action.dest] = value
+            values[action.dest] = _file_value(path, key, action, raw)
     return values
+
+
+def _file_value(path: str, key: str, action: argparse.Action, value: Any) -> Any:
+    """One value of the file, converted and checked as the flag would be on the command line."""
+    if isinstance(action, argparse.BooleanOptionalAction):
+        if not isinstance(value, bool):
+            raise ConfigError(f"{path}: {key} must be true or false, got {value!r}")
+    elif value is None or isinstance(value, list | dict):
+        raise ConfigError(f"{path}: {key} needs one value, got {value!r}")
+    elif action.type is None:
+        value = str(value)
+    else:
+        try:
+            value = action.type(str(value))  # type: ignore[operator]
+        except (ValueError, argparse.ArgumentTypeError) as error:
+            raise ConfigError(f"{path}: {key}: {error}") from error
+    if action.choices is not None and value not in action.choices:
+        raise ConfigError(f"{path}: {key} must be one of {', '.join(map(str, action.choices))}")
+    return value
 
 
 def parse(argv: Sequence[str], collectors: Mapping[str, CollectorSpec]) -> argparse.Namespace:

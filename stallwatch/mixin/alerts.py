@@ -11,7 +11,14 @@ from stallwatch import catalogue as c
 from stallwatch.mixin.config import ALERT_PREFIX, Thresholds
 from stallwatch.mixin.prometheus import AlertRule, RuleGroup, render_rules
 from stallwatch.mixin.promql import by, increase, rate, selector
-from stallwatch.mixin.rules import gpu_stall_idle_rule, hit_ratio_rule, input_bound_rule, stall_rate_rule
+from stallwatch.mixin.rules import gpu_stall_idle_rule, hit_ratio_rule, input_bound_rule
+
+JOB = c.JOB_LABEL
+JOB_NAME = f"{{{{ $labels.{JOB} }}}}"  # the training job's name in a description
+# Metrics an agent reports with the `spoke` it reads through: a spoke collector on the node, the hub
+# probe, the correlator's what-if. They tie the node's training jobs to that spoke.
+SPOKE_OF_NODE = (c.SPOKE_REQUESTS, c.SPOKE_HUB_ERRORS, c.SPOKE_NFS_READ_OPERATIONS, c.SPOKE_HUB_PROBE_SUCCESS,
+                 c.CACHE_WHATIF_HIT_RATIO)
 
 
 def _share(part: str, rest: str) -> str:
@@ -24,17 +31,25 @@ def _lost_ratio(lost: c.AnyMetricDef, window: str) -> str:
     return _share(by("instance", "sum", rate(lost, window)), by("instance", "sum", rate(c.RECEIVER_EVENTS, window)))
 
 
+def _stall_share_by_spoke(t: Thresholds) -> str:
+    """Per spoke, the largest share of time a rank on a node reading through it spends stalled (any cause)."""
+    per_rank = by(f"instance, {JOB}, rank", "sum", rate(c.STALL_SECONDS, t.rate_window))
+    worst_on_node = by("instance", "max", per_rank)
+    spoke_of_node = " or ".join(by("instance, spoke", "group", selector(m)) for m in SPOKE_OF_NODE)
+    return by("spoke", "max", f"{worst_on_node} * on (instance) group_right () ({spoke_of_node})")
+
+
 def training_alerts(t: Thresholds) -> tuple[AlertRule, ...]:
-    remote_idle = by("job", "sum", gpu_stall_idle_rule(t).record + '{cause="remote_fetch"}')
-    not_steady = by("job", "max", selector(c.WARMUP_PHASE, 'phase!="steady"'))
-    gpus_per_job = by("job", "count", by("job, instance, gpu", "group", selector(c.GPU_STALL_IDLE_SECONDS)))
+    remote_idle = by(JOB, "sum", gpu_stall_idle_rule(t).record + '{cause="remote_fetch"}')
+    not_steady = by(JOB, "max", selector(c.WARMUP_PHASE, 'phase!="steady"'))
+    gpus_per_job = by(JOB, "count", by(f"{JOB}, instance, gpu", "group", selector(c.GPU_STALL_IDLE_SECONDS)))
     return (
         AlertRule(
             name=f"{ALERT_PREFIX}GPUsStarvedByRemoteFetches",
-            expr=f"{remote_idle} / on (job) {gpus_per_job} > {t.gpu_remote_fetch_idle_ratio}",
+            expr=f"{remote_idle} / on ({JOB}) {gpus_per_job} > {t.gpu_remote_fetch_idle_ratio}",
             for_=t.gpu_starved_for, severity="warning",
             summary="GPUs sit idle while training waits on reads that missed the spoke.",
-            description="GPUs of job {{ $labels.job }} spent {{ $value | humanizePercentage }} of their time idle "
+            description=f"GPUs of job {JOB_NAME} spent {{{{ $value | humanizePercentage }}}} of their time idle "
                         "during stalls attributed to remote fetches from the hub.",
             runbook="The correlator saw the job's GPUs idle while its ranks waited for batches whose critical "
                     "path went through reads that missed the spoke and went to the hub.\n\n"
@@ -49,7 +64,7 @@ def training_alerts(t: Thresholds) -> tuple[AlertRule, ...]:
             expr=f"{input_bound_rule(t).record} >= {t.input_bound_ratio}",
             for_=t.input_bound_for, severity="warning",
             summary="Training spends a large share of its step time waiting for input.",
-            description="Job {{ $labels.job }} waits for input {{ $value | humanizePercentage }} of its step "
+            description=f"Job {JOB_NAME} waits for input {{{{ $value | humanizePercentage }}}} of its step "
                         "time (highly input-bound).",
             runbook="The ranks' loader wait divided by wait plus compute is above the threshold: the input "
                     "pipeline, not the model, sets the pace (TensorFlow's input-pipeline analyzer calls 20 % or "
@@ -65,7 +80,7 @@ def training_alerts(t: Thresholds) -> tuple[AlertRule, ...]:
             expr=f"{not_steady} == 1",
             for_=t.warmup_budget, severity="warning",
             summary="A job's warm-up takes longer than its budget.",
-            description=f"Job {{{{ $labels.job }}}} has not reached steady state within {t.warmup_budget}.",
+            description=f"Job {JOB_NAME} has not reached steady state within {t.warmup_budget}.",
             runbook="The correlator still sees the job cold or in transition (hit ratio or step time not yet "
                     "stable) after the warm-up budget.\n\n"
                     "Check: the warm-up phase timeline and the warm-up cost panels on *Training input stalls*; "
@@ -82,7 +97,7 @@ def spoke_alerts(t: Thresholds) -> tuple[AlertRule, ...]:
     best = f"max_over_time({ratio}[{t.hit_ratio_baseline_window}])"
     hub_errors = by("spoke", "sum", rate(c.SPOKE_HUB_ERRORS, t.rate_window))
     hub_fetches = by("spoke", "sum", rate(c.SPOKE_HUB_FETCH_DURATION, t.rate_window, suffix="_count"))
-    stalling = f"sum({stall_rate_rule(t).record}) > 0"
+    stalling = f"{_stall_share_by_spoke(t)} > {t.hub_failing_stall_ratio}"
     hub_bytes = by("", "sum", increase(c.SPOKE_BYTES, "1h", 'source="hub"'))
     egress_usd = f"{hub_bytes} / 1e9 * {t.egress_price_usd_per_gb}"
     return (
@@ -104,13 +119,17 @@ def spoke_alerts(t: Thresholds) -> tuple[AlertRule, ...]:
         ),
         AlertRule(
             name=f"{ALERT_PREFIX}HubFailingWhileTrainingStalls",
-            expr=f"({_share(hub_errors, hub_fetches)} > {t.hub_error_ratio}) and on () ({stalling})",
+            expr=f"({_share(hub_errors, hub_fetches)} > {t.hub_error_ratio}) and on (spoke) ({stalling})",
             for_=t.hub_failing_for, severity="critical",
             summary="The hub is unreachable or failing while training ranks stall.",
             description="Spoke {{ $labels.spoke }}: {{ $value | humanizePercentage }} of fetches from the hub fail "
-                        "while training ranks stall.",
+                        "while training ranks reading through it stall.",
             runbook="Fetches from the spoke to the hub fail (upstream errors, timeouts, refused connections) and "
-                    "training ranks are stalling: every miss now blocks a loader worker.\n\n"
+                    "the training ranks reading through that spoke are stalling: every miss now blocks a loader "
+                    f"worker. A rank reads through the spoke when its node's agent reports that spoke (a spoke "
+                    f"collector, the hub probe or the correlator's what-if); the alert needs one such rank "
+                    f"stalled {t.hub_failing_stall_ratio:.0%} of its time or more, so a failing hub that no "
+                    "training waits on stays a dashboard matter.\n\n"
                     "Check: *Spoke cache*: hub errors, hub round trip and fetch latency; the hub's own status and "
                     "the network path between regions.\n\n"
                     "Act: restore the hub or the link; until then jobs run only on what the spoke holds.",
@@ -186,38 +205,66 @@ def node_alerts(t: Thresholds) -> tuple[AlertRule, ...]:
         ),
         AlertRule(
             name=f"{ALERT_PREFIX}GPUsUnreachable",
-            # GPUs NVML reported in the last hour against those answering now; the gpu collector itself
-            # keeps succeeding through these faults, so CollectorFailing does not see them. A node without
-            # GPUs reports 0 on both sides and stays quiet.
-            expr=f"{by('instance', 'max', f'max_over_time({selector(c.GPU_DEVICES)}[1h])')} > "
-                 f"({by('instance', 'sum', selector(c.GPU_UP))} or {by('instance', 'max', selector(c.GPU_DEVICES))}"
-                 " * 0)",
+            # A lost GPU keeps its gpu_up series at 0; a driver gone leaves no GPU at all where there were
+            # some within gpus_seen_window. A GPU taken out on purpose leaves both quiet at once: its series
+            # end and the device count drops. The gpu collector itself keeps succeeding through these faults,
+            # so CollectorFailing does not see them; a node that never had GPUs stays quiet.
+            expr=f"{by('instance', 'count', selector(c.GPU_UP) + ' == 0')} or ("
+                 f"{by('instance', 'max', f'max_over_time({selector(c.GPU_DEVICES)}[{t.gpus_seen_window}])')} > 0 "
+                 f"and on (instance) {by('instance', 'max', selector(c.GPU_DEVICES))} == 0)",
             for_=t.collector_failing_for, severity="critical",
             summary="GPUs of a node stopped answering NVML.",
-            description="{{ $value }} GPUs answered NVML on {{ $labels.instance }} in the last hour; fewer answer "
-                        "now (a GPU lost, or the driver gone).",
+            description="{{ $value }} GPUs on {{ $labels.instance }} do not answer NVML (a GPU lost, or the driver "
+                        "gone).",
             runbook="NVML stopped answering for some GPUs (`GpuIsLost`: fell off the bus, XID 79) or for all of "
                     "them (the driver was unloaded or upgraded under the agent). The agent serves everything "
-                    f"else; `{c.GPU_NVML_ERRORS.name}` says which call failed with which error.\n\n"
+                    f"else; `{c.GPU_NVML_ERRORS.name}` says which call failed with which error. A GPU removed on "
+                    "purpose (the node rebooted or the driver reloaded with fewer GPUs) does not alert.\n\n"
                     f"Check: `{c.GPU_UP.name}` per GPU, the NVML errors panel of the *GPU node* dashboard, "
                     "`nvidia-smi` and the kernel log on the node.\n\n"
                     "Act: drain the node and reset or replace a lost GPU; after a driver change restart the agent.",
         ),
         AlertRule(
             name=f"{ALERT_PREFIX}GPUXidErrors",
-            expr=by("instance, gpu, xid", "sum", increase(c.GPU_XID_ERRORS, t.xid_window)) + " > 0",
+            expr=_xid_increase(t, "=~") + " > 0",
             for_=t.xid_for, severity="critical",
-            summary="A GPU reported critical XID errors.",
-            description="GPU {{ $labels.gpu }} on {{ $labels.instance }} reported critical XID {{ $labels.xid }} "
-                        f"errors: {{{{ $value }}}} in the last {t.xid_window}.",
-            runbook="The driver reported a critical XID event: a hardware, driver or application fault (e.g. 79: "
-                    "GPU fell off the bus; 48: double-bit ECC error; 13/31/43: usually the application).\n\n"
-                    "Check: NVIDIA's XID catalogue for the number, the node's kernel log, the *GPU node* "
-                    "dashboard's XID and throttle panels.\n\n"
-                    "Act: for hardware XIDs drain the node and reset or replace the GPU; for application XIDs "
-                    "look at the job.",
+            summary="A GPU reported an XID that NVIDIA documents as a hardware or driver fault.",
+            description="GPU {{ $labels.gpu }} on {{ $labels.instance }} reported XID {{ $labels.xid }}, a hardware "
+                        f"or driver fault: {{{{ $value }}}} in the last {t.xid_window}.",
+            runbook="The driver reported an XID that NVIDIA's XID catalogue attributes to the hardware or the "
+                    "driver, never to the application, and for which it asks for a GPU reset or a node reboot: "
+                    "48 (double-bit ECC error), 64 (page retirement or row remapping failed), 74 (NVLink "
+                    "error), 79 (GPU fell off the bus), 95 (uncontained ECC error), 119 and 120 (GSP timeout "
+                    f"or error). The list is `Thresholds.xid_page`: {', '.join(map(str, t.xid_page))}.\n\n"
+                    "Check: the node's kernel log (`NVRM: Xid`), the *GPU node* dashboard's XID, NVML and "
+                    "throttle panels, `nvidia-smi -q` for ECC and remapped rows.\n\n"
+                    "Act: drain the node, reset the GPU (or reboot); replace a GPU that repeats it.",
+        ),
+        AlertRule(
+            name=f"{ALERT_PREFIX}GPUXidWarnings",
+            expr=_xid_increase(t, "!~") + " > 0",
+            for_=t.xid_for, severity="warning",
+            summary="A GPU reported an XID that is usually the application's or can wait for a reset.",
+            description="GPU {{ $labels.gpu }} on {{ $labels.instance }} reported XID {{ $labels.xid }}: "
+                        f"{{{{ $value }}}} in the last {t.xid_window}.",
+            runbook="Every other XID the driver reports as critical. The common ones are the application's: 13 "
+                    "(graphics engine exception), 31 (GPU memory page fault), 43 (GPU stopped processing), "
+                    "45 (preemptive cleanup after another error); NVIDIA's device plugin keeps a GPU healthy "
+                    "through them. Hardware XIDs after which NVIDIA says work may go on until a convenient "
+                    "reset land here too: 63 (row remapping recorded), 92 (high single-bit ECC rate), 94 "
+                    "(contained ECC error: only the application that hit it must restart).\n\n"
+                    "Check: NVIDIA's XID catalogue for the number, the job that ran on the GPU at that time and "
+                    "its log (an illegal memory access, an out-of-range index), the *GPU node* dashboard.\n\n"
+                    "Act: fix or restart the job; for 63, 92 and 94 reset the GPU at the next drain and watch "
+                    "for repeats.",
         ),
     )
+
+
+def _xid_increase(t: Thresholds, operator: str) -> str:
+    """XID events per GPU and XID over xid_window, for the XIDs in (=~) or not in (!~) Thresholds.xid_page."""
+    xids = "|".join(map(str, t.xid_page))
+    return by("instance, gpu, xid", "sum", increase(c.GPU_XID_ERRORS, t.xid_window, f'xid{operator}"{xids}"'))
 
 
 def alerting_groups(t: Thresholds) -> tuple[RuleGroup, ...]:

@@ -44,6 +44,9 @@ class Thresholds:
     hit_ratio_for: str = field(default="10m", metadata=_doc("How long the regression lasts before the alert."))
     hub_error_ratio: float = field(default=0.05, metadata=_doc(
         "Share of hub fetches that fail (all of them when the hub is unreachable) while ranks stall."))
+    hub_failing_stall_ratio: float = field(default=0.05, metadata=_doc(
+        "Share of its time a rank reading through a failing spoke must spend stalled for the hub alert to "
+        "fire (5 %: TensorFlow's 'moderately input-bound')."))
     hub_failing_for: str = field(default="5m", metadata=_doc("How long the hub fails before the alert."))
     egress_price_usd_per_gb: float = field(default=0.02, metadata=_doc(
         "Price of one GB (10^9 bytes) fetched from the hub across regions; also the dashboards' default."))
@@ -58,7 +61,12 @@ class Thresholds:
     agent_down_for: str = field(default="5m", metadata=_doc("How long an agent is unreachable before the alert."))
     collector_failing_for: str = field(default="10m", metadata=_doc(
         "How long a collector (gpu is NVML) keeps failing before the alert."))
-    xid_window: str = field(default="10m", metadata=_doc("Window in which any critical XID error alerts."))
+    gpus_seen_window: str = field(default="1h", metadata=_doc(
+        "How far back a node that now reports no GPU at all must have had some for the driver-gone alert."))
+    xid_page: tuple[int, ...] = field(default=(48, 64, 74, 79, 95, 119, 120), metadata=_doc(
+        "XIDs that page (critical): those NVIDIA's XID catalogue attributes to hardware or the driver and "
+        "answers with a GPU reset or node reboot. Every other XID is a warning."))
+    xid_window: str = field(default="10m", metadata=_doc("Window in which an XID event alerts."))
     xid_for: str = field(default="1m", metadata=_doc("How long the XID alert is pending before it fires."))
     rate_window: str = field(default="5m", metadata=_doc("Window of the recording rules' rates."))
     runbook_base_url: str = field(default="docs/runbooks.md", metadata=_doc(
@@ -71,3 +79,5 @@ class Thresholds:
                 raise ValueError(f"{f.name}: {value!r} is not a Prometheus duration such as 5m")
             if f.name.endswith("_ratio") and not 0 <= value <= 1:
                 raise ValueError(f"{f.name}: {value} is not a ratio between 0 and 1")
+        if not self.xid_page or not all(isinstance(x, int) and x > 0 for x in self.xid_page):
+            raise ValueError(f"xid_page: {self.xid_page!r} is not a non-empty list of XID numbers")

@@ -1,8 +1,11 @@
 """The three Grafana dashboards (`dashboards/*.json`), declared as tables of panels over the metric catalogue.
 
 Each panel says which question it answers; docs/dashboards.md is rendered from the same declarations.
-Selectors use the dashboard variables `$job`, `$node` (the scrape `instance`), `$gpu` and `$spoke`;
-rates use Grafana's `$__rate_interval`, totals over the visible range `$__range`.
+Selectors use the dashboard variables `$cluster`, `$job` (the training job), `$node` (the node name the
+scrape adds as `node`, as the Helm chart's ServiceMonitor and deploy/prometheus/ do), `$gpu` and
+`$spoke`, chained as the Kubernetes mixins chain theirs: cluster -> job -> node -> GPU. Series keep the
+scrape's `instance` in their aggregations (it is unique) but are labelled by `node`. Rates use Grafana's
+`$__rate_interval`, totals over the visible range `$__range`.
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from stallwatch import catalogue as c
+from stallwatch.mixin import promql
 from stallwatch.mixin.config import Thresholds
 from stallwatch.mixin.grafana import (
     Annotation,
@@ -22,28 +26,72 @@ from stallwatch.mixin.grafana import (
     render_json,
     render_markdown,
 )
-from stallwatch.mixin.promql import by, increase, quantile, rate, selector
+from stallwatch.mixin.promql import by, quantile
 
-JOB, NODE, GPU, SPOKE = 'job=~"$job"', 'instance=~"$node"', 'gpu=~"$gpu"', 'spoke=~"$spoke"'
+J = c.JOB_LABEL
+CLUSTER, JOB, NODE, GPU, SPOKE = ('cluster=~"$cluster"', f'{J}=~"$job"', 'node=~"$node"', 'gpu=~"$gpu"',
+                                  'spoke=~"$spoke"')
 RATE, RANGE = "$__rate_interval", "$__range"
 REMOTE = f'cause="{c.CAUSES[0]}"'
 HUB, CACHE = 'source="hub"', 'source="cache"'
 PRICE_VARIABLE = "egress_price_usd_per_gb"
+PER_NODE, PER_GPU = "node, instance", "node, instance, gpu"
+# dcgm-exporter's SM activity, NVIDIA's better "is the GPU busy" than NVML's utilization; shown where
+# dcgm-exporter runs (joined on the GPU's UUID), nothing where it does not.
+DCGM_SM_ACTIVE = "DCGM_FI_PROF_SM_ACTIVE"
 
 TRAINING_UID, SPOKE_UID, GPU_NODE_UID = "stallwatch-training", "stallwatch-spoke", "stallwatch-gpu-node"
 
-JOB_VARIABLE = Variable("job", "Training job", f"label_values({c.INPUT_BOUND_RATIO.name}, job)")
-NODE_VARIABLE = Variable("node", "Node", f"label_values({c.BUILD_INFO.name}, instance)",
-                         description="Agents by their scrape address")
-GPU_VARIABLE = Variable("gpu", "GPU", f'label_values({selector(c.GPU_INFO, NODE)}, gpu)')
-SPOKE_VARIABLE = Variable("spoke", "Spoke", f"label_values({c.SPOKE_REQUESTS.name}, spoke)")
+
+# Every selector of the dashboards is limited to the chosen cluster.
+def selector(metric: c.AnyMetricDef, *matchers: str, suffix: str = "") -> str:
+    return promql.selector(metric, CLUSTER, *matchers, suffix=suffix)
+
+
+def rate(metric: c.AnyMetricDef, window: str, *matchers: str, suffix: str = "") -> str:
+    return promql.rate(metric, window, CLUSTER, *matchers, suffix=suffix)
+
+
+def increase(metric: c.AnyMetricDef, window: str, *matchers: str, suffix: str = "") -> str:
+    return promql.increase(metric, window, CLUSTER, *matchers, suffix=suffix)
+
+
+CLUSTER_VARIABLE = Variable("cluster", "Cluster", f"label_values({c.BUILD_INFO.name}, cluster)",
+                            description="The scrape's cluster label (All where there is none)")
+JOB_VARIABLE = Variable("job", "Training job", f"label_values({selector(c.INPUT_BOUND_RATIO)}, {J})")
+NODE_VARIABLE = Variable("node", "Node", f"label_values({selector(c.BUILD_INFO)}, node)",
+                         description="Agents by the node they run on")
+JOB_NODE_VARIABLE = Variable("node", "Node", f"label_values({selector(c.INPUT_BOUND_RATIO, JOB)}, node)",
+                             description="The nodes the chosen jobs' ranks run on")
+GPU_VARIABLE = Variable("gpu", "GPU", f"label_values({selector(c.GPU_INFO, NODE)}, gpu)")
+JOB_GPU_VARIABLE = Variable("gpu", "GPU", f"label_values({selector(c.GPU_STALL_IDLE_SECONDS, JOB, NODE)}, gpu)",
+                            description="The GPUs the chosen jobs' ranks run on")
+SPOKE_VARIABLE = Variable("spoke", "Spoke", f"label_values({selector(c.SPOKE_REQUESTS)}, spoke)")
+
+
+def _of_jobs(per_gpu: str) -> str:
+    """A per-GPU (instance, gpu) series kept only for the GPUs the chosen jobs run on (the correlator's map)."""
+    gpus = by("instance, gpu", "group", selector(c.GPU_STALL_IDLE_SECONDS, JOB, NODE, GPU))
+    return f"{per_gpu} and on (instance, gpu) {gpus}"
+
+
+def _sm_active(*matchers: str) -> str:
+    """dcgm-exporter's SM activity per GPU, labelled like stallwatch's GPU series through the UUID."""
+    ours = by("node, instance, gpu, uuid", "max", selector(c.GPU_INFO, *matchers))
+    return (f'max by (UUID) ({DCGM_SM_ACTIVE}{{{CLUSTER}}}) * on (UUID) group_right () '
+            f'label_replace({ours}, "UUID", "$1", "uuid", "(.+)")')
+
+
+def _per_member(total: str, members: str) -> str:
+    """A sum shared out over the members it sums (ranks, GPUs): seconds per second become a share of time."""
+    return f"{total} / on () group_left () {members}"
 
 
 def _phase_code() -> str:
     """The job's warm-up phase as a number (index in catalogue.PHASES) for a state timeline."""
     terms = []
     for code, phase in enumerate(c.PHASES):
-        in_phase = by("job", "max", selector(c.WARMUP_PHASE, JOB, f'phase="{phase}"'))
+        in_phase = by(J, "max", selector(c.WARMUP_PHASE, JOB, f'phase="{phase}"'))
         terms.append(f"({in_phase} == 1) * 0 + {code}")
     return " or ".join(f"({term})" for term in terms)
 
@@ -55,44 +103,50 @@ def _hit_ratio(hits: str, every: str) -> str:
 def training(t: Thresholds) -> Dashboard:
     stall_share_remote = (f'{by("", "sum", increase(c.STALL_SECONDS, RANGE, JOB, NODE, REMOTE))} / '
                           f'{by("", "sum", increase(c.STALL_SECONDS, RANGE, JOB, NODE))}')
-    worst_ranks = "topk(10, " + by("job, instance, rank", "sum", increase(c.STALL_SECONDS, RANGE, JOB, NODE)) + ")"
+    worst_ranks = "topk(10, " + by(f"{J}, node, rank", "sum", increase(c.STALL_SECONDS, RANGE, JOB, NODE)) + ")"
+    ranks = by("", "count", by(f"instance, {J}, rank", "group", selector(c.STALL_SECONDS, JOB, NODE)))
+    job_gpus = by("", "count", by(f"instance, {J}, gpu", "group", selector(c.GPU_STALL_IDLE_SECONDS, JOB, NODE, GPU)))
     return Dashboard(
         uid=TRAINING_UID, title="stallwatch / Training input stalls",
         description="Is training waiting for its data, why, and since when: stalls per job and rank, attributed "
                     "to remote fetches, cache reads, preprocessing or other causes.",
-        variables=(JOB_VARIABLE, NODE_VARIABLE, GPU_VARIABLE),
+        variables=(CLUSTER_VARIABLE, JOB_VARIABLE, JOB_NODE_VARIABLE, JOB_GPU_VARIABLE),
         annotations=(Annotation(
             "Steady state changes",
             "changes(" + selector(c.WARMUP_PHASE, JOB, 'phase="steady"') + "[2m]) > 0",
-            "{{job}} entered or left steady state", "green"),),
+            f"{{{{{J}}}}} entered or left steady state", "green"),),
         rows=(
             Row("Is training waiting for its data?", (
                 Panel("GPU utilization, loader wait and spoke misses",
-                      "When the GPUs dip, is the training loop waiting on its loader, and are the spokes missing "
-                      "at the same moment?", Viz.TIMESERIES, "percentunit", (
-                          Query(by("instance, gpu", "avg", selector(c.GPU_UTILIZATION, NODE, GPU)),
-                                "GPU {{gpu}} busy ({{instance}})"),
-                          Query(by("job, rank", "sum", rate(c.LOADER_WAIT, RATE, JOB, NODE, suffix="_sum")),
-                                "{{job}}/{{rank}} waiting for a batch"),
+                      "When the chosen jobs' GPUs dip, is the training loop waiting on its loader, and are the "
+                      "spokes missing at the same moment?", Viz.TIMESERIES, "percentunit", (
+                          Query(_of_jobs(by(PER_GPU, "avg", selector(c.GPU_UTILIZATION, NODE, GPU))),
+                                "GPU {{gpu}} busy ({{node}})"),
+                          Query(_of_jobs(_sm_active(NODE, GPU)), "GPU {{gpu}} SM active, dcgm-exporter ({{node}})"),
+                          Query(by(f"{J}, rank", "sum", rate(c.LOADER_WAIT, RATE, JOB, NODE, suffix="_sum")),
+                                f"{{{{{J}}}}}/{{{{rank}}}} waiting for a batch"),
                           Query("1 - " + _hit_ratio(
                               by("spoke", "sum", rate(c.SPOKE_REQUESTS, RATE, 'result="hit"')),
                               by("spoke", "sum", rate(c.SPOKE_REQUESTS, RATE))), "spoke {{spoke}} misses"),
                       ), width=24),
-                Panel("Stall seconds by cause",
-                      "Where do the stalls come from: remote fetches, cache reads, preprocessing or unknown?",
-                      Viz.TIMESERIES, "s",
-                      (Query(by("cause", "sum", rate(c.STALL_SECONDS, RATE, JOB, NODE)), "{{cause}}"),),
+                Panel("Share of rank time stalled, by cause",
+                      "What share of the chosen ranks' time goes to stalls, and do they come from remote "
+                      "fetches, cache reads, preprocessing or unknown?", Viz.TIMESERIES, "percentunit",
+                      (Query(_per_member(by("cause", "sum", rate(c.STALL_SECONDS, RATE, JOB, NODE)), ranks),
+                             "{{cause}}"),),
                       stacked=True),
                 Panel("Input-bound ratio per rank",
                       f"Which ranks spend more than {t.input_bound_moderate_ratio:.0%} (moderately) or "
                       f"{t.input_bound_ratio:.0%} (highly input-bound) of their step time waiting?",
                       Viz.TIMESERIES, "percentunit",
-                      (Query(by("job, rank", "max", selector(c.INPUT_BOUND_RATIO, JOB, NODE)), "{{job}}/{{rank}}"),),
+                      (Query(by(f"{J}, rank", "max", selector(c.INPUT_BOUND_RATIO, JOB, NODE)),
+                             f"{{{{{J}}}}}/{{{{rank}}}}"),),
                       thresholds=(t.input_bound_moderate_ratio, t.input_bound_ratio)),
-                Panel("GPU idle during stalls, by cause",
-                      "How many GPU-seconds per second sit idle while ranks stall, and on what?",
-                      Viz.TIMESERIES, "s",
-                      (Query(by("cause", "sum", rate(c.GPU_STALL_IDLE_SECONDS, RATE, JOB, NODE, GPU)), "{{cause}}"),),
+                Panel("Share of GPU time idle during stalls, by cause",
+                      "What share of the chosen GPUs' time sits idle while their ranks stall, and on what?",
+                      Viz.TIMESERIES, "percentunit",
+                      (Query(_per_member(by("cause", "sum", rate(c.GPU_STALL_IDLE_SECONDS, RATE, JOB, NODE, GPU)),
+                                         job_gpus), "{{cause}}"),),
                       stacked=True),
                 Panel("GPU idle on remote fetches", "How many GPU-seconds in the time range were lost to reads "
                       "that missed the spoke?", Viz.STAT, "s",
@@ -103,19 +157,20 @@ def training(t: Thresholds) -> Dashboard:
             )),
             Row("Warm-up", (
                 Panel("Warm-up phase", "Is each job cold, in transition or steady, and when did it change?",
-                      Viz.STATE_TIMELINE, "none", (Query(_phase_code(), "{{job}}"),), width=24, states=c.PHASES),
+                      Viz.STATE_TIMELINE, "none", (Query(_phase_code(), f"{{{{{J}}}}}"),), width=24,
+                      states=c.PHASES),
                 Panel("Time to steady", "How long did each job take from its first event to steady state?",
-                      Viz.STAT, "s", (Query(by("job", "max", selector(c.WARMUP_TIME_TO_STEADY, JOB)), "{{job}}"),),
+                      Viz.STAT, "s", (Query(by(J, "max", selector(c.WARMUP_TIME_TO_STEADY, JOB)), f"{{{{{J}}}}}"),),
                       width=6),
                 Panel("Warm-up cost in idle GPU time", "How many GPU-seconds idled in stalls before steady state?",
-                      Viz.STAT, "s", (Query(by("job", "max", selector(c.WARMUP_IDLE_GPU_SECONDS, JOB)), "{{job}}"),),
-                      width=6),
+                      Viz.STAT, "s",
+                      (Query(by(J, "max", selector(c.WARMUP_IDLE_GPU_SECONDS, JOB)), f"{{{{{J}}}}}"),), width=6),
                 Panel("Warm-up cost in hub bytes", "How many bytes came from the hub before steady state?",
-                      Viz.STAT, "bytes", (Query(by("job", "max", selector(c.WARMUP_HUB_BYTES, JOB)), "{{job}}"),),
+                      Viz.STAT, "bytes", (Query(by(J, "max", selector(c.WARMUP_HUB_BYTES, JOB)), f"{{{{{J}}}}}"),),
                       width=6),
                 Panel("Falls out of steady state", "Did a job leave steady state (eviction, thrash, hub trouble)?",
                       Viz.STAT, "short",
-                      (Query(by("job", "sum", increase(c.WARMUP_REGRESSIONS, RANGE, JOB)), "{{job}}"),), width=6),
+                      (Query(by(J, "sum", increase(c.WARMUP_REGRESSIONS, RANGE, JOB)), f"{{{{{J}}}}}"),), width=6),
             )),
             Row("Worst ranks", (
                 Panel("Worst ranks by stall seconds", "Which ranks stalled longest in the time range?",
@@ -131,7 +186,7 @@ def spoke(t: Thresholds) -> Dashboard:
         uid=SPOKE_UID, title="stallwatch / Spoke cache",
         description="Does the read-through cache keep remote data local: hit ratios, hub egress and its cost, "
                     "hub latency, evictions, and what a bigger or smaller cache would hit.",
-        variables=(SPOKE_VARIABLE, Variable(
+        variables=(CLUSTER_VARIABLE, SPOKE_VARIABLE, Variable(
             PRICE_VARIABLE, "USD per GB from the hub", text=str(t.egress_price_usd_per_gb),
             description="Price of one GB (10^9 bytes) fetched across regions")),
         rows=(
@@ -167,15 +222,22 @@ def spoke(t: Thresholds) -> Dashboard:
                 Panel("Miss path against client reads",
                       "How much slower is a fetch from the hub (what a miss pays) than the reads the training "
                       "workers see overall?", Viz.TIMESERIES, "s", (
-                          Query(quantile(0.5, c.SPOKE_HUB_FETCH_DURATION, RATE, SPOKE), "hub fetch p50"),
-                          Query(quantile(0.95, c.SPOKE_HUB_FETCH_DURATION, RATE, SPOKE), "hub fetch p95"),
-                          Query(quantile(0.5, c.DATASET_READ_DURATION, RATE), "client read p50"),
-                          Query(quantile(0.95, c.DATASET_READ_DURATION, RATE), "client read p95"),
+                          Query(quantile(0.5, c.SPOKE_HUB_FETCH_DURATION, RATE, CLUSTER, SPOKE), "hub fetch p50"),
+                          Query(quantile(0.95, c.SPOKE_HUB_FETCH_DURATION, RATE, CLUSTER, SPOKE), "hub fetch p95"),
+                          Query(quantile(0.5, c.DATASET_READ_DURATION, RATE, CLUSTER), "client read p50"),
+                          Query(quantile(0.95, c.DATASET_READ_DURATION, RATE, CLUSTER), "client read p95"),
                       )),
                 Panel("Hub fetch errors", "Is the hub failing or unreachable?", Viz.TIMESERIES, "cps",
                       (Query(by("spoke", "sum", rate(c.SPOKE_HUB_ERRORS, RATE, SPOKE)), "{{spoke}}"),)),
-                Panel("Hub round trip", "How far away is the hub right now?", Viz.TIMESERIES, "s",
-                      (Query(by("spoke", "max", selector(c.SPOKE_HUB_RTT, SPOKE)), "{{spoke}}"),)),
+                Panel("Hub round trip", "How far away is each spoke's hub right now, as the nodes' probes see "
+                      "it: one TCP handshake (connect) and one HEAD or small ranged GET (http), even while nothing "
+                      "misses?", Viz.TIMESERIES, "s",
+                      (Query(by("spoke, phase", "max", selector(c.SPOKE_HUB_PROBE_DURATION, SPOKE)),
+                             "{{spoke}} {{phase}}"),)),
+                Panel("Hub probes failing", "Can the nodes reach each spoke's hub at all, and why not?",
+                      Viz.TIMESERIES, "cps",
+                      (Query(by("spoke, reason", "sum", rate(c.SPOKE_HUB_PROBE_FAILURES, RATE, SPOKE)),
+                             "{{spoke}} {{reason}}"),)),
             )),
             Row("Capacity", (
                 Panel("Cache size and capacity", "How full is the cache?", Viz.TIMESERIES, "bytes", (
@@ -201,111 +263,112 @@ def spoke(t: Thresholds) -> Dashboard:
 
 
 def gpu_node() -> Dashboard:
-    per_gpu = "instance, gpu"
     return Dashboard(
         uid=GPU_NODE_UID, title="stallwatch / GPU node",
         description="The node agent's view of one node: NVML metrics per GPU, throttling, XID errors, host CPU, "
                     "memory, network and disks, and the agent's own health.",
-        variables=(NODE_VARIABLE, GPU_VARIABLE),
+        variables=(CLUSTER_VARIABLE, NODE_VARIABLE, GPU_VARIABLE),
         annotations=(Annotation(
-            "XID errors", f'{by("instance, gpu, xid", "sum", increase(c.GPU_XID_ERRORS, "2m", NODE))} > 0',
-            "GPU {{gpu}} on {{instance}}: XID {{xid}}", "red"),),
+            "XID errors", f'{by("node, instance, gpu, xid", "sum", increase(c.GPU_XID_ERRORS, "2m", NODE))} > 0',
+            "GPU {{gpu}} on {{node}}: XID {{xid}}", "red"),),
         rows=(
             Row("Utilization", (
-                Panel("GPU utilization", "Is each GPU busy, and how deep are its sub-second dips?",
+                Panel("GPU utilization", "Is each GPU busy, how deep are its sub-second dips, and (where "
+                      "dcgm-exporter runs) how much of its SMs does the work keep busy?",
                       Viz.TIMESERIES, "percentunit", (
-                          Query(by(per_gpu, "max", selector(c.GPU_UTILIZATION, NODE, GPU)), "{{gpu}} ({{instance}})"),
-                          Query(by(per_gpu, "min", selector(c.GPU_UTILIZATION_MIN, NODE, GPU)),
-                                "{{gpu}} lowest sample ({{instance}})"),
+                          Query(by(PER_GPU, "max", selector(c.GPU_UTILIZATION, NODE, GPU)), "{{gpu}} ({{node}})"),
+                          Query(by(PER_GPU, "min", selector(c.GPU_UTILIZATION_MIN, NODE, GPU)),
+                                "{{gpu}} lowest sample ({{node}})"),
+                          Query(_sm_active(NODE, GPU), "{{gpu}} SM active, dcgm-exporter ({{node}})"),
                       )),
                 Panel("GPU idle time", "What share of time was each GPU idle, from the driver's high-rate samples?",
                       Viz.TIMESERIES, "percentunit",
-                      (Query(by(per_gpu, "sum", rate(c.GPU_IDLE_SECONDS, RATE, NODE, GPU)),
-                             "{{gpu}} ({{instance}})"),)),
+                      (Query(by(PER_GPU, "sum", rate(c.GPU_IDLE_SECONDS, RATE, NODE, GPU)),
+                             "{{gpu}} ({{node}})"),)),
                 Panel("Memory bandwidth utilization", "How busy is device memory?", Viz.TIMESERIES, "percentunit",
-                      (Query(by(per_gpu, "max", selector(c.GPU_MEMORY_UTILIZATION, NODE, GPU)),
-                             "{{gpu}} ({{instance}})"),)),
+                      (Query(by(PER_GPU, "max", selector(c.GPU_MEMORY_UTILIZATION, NODE, GPU)),
+                             "{{gpu}} ({{node}})"),)),
                 Panel("Device memory", "How much device memory is in use?", Viz.TIMESERIES, "bytes", (
-                    Query(by(per_gpu, "max", selector(c.GPU_MEMORY_USED, NODE, GPU)), "{{gpu}} used ({{instance}})"),
-                    Query(by(per_gpu, "max", selector(c.GPU_MEMORY_TOTAL, NODE, GPU)), "{{gpu}} total ({{instance}})"),
+                    Query(by(PER_GPU, "max", selector(c.GPU_MEMORY_USED, NODE, GPU)), "{{gpu}} used ({{node}})"),
+                    Query(by(PER_GPU, "max", selector(c.GPU_MEMORY_TOTAL, NODE, GPU)), "{{gpu}} total ({{node}})"),
                 )),
             )),
             Row("Power, clocks, PCIe", (
                 Panel("Power", "How much power does each GPU draw (instantaneous and from the energy counter)?",
                       Viz.TIMESERIES, "watt", (
-                          Query(by(per_gpu, "max", selector(c.GPU_POWER, NODE, GPU)), "{{gpu}} draw ({{instance}})"),
-                          Query(by(per_gpu, "sum", rate(c.GPU_ENERGY, RATE, NODE, GPU)),
-                                "{{gpu}} average from energy ({{instance}})"),
+                          Query(by(PER_GPU, "max", selector(c.GPU_POWER, NODE, GPU)), "{{gpu}} draw ({{node}})"),
+                          Query(by(PER_GPU, "sum", rate(c.GPU_ENERGY, RATE, NODE, GPU)),
+                                "{{gpu}} average from energy ({{node}})"),
                       )),
                 Panel("Clocks", "Are the SM and memory clocks held down?", Viz.TIMESERIES, "hertz", (
-                    Query(by(per_gpu, "max", selector(c.GPU_SM_CLOCK, NODE, GPU)), "{{gpu}} SM ({{instance}})"),
-                    Query(by(per_gpu, "max", selector(c.GPU_MEMORY_CLOCK, NODE, GPU)), "{{gpu}} memory ({{instance}})"),
+                    Query(by(PER_GPU, "max", selector(c.GPU_SM_CLOCK, NODE, GPU)), "{{gpu}} SM ({{node}})"),
+                    Query(by(PER_GPU, "max", selector(c.GPU_MEMORY_CLOCK, NODE, GPU)), "{{gpu}} memory ({{node}})"),
                 )),
                 Panel("PCIe throughput", "How fast does data move to (rx) and from (tx) each GPU?",
                       Viz.TIMESERIES, "Bps",
-                      (Query(by("instance, gpu, direction", "max", selector(c.GPU_PCIE_THROUGHPUT, NODE, GPU)),
-                             "{{gpu}} {{direction}} ({{instance}})"),)),
+                      (Query(by("node, instance, gpu, direction", "max", selector(c.GPU_PCIE_THROUGHPUT, NODE, GPU)),
+                             "{{gpu}} {{direction}} ({{node}})"),)),
                 Panel("Temperature", "Is a GPU running hot?", Viz.TIMESERIES, "celsius",
-                      (Query(by(per_gpu, "max", selector(c.GPU_TEMPERATURE, NODE, GPU)), "{{gpu}} ({{instance}})"),)),
+                      (Query(by(PER_GPU, "max", selector(c.GPU_TEMPERATURE, NODE, GPU)), "{{gpu}} ({{node}})"),)),
             )),
             Row("Health", (
                 Panel("Clock event reasons", "Why are clocks held down; gpu_idle means nothing runs (starvation)?",
                       Viz.STATE_TIMELINE, "none",
-                      (Query(by("instance, gpu, reason", "max", selector(c.GPU_CLOCKS_EVENT_REASON, NODE, GPU)),
-                             "{{gpu}} {{reason}} ({{instance}})"),), states=("clear", "active")),
+                      (Query(by("node, instance, gpu, reason", "max", selector(c.GPU_CLOCKS_EVENT_REASON, NODE, GPU)),
+                             "{{gpu}} {{reason}} ({{node}})"),), states=("clear", "active")),
                 Panel("GPU answering NVML", "Has a GPU fallen off the bus or stopped answering?",
                       Viz.STATE_TIMELINE, "none",
-                      (Query(by(per_gpu, "min", selector(c.GPU_UP, NODE, GPU)), "{{gpu}} ({{instance}})"),),
+                      (Query(by(PER_GPU, "min", selector(c.GPU_UP, NODE, GPU)), "{{gpu}} ({{node}})"),),
                       states=("lost", "up")),
                 Panel("XID errors", "Did a GPU report critical XID errors, and which?", Viz.TIMESERIES, "short",
-                      (Query(by("instance, gpu, xid", "sum", increase(c.GPU_XID_ERRORS, RATE, NODE, GPU)),
-                             "{{gpu}} XID {{xid}} ({{instance}})"),)),
+                      (Query(by("node, instance, gpu, xid", "sum", increase(c.GPU_XID_ERRORS, RATE, NODE, GPU)),
+                             "{{gpu}} XID {{xid}} ({{node}})"),)),
                 Panel("NVML call failures", "Which NVML calls fail, and how?", Viz.TIMESERIES, "cps",
-                      (Query(by("instance, call, error", "sum", rate(c.GPU_NVML_ERRORS, RATE, NODE)),
-                             "{{call}}: {{error}} ({{instance}})"),)),
+                      (Query(by("node, instance, call, error", "sum", rate(c.GPU_NVML_ERRORS, RATE, NODE)),
+                             "{{call}}: {{error}} ({{node}})"),)),
                 Panel("Compute processes", "How many processes run on each GPU?", Viz.TIMESERIES, "short",
-                      (Query(by(per_gpu, "max", selector(c.GPU_PROCESSES, NODE, GPU)), "{{gpu}} ({{instance}})"),)),
+                      (Query(by(PER_GPU, "max", selector(c.GPU_PROCESSES, NODE, GPU)), "{{gpu}} ({{node}})"),)),
             )),
             Row("Host", (
                 Panel("CPU by mode", "Is the node's CPU (loader workers, preprocessing) saturated?",
                       Viz.TIMESERIES, "percentunit",
-                      (Query(f'{by("instance, mode", "sum", rate(c.HOST_CPU_SECONDS, RATE, NODE))} / on (instance) '
-                             f'group_left () {by("instance", "max", selector(c.HOST_CPUS, NODE))}',
-                             "{{mode}} ({{instance}})"),), stacked=True),
+                      (Query(f'{by("node, instance, mode", "sum", rate(c.HOST_CPU_SECONDS, RATE, NODE))} / '
+                             f'on (instance) group_left () {by(PER_NODE, "max", selector(c.HOST_CPUS, NODE))}',
+                             "{{mode}} ({{node}})"),), stacked=True),
                 Panel("Memory", "How much memory is left for loader workers and page cache?", Viz.TIMESERIES, "bytes", (
-                    Query(by("instance", "max", selector(c.HOST_MEMORY_AVAILABLE, NODE)), "available ({{instance}})"),
-                    Query(by("instance", "max", selector(c.HOST_MEMORY_TOTAL, NODE)), "installed ({{instance}})"),
+                    Query(by(PER_NODE, "max", selector(c.HOST_MEMORY_AVAILABLE, NODE)), "available ({{node}})"),
+                    Query(by(PER_NODE, "max", selector(c.HOST_MEMORY_TOTAL, NODE)), "installed ({{node}})"),
                 )),
                 Panel("Network", "How many bytes does the node receive (from the spoke or hub) and send?",
                       Viz.TIMESERIES, "Bps", (
-                          Query(by("instance, interface", "sum", rate(c.HOST_NETWORK_RECEIVED, RATE, NODE)),
-                                "{{interface}} received ({{instance}})"),
-                          Query(by("instance, interface", "sum", rate(c.HOST_NETWORK_TRANSMITTED, RATE, NODE)),
-                                "{{interface}} sent ({{instance}})"),
+                          Query(by("node, instance, interface", "sum", rate(c.HOST_NETWORK_RECEIVED, RATE, NODE)),
+                                "{{interface}} received ({{node}})"),
+                          Query(by("node, instance, interface", "sum", rate(c.HOST_NETWORK_TRANSMITTED, RATE, NODE)),
+                                "{{interface}} sent ({{node}})"),
                       )),
                 Panel("Disk I/O", "Is local disk (a node-local cache, checkpoints) busy?", Viz.TIMESERIES, "Bps", (
-                    Query(by("instance, device", "sum", rate(c.HOST_DISK_READ, RATE, NODE)),
-                          "{{device}} read ({{instance}})"),
-                    Query(by("instance, device", "sum", rate(c.HOST_DISK_WRITTEN, RATE, NODE)),
-                          "{{device}} written ({{instance}})"),
+                    Query(by("node, instance, device", "sum", rate(c.HOST_DISK_READ, RATE, NODE)),
+                          "{{device}} read ({{node}})"),
+                    Query(by("node, instance, device", "sum", rate(c.HOST_DISK_WRITTEN, RATE, NODE)),
+                          "{{device}} written ({{node}})"),
                 )),
             )),
             Row("The agent", (
                 Panel("Collectors", "Does every collector of the agent (gpu is NVML) succeed?",
                       Viz.STATE_TIMELINE, "none",
-                      (Query(by("instance, collector", "min", selector(c.SCRAPE_COLLECTOR_SUCCESS, NODE)),
-                             "{{collector}} ({{instance}})"),), states=("failing", "ok")),
+                      (Query(by("node, instance, collector", "min", selector(c.SCRAPE_COLLECTOR_SUCCESS, NODE)),
+                             "{{collector}} ({{node}})"),), states=("failing", "ok")),
                 Panel("Collector time per scrape", "Which collector makes scrapes slow?", Viz.TIMESERIES, "s",
-                      (Query(by("instance, collector", "max", selector(c.SCRAPE_COLLECTOR_DURATION, NODE)),
-                             "{{collector}} ({{instance}})"),)),
+                      (Query(by("node, instance, collector", "max", selector(c.SCRAPE_COLLECTOR_DURATION, NODE)),
+                             "{{collector}} ({{node}})"),)),
                 Panel("Training-client events", "Do the training clients' events arrive, or are they dropped by "
                       "the client or the agent?", Viz.TIMESERIES, "cps", (
-                          Query(by("instance, kind", "sum", rate(c.RECEIVER_EVENTS, RATE, NODE)),
-                                "{{kind}} accepted ({{instance}})"),
-                          Query(by("instance, reason", "sum", rate(c.RECEIVER_DROPPED_EVENTS, RATE, NODE)),
-                                "dropped by the agent: {{reason}} ({{instance}})"),
-                          Query(by("instance", "sum", rate(c.CLIENT_DROPPED_EVENTS, RATE, NODE)),
-                                "dropped by clients ({{instance}})"),
+                          Query(by("node, instance, kind", "sum", rate(c.RECEIVER_EVENTS, RATE, NODE)),
+                                "{{kind}} accepted ({{node}})"),
+                          Query(by("node, instance, reason", "sum", rate(c.RECEIVER_DROPPED_EVENTS, RATE, NODE)),
+                                "dropped by the agent: {{reason}} ({{node}})"),
+                          Query(by(PER_NODE, "sum", rate(c.CLIENT_DROPPED_EVENTS, RATE, NODE)),
+                                "dropped by clients ({{node}})"),
                       ), width=24),
             )),
         ),

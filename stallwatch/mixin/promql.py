@@ -12,8 +12,10 @@ import re
 from stallwatch.catalogue import AnyMetricDef, Kind
 
 # Prometheus attaches these to every scraped series. The agent is scraped with `honor_labels: true`, so a
-# metric's own `job` (the training job) wins over the scrape job's name where both exist.
-TARGET_LABELS = ("instance", "job")
+# metric's own `job` (the training job) wins over the scrape job's name where both exist. `node` (the
+# node's name) and `cluster` are target labels the shipped scrape configs and the chart's ServiceMonitor
+# add; where a scrape lacks them, a `=~".*"` matcher still matches.
+TARGET_LABELS = ("instance", "job", "node", "cluster")
 HISTOGRAM_SUFFIXES = ("_bucket", "_sum", "_count")
 _MATCHER = re.compile(r'^(?P<label>[a-zA-Z_]\w*)(=~|!~|!=|=)"(?:[^"\\]|\\.)*"$')
 

@@ -10,19 +10,21 @@ from stallwatch.mixin.config import Thresholds
 from stallwatch.mixin.prometheus import RecordingRule, RuleGroup, render_rules
 from stallwatch.mixin.promql import by, rate, selector
 
+J = c.JOB_LABEL
+
 
 def stall_rate_rule(t: Thresholds) -> RecordingRule:
-    return RecordingRule(f"job_cause:{c.STALL_SECONDS.name.removesuffix('_total')}:rate{t.rate_window}",
-                         by("job, cause", "sum", rate(c.STALL_SECONDS, t.rate_window)))
+    return RecordingRule(f"{J}_cause:{c.STALL_SECONDS.name.removesuffix('_total')}:rate{t.rate_window}",
+                         by(f"{J}, cause", "sum", rate(c.STALL_SECONDS, t.rate_window)))
 
 
 def gpu_stall_idle_rule(t: Thresholds) -> RecordingRule:
-    return RecordingRule(f"job_cause:{c.GPU_STALL_IDLE_SECONDS.name.removesuffix('_total')}:rate{t.rate_window}",
-                         by("job, cause", "sum", rate(c.GPU_STALL_IDLE_SECONDS, t.rate_window)))
+    return RecordingRule(f"{J}_cause:{c.GPU_STALL_IDLE_SECONDS.name.removesuffix('_total')}:rate{t.rate_window}",
+                         by(f"{J}, cause", "sum", rate(c.GPU_STALL_IDLE_SECONDS, t.rate_window)))
 
 
 def input_bound_rule(t: Thresholds) -> RecordingRule:
-    return RecordingRule(f"job:{c.INPUT_BOUND_RATIO.name}:avg", by("job", "avg", selector(c.INPUT_BOUND_RATIO)))
+    return RecordingRule(f"{J}:{c.INPUT_BOUND_RATIO.name}:avg", by(J, "avg", selector(c.INPUT_BOUND_RATIO)))
 
 
 def hit_ratio_rule(t: Thresholds) -> RecordingRule:
