@@ -14,37 +14,22 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from stallwatch.client import wire
 from stallwatch.correlator.eventfile import read_events
 from stallwatch.eventbatch import OVERFLOW, Interner
 from tests.conftest import AgentProcess
-
-Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
+from tests.test_client_delivery import wait_for
+from tests.test_reliability import Samples, of, parse
 
 
 def scrape(url: str, timeout: float = 10) -> Samples:
     with urllib.request.urlopen(url, timeout=timeout) as reply:
-        return {(s.name, tuple(sorted(s.labels.items()))): s.value
-                for family in text_string_to_metric_families(reply.read().decode()) for s in family.samples}
-
-
-def of(samples: Samples, name: str, **labels: str) -> float:
-    return sum(v for (n, ls), v in samples.items() if n == name and all((k, x) in ls for k, x in labels.items()))
+        return parse(reply.read().decode())
 
 
 def label_values(samples: Samples, name: str, label: str) -> set[str]:
     return {dict(ls)[label] for (n, ls) in samples if n == name}
-
-
-def wait_for(condition: Callable[[], bool], timeout: float = 30) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(0.1)
-    return condition()
 
 
 class Sender:
@@ -100,7 +85,7 @@ def test_a_full_disk_under_the_recorders_never_stops_attribution(
             return (of(samples, "stallwatch_correlator_windows_total") >= 10
                     and of(samples, "stallwatch_correlator_record_errors_total", recording="events") > 0)
 
-        assert wait_for(attributed), agent.stderr()
+        assert wait_for(attributed, seconds=30), agent.stderr()
         samples = scrape(agent.url)
     finally:
         sender.close()
@@ -161,7 +146,7 @@ def test_a_collector_wedged_on_a_fifo_fails_alone_and_makes_the_agent_unhealthy(
             served = scrape(agent.url)
             return served[("stallwatch_scrape_collector_success", (("collector", "spoke_nginx"),))] == 1
 
-        assert wait_for(recovered, timeout=20), agent.stderr()
+        assert wait_for(recovered, seconds=20), agent.stderr()
         with urllib.request.urlopen(healthy, timeout=10) as reply:
             assert reply.status == 200
     finally:
@@ -199,7 +184,7 @@ def test_two_hundred_short_jobs_never_fill_the_caps_and_finished_ones_expire(
             most_pairs = max(most_pairs, sum(1 for (n, _) in samples if n == LOADER))
             assert job_ranks(samples, LOADER, job) == {str(rank) for rank in range(8)}, (number, loader_jobs)
             if number == 10:
-                assert wait_for(lambda: bool(job_ranks(scrape(agent.url), CORRELATOR, "slurm-10")), timeout=10)
+                assert wait_for(lambda: bool(job_ranks(scrape(agent.url), CORRELATOR, "slurm-10")), seconds=10)
                 assert job_ranks(scrape(agent.url), CORRELATOR, "slurm-10") == {str(rank) for rank in range(8)}
         live = scrape(agent.url)
 
@@ -207,7 +192,7 @@ def test_two_hundred_short_jobs_never_fill_the_caps_and_finished_ones_expire(
             samples = scrape(agent.url)
             return not label_values(samples, LOADER, "job") and not label_values(samples, CORRELATOR, "job")
 
-        assert wait_for(all_expired, timeout=10), label_values(scrape(agent.url), LOADER, "job")
+        assert wait_for(all_expired, seconds=10), label_values(scrape(agent.url), LOADER, "job")
         after = scrape(agent.url)
     finally:
         sender.close()
@@ -251,7 +236,7 @@ def test_fifty_thousand_ranks_fold_in_the_correlator_and_the_agent_stays_under_i
         def attributed() -> bool:
             return accounted(scrape(agent.url)) >= RANKS - 0.5
 
-        assert wait_for(attributed, timeout=60), agent.stderr()
+        assert wait_for(attributed, seconds=60), agent.stderr()
         started = time.monotonic()
         with urllib.request.urlopen(agent.url, timeout=10) as reply:
             size = len(reply.read())

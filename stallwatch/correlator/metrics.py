@@ -39,6 +39,7 @@ class CorrelatorMetrics:
                  expire_after_s: float | None = DEFAULT_EXPIRE_AFTER_S) -> None:
         self._job_names = job_names
         self._spokes = spokes if spokes is not None else Interner()
+        self._job_labels: dict[int, str] = {}  # ids of the jobs with series, until the warm-up retires them
         self._ranks: SeriesCap[str] = SeriesCap(rank_limit, expire_after_s)
         self._gpus: SeriesCap[str] = SeriesCap(rank_limit, expire_after_s)
         self._lock = threading.Lock()
@@ -58,7 +59,7 @@ class CorrelatorMetrics:
         self._record_errors: dict[tuple[str, str], int] = {}
 
     def observe(self, result: WindowResult) -> None:
-        name = self._job_names
+        name = self._job_label
         now = result.end_ns
         with self._lock:
             self._windows += 1
@@ -82,8 +83,15 @@ class CorrelatorMetrics:
                 self._warmup_bytes[job] = j.warmup_hub_bytes
                 self._regressions[job] = j.regressions
             self._whatif.update(result.whatif)
-            for job in map(name, result.retired_jobs):
-                self._forget(job)
+            for retired in result.retired_jobs:
+                self._forget(self._job_labels.pop(retired, "") or self._job_names(retired))
+
+    def _job_label(self, job: int) -> str:
+        """A job id's name, looked up once: windows close after the interner may have let the id go."""
+        label = self._job_labels.get(job)
+        if label is None:
+            label = self._job_labels[job] = self._job_names(job)
+        return label
 
     def _expire(self, now: int) -> None:
         for labels in self._ranks.expire(now):
