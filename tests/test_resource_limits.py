@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import socket
 import subprocess
 import time
@@ -272,3 +273,19 @@ def test_the_job_cap_counts_live_jobs_and_a_released_id_still_names_its_job() ->
     now[0] = 3_000_000_000
     jobs.intern("e")
     assert jobs.name(first) == OVERFLOW and jobs.names() == ["e"]
+
+
+def test_an_agent_with_a_wedged_collector_still_exits_on_sigterm(
+    agent_factory: Callable[..., AgentProcess], tmp_path: Path,
+) -> None:
+    log_path = tmp_path / "nginx.log"
+    agent = agent_factory("--no-collector.gpu", "--collector.spoke_nginx", "--spoke_nginx.log", str(log_path),
+                          "--spoke_nginx.interval", "0.2", "--collector.timeout", "1")
+    os.mkfifo(log_path)
+    time.sleep(0.5)
+    scrape(agent.url)
+    started = time.monotonic()
+    agent.process.send_signal(signal.SIGTERM)
+    assert agent.process.wait(timeout=20) == 0
+    print(f"exited {time.monotonic() - started:.1f} s after SIGTERM with spoke_nginx wedged")
+    assert "collector spoke_nginx did not close within 1 s" in agent.stderr()
