@@ -14,7 +14,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("stallwatch.demo.run", "run a hub, a spoke, a training job and the agent on this machine"),
     "generate": ("stallwatch.mixin.generate", "write the generated artifacts (docs, dashboards, rules)"),
     "publish": ("stallwatch.publish", "push the generated dashboards to Grafana and rules to Prometheus"),
-    "report": ("stallwatch.report", "write an HTML warm-up report of a run"),
+    "report": ("stallwatch.report.command", "write an HTML warm-up report of a run"),
 }
 
 

@@ -12,22 +12,20 @@ from pathlib import Path
 import pytest
 import requests
 from prometheus_client.core import Metric
-from prometheus_client.parser import text_string_to_metric_families
 
-from stallwatch import catalogue
+from stallwatch import catalogue, harness
 from stallwatch.eventbatch import EventBatch, discard
 from stallwatch.exporters.agent import _build
 from stallwatch.exporters.collector import Collector, CollectorContext, CollectorSpec
 from stallwatch.exporters.config import ConfigError
-from tests.conftest import ROOT, AgentProcess
+from stallwatch.harness import AgentProcess
+from tests.conftest import ROOT
 
 
 def scrape(agent: AgentProcess) -> dict[str, list[tuple[dict[str, str], float]]]:
-    text = requests.get(agent.url, timeout=10).text
     out: dict[str, list[tuple[dict[str, str], float]]] = {}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            out.setdefault(s.name, []).append((s.labels, s.value))
+    for (name, labels), value in harness.scrape(agent.url).items():
+        out.setdefault(name, []).append((dict(labels), value))
     return out
 
 

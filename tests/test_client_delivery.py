@@ -5,38 +5,25 @@ from __future__ import annotations
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import generate_latest
-from prometheus_client.parser import text_string_to_metric_families
 
 from stallwatch.client import ReadSpan, http_get, monitor, transport, wire
 from stallwatch.client.identity import source_from_environment
 from stallwatch.eventbatch import EventBatch
 from stallwatch.exporters.events import EventsCollector
+from stallwatch.harness import parse_samples, wait_for
 from stallwatch.keys import read_key
 
 
 def samples(collector: EventsCollector) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     registry = CollectorRegistry()
     registry.register(collector)
-    text = generate_latest(registry).decode()
-    return {
-        (s.name, tuple(sorted(s.labels.items()))): s.value
-        for family in text_string_to_metric_families(text) for s in family.samples
-    }
-
-
-def wait_for(condition: Callable[[], bool], seconds: float = 15.0) -> bool:
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(0.02)
-    return condition()
+    return parse_samples(generate_latest(registry).decode())
 
 
 class Received:
@@ -76,7 +63,7 @@ def test_each_step_times_the_wait_and_the_work_after_it(agent: tuple[EventsColle
 
     for _ in monitor(slow_loader(), job="steps", rank=2, gpu=1):
         time.sleep(0.01)
-    assert wait_for(lambda: received.rows("step") == 3)
+    wait_for("3 steps at the agent", lambda: received.rows("step") == 3, 15)
     (batch,) = [b for b in received.batches if b.kind == "step"]
     columns = batch.columns
     assert list(columns["batch"]) == [0, 1, 2]
@@ -99,7 +86,7 @@ def test_break_and_exceptions_end_the_step_that_was_running(agent: tuple[EventsC
         for index in monitor(range(100), job="exc", rank=0):
             if index == 2:
                 raise RuntimeError("training failed")
-    assert wait_for(lambda: received.rows("step") == 5 + 3)
+    wait_for("8 steps at the agent", lambda: received.rows("step") == 5 + 3, 15)
 
 
 def test_reads_carry_bytes_times_and_verdict(agent: tuple[EventsCollector, Received]) -> None:
@@ -109,7 +96,7 @@ def test_reads_carry_bytes_times_and_verdict(agent: tuple[EventsCollector, Recei
     with pytest.raises(OSError), ReadSpan("/data/missing.bin"):
         raise OSError("no such file")
     transport.sender().flush_all()
-    assert wait_for(lambda: received.rows("read") == 2)
+    wait_for("2 reads at the agent", lambda: received.rows("read") == 2, 15)
     columns = received.batches[-1].columns
     assert list(columns["bytes"]) == [1234, 0]
     assert list(columns["verdict"]) == [wire.VERDICT_MISS, wire.VERDICT_UNKNOWN]
@@ -167,7 +154,7 @@ def test_after_an_agent_restart_the_client_delivers_again_and_reports_its_drops(
                 pass
             return received.rows("step") > 0
 
-        assert wait_for(one_more_step_arrives, seconds=20)
+        wait_for("a step at the restarted agent", one_more_step_arrives, 20)
         labels = (("job", "restart"), ("rank", "0"))
         assert samples(second)[("stallwatch_client_dropped_events_total", labels)] >= 7
     finally:
@@ -209,7 +196,7 @@ def test_bad_batches_are_counted_by_reason_and_the_receiver_goes_on(agent: tuple
     sender.close()
     for _ in monitor(range(2), job="after", rank=0):
         pass
-    assert wait_for(lambda: received.rows("step") == 2)
+    wait_for("2 steps at the agent", lambda: received.rows("step") == 2, 15)
     metrics = samples(collector)
     assert metrics[("stallwatch_receiver_batches_total", (("result", "bad_version"),))] == 1
     assert metrics[("stallwatch_receiver_batches_total", (("result", "truncated"),))] == 1
@@ -265,7 +252,7 @@ def test_http_get_records_the_spokes_cache_verdict(agent: tuple[EventsCollector,
         server.server_close()
     transport.sender().flush_all()
     _, received = agent
-    assert wait_for(lambda: received.rows("read") == 2)
+    wait_for("2 reads at the agent", lambda: received.rows("read") == 2, 15)
     columns = received.batches[-1].columns
     assert list(columns["verdict"]) == [wire.VERDICT_HIT, wire.VERDICT_MISS]
     assert list(columns["key"]) == [read_key("/cached/a.bin", 0), read_key("/cold/b.bin", 100)]

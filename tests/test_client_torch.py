@@ -3,24 +3,20 @@
 from __future__ import annotations
 
 import os
-import re
-import subprocess
-import sys
 import time
-import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from prometheus_client.parser import text_string_to_metric_families
 from torch.utils.data import DataLoader, Dataset
 
 from stallwatch.client import RecordedFile, transport
 from stallwatch.client.torch import instrument
 from stallwatch.eventbatch import EventBatch
 from stallwatch.exporters.events import EventsCollector
+from stallwatch.harness import scrape, start_agent, stop_agent, wait_for
 from stallwatch.keys import read_key
 
 pytestmark = pytest.mark.slow
@@ -80,48 +76,16 @@ def files(tmp_path: Path) -> list[Path]:
     return paths
 
 
-def start_agent(socket_path: Path, log: Path) -> tuple[subprocess.Popen[bytes], str]:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    command = [sys.executable, "-m", "stallwatch", "agent", "--web.listen-address", "127.0.0.1:0",
-               "--events.socket", str(socket_path), "--no-collector.gpu"]
-    process = subprocess.Popen(command, stderr=log.open("wb"), env=env)
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline and process.poll() is None:
-        found = re.search(r"listening on (http://\S+?/metrics)", log.read_text())
-        if found:
-            return process, found.group(1)
-        time.sleep(0.05)
-    process.kill()
-    raise AssertionError(f"agent did not start: {log.read_text()}")
-
-
-def scrape(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    with urllib.request.urlopen(url, timeout=10) as response:
-        text = response.read().decode()
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
-
-
-def wait_for(condition: Callable[[], bool], seconds: float = 30.0) -> bool:
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(0.1)
-    return condition()
-
-
 @pytest.fixture
 def agent(tmp_path: Path) -> Iterator[str]:
     socket_path = tmp_path / "run" / "events.sock"
-    process, url = start_agent(socket_path, tmp_path / "agent.log")
+    agent = start_agent(["--events.socket", str(socket_path), "--no-collector.gpu"], tmp_path / "agent.log", timeout=60)
     transport.configure(str(socket_path))
     try:
-        yield url
+        yield agent.url
     finally:
         transport.sender().close()
-        process.terminate()
-        process.wait(timeout=30)
+        stop_agent(agent)
 
 
 def test_loader_waits_and_worker_reads_reach_the_agent_per_rank(agent: str, files: list[Path]) -> None:
@@ -158,7 +122,7 @@ def test_loader_waits_and_worker_reads_reach_the_agent_per_rank(agent: str, file
             for rank, m in measured.items()
         )
 
-    assert wait_for(everything_arrived), scrape(agent)
+    wait_for("every step and read at the agent", everything_arrived, 30)
     metrics = scrape(agent)
     for rank, m in measured.items():
         assert m["steps"] == 8 * (rank + 1)
@@ -194,7 +158,8 @@ def test_every_read_is_tagged_with_the_batch_it_served_even_out_of_order(tmp_pat
         def rows(kind: str) -> int:
             return sum(len(b) for b in received if b.kind == kind)
 
-        assert wait_for(lambda: rows("read") == expected_reads and rows("step") == len(served)), (rows("read"),)
+        wait_for("every read and step in the recording",
+                 lambda: rows("read") == expected_reads and rows("step") == len(served), 30)
     finally:
         transport.sender().close()
         collector.close()

@@ -6,7 +6,6 @@ Alertmanager. The run's own metrics must agree with the spoke, the report and gr
 from __future__ import annotations
 
 import re
-import shutil
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -120,7 +119,7 @@ def test_report_numbers_are_the_runs_own(outcome: Outcome) -> None:
 
 
 def test_report_renders_in_chromium_with_its_figures(outcome: Outcome, tmp_path: Path) -> None:
-    chromium = shutil.which("chromium") or pytest.fail("chromium not found: `make test` installs Debian's chromium")
+    chromium = require_binary("chromium", "chromium")
     page = tmp_path / "report.html"
     page.write_text(outcome.report.read_text().replace("<head>", "<head>" + PROBE, 1))
     flags = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
@@ -138,7 +137,7 @@ def test_report_renders_in_chromium_with_its_figures(outcome: Outcome, tmp_path:
 
 
 def test_the_chromium_probe_sees_a_broken_figure(tmp_path: Path) -> None:
-    chromium = shutil.which("chromium") or pytest.fail("chromium not found: `make test` installs Debian's chromium")
+    chromium = require_binary("chromium", "chromium")
     page = tmp_path / "broken.html"
     page.write_text(f"<html><head>{PROBE}</head><body><img src='data:image/png;base64,AAAA'></body></html>")
     loaded = subprocess.run([chromium, "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run",

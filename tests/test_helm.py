@@ -23,8 +23,9 @@ import yaml
 
 from stallwatch.exporters import agent  # noqa: F401  (registers the collectors this checkout has)
 from stallwatch.exporters.collector import registered
+from stallwatch.harness import start_agent, stop_agent
 from stallwatch.mixin.generate import ARTIFACTS, CHART_COPIES, chart_copies
-from tests.conftest import ROOT, start_agent, stop_agent
+from tests.conftest import ROOT
 
 CHART = ROOT / "helm" / "stallwatch"
 HELM = ROOT / "build" / "tools" / "bin" / "helm"

@@ -9,7 +9,6 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.request
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -18,7 +17,6 @@ import pytest
 import yaml
 from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import generate_latest
-from prometheus_client.parser import text_string_to_metric_families
 
 from stallwatch import catalogue as c
 from stallwatch.client import monitor, transport, wire
@@ -28,28 +26,15 @@ from stallwatch.exporters.events import EventsCollector
 from stallwatch.exporters.gpu import GpuCollector
 from stallwatch.exporters.host import HostCollector
 from stallwatch.exporters.nvml_fake import FakeGpu, FakeNVML
+from stallwatch.exporters.openmetrics_mapping import load_mapping, mapping_text
 from stallwatch.exporters.spoke_nginx import MalformedLineError, NginxSpokeCollector, parse_entry
-from stallwatch.exporters.spoke_openmetrics import OpenMetricsSpokeCollector, load_mapping, mapping_text
+from stallwatch.exporters.spoke_openmetrics import OpenMetricsSpokeCollector
 from stallwatch.exporters.web import MetricsServer
-from tests.conftest import ROOT, AgentProcess
+from stallwatch.harness import AgentProcess, Samples, parse_samples, scrape, total
+from tests.conftest import ROOT
 from tests.test_alert_rules import RULE_FILES, Case, promtool_test
 
-Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 DATA = Path(__file__).parent / "data"
-
-
-def parse(text: str) -> Samples:
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
-
-
-def scrape(url: str) -> Samples:
-    with urllib.request.urlopen(url, timeout=10) as reply:
-        return parse(reply.read().decode())
-
-
-def of(samples: Samples, name: str, **labels: str) -> float:
-    return sum(v for (n, ls), v in samples.items() if n == name and all((k, x) in ls for k, x in labels.items()))
 
 
 # --- a client cannot blow up the series count ----------------------------------------------------
@@ -62,7 +47,7 @@ def test_ten_thousand_jobs_and_ranks_stay_under_the_series_bound(tmp_path: Path)
         collector.process(batches)
         registry = CollectorRegistry()
         registry.register(collector)
-        samples = parse(generate_latest(registry).decode())
+        samples = parse_samples(generate_latest(registry).decode())
     finally:
         collector.close()
     print(f"{len(samples)} samples from 10,000 distinct jobs and ranks")
@@ -70,9 +55,9 @@ def test_ten_thousand_jobs_and_ranks_stay_under_the_series_bound(tmp_path: Path)
     assert len(pairs) == 65 and ("__other__", "__other__") in pairs  # 64 kept, everything else in one
     per_pair = 3 * (len(c.LATENCY_BUCKETS) + 3) + 3 + 1 + 1  # 3 histograms, reads by verdict, bytes, drops
     assert len(samples) <= (64 + 64 + 1) * per_pair + 50, len(samples)
-    assert of(samples, "stallwatch_loader_wait_seconds_count") == 10_000  # folded, not lost
-    assert of(samples, "stallwatch_receiver_folded_label_values_total", label="job") == 10_000 - 64
-    assert of(samples, "stallwatch_receiver_folded_label_values_total", label="rank") == 10_000 - 64
+    assert total(samples, "stallwatch_loader_wait_seconds_count") == 10_000  # folded, not lost
+    assert total(samples, "stallwatch_receiver_folded_label_values_total", label="job") == 10_000 - 64
+    assert total(samples, "stallwatch_receiver_folded_label_values_total", label="rank") == 10_000 - 64
 
 
 # --- collector flags ---------------------------------------------------------------------------------
@@ -124,7 +109,7 @@ def test_training_runs_through_an_agent_crash_and_its_losses_are_counted(
     thread.start()
     try:
         deadline = time.monotonic() + 20
-        while of(scrape(first.url), "stallwatch_receiver_events_total") == 0 and time.monotonic() < deadline:
+        while total(scrape(first.url), "stallwatch_receiver_events_total") == 0 and time.monotonic() < deadline:
             time.sleep(0.1)
         first.process.send_signal(signal.SIGKILL)  # a crash: the stale socket file stays behind
         first.process.wait(timeout=10)
@@ -135,7 +120,7 @@ def test_training_runs_through_an_agent_crash_and_its_losses_are_counted(
         second = agent_factory("--no-collector.gpu", "--no-collector.host", "--events.socket", path)
 
         def reported() -> float:
-            return of(scrape(second.url), "stallwatch_client_dropped_events_total", job="crash", rank="3")
+            return total(scrape(second.url), "stallwatch_client_dropped_events_total", job="crash", rank="3")
 
         deadline = time.monotonic() + 20  # the client retries an absent agent after a pause
         channel = transport.sender().channel(wire.Source("crash", 3, -1, -1))
@@ -151,7 +136,7 @@ def test_training_runs_through_an_agent_crash_and_its_losses_are_counted(
     assert during_outage > 0 and gaps[0] < outage / 2  # training went on through the outage, never blocked
     assert channel.dropped_total > 0 and channel.dropped_unreported == 0
     assert reported() == channel.dropped_total  # every lost event counted, and the count reached the agent
-    assert of(scrape(second.url), "stallwatch_receiver_events_total") > 0
+    assert total(scrape(second.url), "stallwatch_receiver_events_total") > 0
 
 
 # --- NVML faults: the agent serves on, the errors say which, the alert fires ----------------------
@@ -173,8 +158,8 @@ def test_nvml_faults_keep_the_agent_serving_and_fire_the_alert(promtool: str, tm
                 nvml.unload_driver()
             gpu.poll()
             samples = scrape(url)
-            assert of(samples, "stallwatch_host_cpu_seconds_total") > 0  # the rest of the agent serves on
-            assert of(samples, "stallwatch_scrape_collector_success", collector="gpu") == 1
+            assert total(samples, "stallwatch_host_cpu_seconds_total") > 0  # the rest of the agent serves on
+            assert total(samples, "stallwatch_scrape_collector_success", collector="gpu") == 1
             for (name, labels), value in samples.items():
                 if name in (c.GPU_DEVICES.name, c.GPU_UP.name):
                     key = name + "{" + ", ".join(f'{k}="{v}"' for k, v in labels) + "}"
@@ -187,12 +172,13 @@ def test_nvml_faults_keep_the_agent_serving_and_fire_the_alert(promtool: str, tm
         server.close()
         scrape_collector.close()
     # The errors metric says which: GPU 1 lost, its power unsupported, then the driver gone for everyone.
-    assert of(final_lost, c.GPU_UP.name, gpu="0") == 1 and of(final_lost, c.GPU_UP.name, gpu="1") == 0
-    assert of(final_lost, c.GPU_NVML_ERRORS.name, gpu="1", error="gpu_is_lost") >= 10
-    assert of(final_lost, c.GPU_NVML_ERRORS.name, gpu="1", call="nvmlDeviceGetPowerUsage", error="not_supported") == 1
-    assert of(final_lost, c.GPU_NVML_ERRORS.name, gpu="0") == 0
-    assert of(after, c.GPU_DEVICES.name) == 0
-    assert of(after, c.GPU_NVML_ERRORS.name, call="nvmlInit", error="driver_not_loaded") == 14  # a retry each poll
+    assert total(final_lost, c.GPU_UP.name, gpu="0") == 1 and total(final_lost, c.GPU_UP.name, gpu="1") == 0
+    assert total(final_lost, c.GPU_NVML_ERRORS.name, gpu="1", error="gpu_is_lost") >= 10
+    assert total(final_lost, c.GPU_NVML_ERRORS.name, gpu="1", call="nvmlDeviceGetPowerUsage",
+                 error="not_supported") == 1
+    assert total(final_lost, c.GPU_NVML_ERRORS.name, gpu="0") == 0
+    assert total(after, c.GPU_DEVICES.name) == 0
+    assert total(after, c.GPU_NVML_ERRORS.name, call="nvmlInit", error="driver_not_loaded") == 14  # a retry each poll
     # Fed what the agent emitted, a minute apart, the generated rules fire while GPUs are missing.
     def values(points: list[float]) -> str:
         return " ".join("_" if math.isnan(p) else str(int(p)) for p in points)
@@ -251,8 +237,8 @@ def test_a_deleted_and_recreated_nginx_log_loses_and_repeats_nothing(tmp_path: P
         writer.close()
         collector.close()
     assert used == [4, 3, 3, 0]
-    assert of(samples, "stallwatch_spoke_requests_total") == 10
-    assert of(samples, "stallwatch_spoke_collector_errors_total") == 0
+    assert total(samples, "stallwatch_spoke_requests_total") == 10
+    assert total(samples, "stallwatch_spoke_collector_errors_total") == 0
 
 
 class _Spoke(BaseHTTPRequestHandler):
@@ -302,5 +288,5 @@ def test_a_slow_then_down_spoke_endpoint_is_counted_and_recovers_without_double_
     hits = ("stallwatch_spoke_requests_total", (("result", "hit"), ("spoke", "jfs")))
     assert healthy[hits] == recovered[hits] == 13  # the source's own counter: nothing added twice
     assert hits not in slow and hits not in down  # no stale value while the endpoint fails
-    assert of(recovered, "stallwatch_spoke_collector_errors_total", reason="timeout") == 1
-    assert of(recovered, "stallwatch_spoke_collector_errors_total", reason="unreachable") == 1
+    assert total(recovered, "stallwatch_spoke_collector_errors_total", reason="timeout") == 1
+    assert total(recovered, "stallwatch_spoke_collector_errors_total", reason="unreachable") == 1

@@ -23,7 +23,8 @@ import pytest
 
 from stallwatch.exporters.collector import registered
 from stallwatch.exporters.config import build_parser
-from tests.conftest import ROOT, AgentProcess
+from stallwatch.harness import AgentProcess
+from tests.conftest import ROOT
 from tests.test_spoke_qumulo import TOKEN, serve
 
 PASSWORD = "scrape-pass-7"

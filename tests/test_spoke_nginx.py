@@ -8,7 +8,7 @@ import shutil
 import subprocess
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -26,19 +26,13 @@ from stallwatch.exporters.spoke_nginx import (
     upstream_error_count,
     upstream_seconds_ns,
 )
+from stallwatch.harness import wait_for
 from stallwatch.keys import read_key
 from tests.realspoke import NGINX, ROOT, Agent, Hub, Nginx, free_port, get
 
 DATA = Path(__file__).parent / "data"
 REAL_LINES = [line for line in (DATA / "nginx-stallwatch.log").read_text().splitlines() if not line.startswith("#")]
 needs_nginx = pytest.mark.skipif(not os.access(NGINX, os.X_OK), reason="nginx not installed")
-
-
-def wait_for(predicate: Callable[[], bool], seconds: float = 10.0) -> None:
-    deadline = time.monotonic() + seconds
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        time.sleep(0.05)
 
 
 def lines_in(path: Path) -> int:
@@ -282,7 +276,7 @@ def test_agent_metrics_agree_exactly_with_known_hits_and_misses(spoke: tuple[Ngi
             seen = agent.scrape()
             return sum(v for k, v in seen.items() if k[0] == "stallwatch_spoke_requests_total" and label in k)
 
-        wait_for(lambda: scraped_requests() == len(sent))
+        wait_for("every request counted", lambda: scraped_requests() == len(sent), 10)
         seen = agent.scrape()
         for result in ("hit", "miss", "expired", "stale", "updating", "revalidated", "bypass", "none"):
             assert seen[("stallwatch_spoke_requests_total", f"result={result}", label)] == expected[result], result
@@ -316,7 +310,7 @@ def test_rotation_by_rename_and_reopen_and_by_copytruncate_loses_and_repeats_not
         for _ in range(count):
             get(nginx.url("/data/a.bin"))
         total += count
-        wait_for(lambda: lines_in(written_to) == before + count)
+        wait_for("the lines in the log", lambda: lines_in(written_to) == before + count, 10)
 
     requests(3, log)
     collector.poll()
@@ -333,7 +327,7 @@ def test_rotation_by_rename_and_reopen_and_by_copytruncate_loses_and_repeats_not
         total += 1
         return lines_in(log) > 0
 
-    wait_for(reopened)
+    wait_for("nginx to reopen its log", reopened, 10)
     requests(4, log)
     collector.poll()
     requests(5, log)  # not read before the copy: recovered from access.log.1

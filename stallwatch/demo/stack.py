@@ -8,10 +8,8 @@ from __future__ import annotations
 
 import json
 import queue
-import shutil
 import subprocess
 import threading
-import time
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -22,34 +20,7 @@ from typing import Any
 
 import yaml
 
-from stallwatch.demo.processes import free_port, stop_process
-
-
-def find_binary(name: str) -> str | None:
-    return shutil.which(name) or next(
-        (str(p) for p in (Path("/usr/sbin") / name, Path("/usr/bin") / name) if p.exists()), None
-    )
-
-
-def wait_for(what: str, check: Callable[[], bool], timeout: float, process: subprocess.Popen[bytes] | None = None,
-             log: Path | None = None) -> None:
-    """Poll `check` until it holds; fail with the process's log when it does not in time or the process dies."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            if check():
-                return
-        except (OSError, urllib.error.URLError, ValueError):
-            pass
-        if process is not None and process.poll() is not None:
-            break
-        time.sleep(0.2)
-    raise RuntimeError(f"timed out waiting for {what}" + (f":\n{log.read_text()[-3000:]}" if log else ""))
-
-
-def http_ok(url: str) -> bool:
-    with urllib.request.urlopen(url, timeout=2) as reply:
-        return bool(reply.status == 200)
+from stallwatch.harness import free_port, http_ok, stop_process, wait_for
 
 
 class Webhook:
