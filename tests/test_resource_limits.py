@@ -19,14 +19,8 @@ import pytest
 from stallwatch.client import wire
 from stallwatch.correlator.eventfile import read_events
 from stallwatch.eventbatch import OVERFLOW, Interner
-from tests.conftest import AgentProcess
-from tests.test_client_delivery import wait_for
-from tests.test_reliability import Samples, of, parse
-
-
-def scrape(url: str, timeout: float = 10) -> Samples:
-    with urllib.request.urlopen(url, timeout=timeout) as reply:
-        return parse(reply.read().decode())
+from stallwatch.harness import AgentProcess, Samples, scrape, timed_scrape, wait_for
+from stallwatch.harness import total as of
 
 
 def label_values(samples: Samples, name: str, label: str) -> set[str]:
@@ -86,7 +80,7 @@ def test_a_full_disk_under_the_recorders_never_stops_attribution(
             return (of(samples, "stallwatch_correlator_windows_total") >= 10
                     and of(samples, "stallwatch_correlator_record_errors_total", recording="events") > 0)
 
-        assert wait_for(attributed, seconds=30), agent.stderr()
+        wait_for("windows closed and record errors counted", attributed, 30, agent.process, agent.log)
         samples = scrape(agent.url)
     finally:
         sender.close()
@@ -147,7 +141,7 @@ def test_a_collector_wedged_on_a_fifo_fails_alone_and_makes_the_agent_unhealthy(
             served = scrape(agent.url)
             return served[("stallwatch_scrape_collector_success", (("collector", "spoke_nginx"),))] == 1
 
-        assert wait_for(recovered, seconds=20), agent.stderr()
+        wait_for("spoke_nginx to answer again", recovered, 20, agent.process, agent.log)
         with urllib.request.urlopen(healthy, timeout=10) as reply:
             assert reply.status == 200
     finally:
@@ -172,6 +166,10 @@ def test_two_hundred_short_jobs_never_fill_the_caps_and_finished_ones_expire(
                           "--correlator.lateness", "0.25")
     sender = Sender(path)
     most_jobs = most_pairs = 0
+
+    def correlator_has_job_10() -> bool:
+        return bool(job_ranks(scrape(agent.url), CORRELATOR, "slurm-10"))
+
     try:
         for number in range(200):  # 8-rank jobs one after another, 0.2 s each: about 5 live at a time
             job = f"slurm-{number}"
@@ -185,7 +183,7 @@ def test_two_hundred_short_jobs_never_fill_the_caps_and_finished_ones_expire(
             most_pairs = max(most_pairs, sum(1 for (n, _) in samples if n == LOADER))
             assert job_ranks(samples, LOADER, job) == {str(rank) for rank in range(8)}, (number, loader_jobs)
             if number == 10:
-                assert wait_for(lambda: bool(job_ranks(scrape(agent.url), CORRELATOR, "slurm-10")), seconds=10)
+                wait_for("job 10's correlator series", correlator_has_job_10, 10, agent.process, agent.log)
                 assert job_ranks(scrape(agent.url), CORRELATOR, "slurm-10") == {str(rank) for rank in range(8)}
         live = scrape(agent.url)
 
@@ -193,7 +191,7 @@ def test_two_hundred_short_jobs_never_fill_the_caps_and_finished_ones_expire(
             samples = scrape(agent.url)
             return not label_values(samples, LOADER, "job") and not label_values(samples, CORRELATOR, "job")
 
-        assert wait_for(all_expired, seconds=10), label_values(scrape(agent.url), LOADER, "job")
+        wait_for("every job's series to expire", all_expired, 10, agent.process, agent.log)
         after = scrape(agent.url)
     finally:
         sender.close()
@@ -237,16 +235,12 @@ def test_fifty_thousand_ranks_fold_in_the_correlator_and_the_agent_stays_under_i
         def attributed() -> bool:
             return accounted(scrape(agent.url)) >= RANKS - 0.5
 
-        assert wait_for(attributed, seconds=60), agent.stderr()
-        started = time.monotonic()
-        with urllib.request.urlopen(agent.url, timeout=10) as reply:
-            size = len(reply.read())
-        scrape_s = time.monotonic() - started
-        samples = scrape(agent.url)
+        wait_for("every step attributed or counted late", attributed, 60, agent.process, agent.log)
+        scrape_s, samples = timed_scrape(agent.url)
     finally:
         sender.close()
     peak = peak_rss_mib(agent)
-    print(f"{RANKS:,} ranks: {len(samples):,} samples, scrape {scrape_s * 1e3:.0f} ms ({size:,} bytes), "
+    print(f"{RANKS:,} ranks: {len(samples):,} samples, scrape {scrape_s * 1e3:.0f} ms, "
           f"peak RSS {peak:.1f} MiB; "
           f"folded ranks: receiver {of(samples, 'stallwatch_receiver_folded_label_values_total', label='rank'):.0f}, "
           f"correlator {of(samples, 'stallwatch_correlator_folded_label_values_total', label='rank'):.0f} "
