@@ -134,7 +134,7 @@ def discard(batch: EventBatch) -> None:
     """The sink used when nothing consumes batches (the correlator is disabled)."""
 
 
-OVERFLOW = "__other__"
+OVERFLOW = wire.OVERFLOW_NAME
 DEFAULT_EXPIRE_AFTER_S = 120.0  # a job or rank that sent nothing for this long is finished (`--events.expire-after`)
 _SCAN_EVERY_NS = 1_000_000_000  # the longest an expired series is still exposed, past its idle time
 

@@ -24,7 +24,7 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
-LISTENING = re.compile(r"listening on (https?://\S+?)(?:'|$)", re.MULTILINE)
+LISTENING = re.compile(r"listening on (https?://[^\s\"'\\]+)")
 
 # {(sample name, sorted (label, value) pairs): value}
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]

@@ -6,7 +6,12 @@ Starting and stopping the processes is `stallwatch.harness`, which the demo and 
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+import tempfile
+import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -34,6 +39,49 @@ def require_binary(name: str, package: str) -> str:
 @pytest.fixture(scope="session")
 def promtool() -> str:
     return require_binary("promtool", "prometheus")
+
+
+def laughs(levels: int = 9) -> str:
+    """The "billion laughs": 9 anchors of 9 references each, a 9**9-element value from ~400 bytes."""
+    items = ["&l0 [" + ", ".join(["lol"] * 9) + "]"]
+    items += [f"&l{n} [" + ", ".join([f"*l{n - 1}"] * 9) + "]" for n in range(1, levels)]
+    return "[" + ", ".join(items) + "]"
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """How an agent that should refuse to start ended: its exit status, stderr and resource use."""
+
+    returncode: int
+    stderr: str
+    cpu_seconds: float
+    peak_rss_mib: float
+
+    @property
+    def one_line_error(self) -> bool:
+        """Exit 2 with a short error line last (log lines of collectors already built may precede it)."""
+        last = (self.stderr.strip().splitlines() or [""])[-1]
+        return (self.returncode == 2 and last.startswith("stallwatch agent: error:") and len(last) < 500
+                and "Traceback" not in self.stderr)
+
+
+def refused_agent(args: list[str], timeout: float = 15.0) -> Refusal:
+    """Run `stallwatch agent ARGS`, which should exit by itself (killed after `timeout`); measure its cost."""
+    with tempfile.TemporaryFile("w+") as stderr:
+        process = subprocess.Popen([sys.executable, "-m", "stallwatch", "agent", "--web.listen-address",
+                                    "127.0.0.1:0", *args], stdout=subprocess.DEVNULL, stderr=stderr, cwd=ROOT)
+        deadline = time.monotonic() + timeout
+        while True:
+            pid, status, usage = os.wait4(process.pid, os.WNOHANG)  # wait4: the child's own rusage
+            if pid:
+                break
+            if time.monotonic() > deadline:
+                process.kill()
+            time.sleep(0.05)
+        process.returncode = os.waitstatus_to_exitcode(status)
+        stderr.seek(0)
+        text = stderr.read()
+    return Refusal(process.returncode, text, usage.ru_utime + usage.ru_stime, usage.ru_maxrss / 1024)
 
 
 @pytest.fixture

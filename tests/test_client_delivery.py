@@ -73,8 +73,8 @@ def test_each_step_times_the_wait_and_the_work_after_it(agent: tuple[EventsColle
     assert (waits >= 20_000_000).all() and (computes >= 10_000_000).all()
     assert (columns["wait_start_ns"][1:] == columns["compute_end_ns"][:-1]).all()  # no gap, no overlap
     metrics = samples(collector)
-    assert metrics[("stallwatch_loader_wait_seconds_count", (("job", "steps"), ("rank", "2")))] == 3
-    assert metrics[("stallwatch_loader_wait_seconds_sum", (("job", "steps"), ("rank", "2")))] >= 0.06
+    assert metrics[("stallwatch_loader_wait_seconds_count", (("rank", "2"), ("training_job", "steps")))] == 3
+    assert metrics[("stallwatch_loader_wait_seconds_sum", (("rank", "2"), ("training_job", "steps")))] >= 0.06
 
 
 def test_break_and_exceptions_end_the_step_that_was_running(agent: tuple[EventsCollector, Received]) -> None:
@@ -101,7 +101,7 @@ def test_reads_carry_bytes_times_and_verdict(agent: tuple[EventsCollector, Recei
     assert list(columns["bytes"]) == [1234, 0]
     assert list(columns["verdict"]) == [wire.VERDICT_MISS, wire.VERDICT_UNKNOWN]
     job = source_from_environment()
-    labels = (("job", job.job), ("rank", str(job.rank)))
+    labels = (("rank", str(job.rank)), ("training_job", job.job))
     assert samples(collector)[("stallwatch_dataset_reads_total", (*labels[:1], *labels[1:], ("verdict", "miss")))] == 1
 
 
@@ -155,7 +155,7 @@ def test_after_an_agent_restart_the_client_delivers_again_and_reports_its_drops(
             return received.rows("step") > 0
 
         wait_for("a step at the restarted agent", one_more_step_arrives, 20)
-        labels = (("job", "restart"), ("rank", "0"))
+        labels = (("rank", "0"), ("training_job", "restart"))
         assert samples(second)[("stallwatch_client_dropped_events_total", labels)] >= 7
     finally:
         second.close()
@@ -211,19 +211,6 @@ def test_an_unbindable_socket_leaves_the_agent_running_and_says_so(tmp_path: Pat
         assert samples(collector)[("stallwatch_receiver_up", ())] == 0
     finally:
         collector.close()
-
-
-@pytest.mark.parametrize(("env", "expected"), [
-    ({}, wire.Source("unknown", 0, -1)),
-    ({"STALLWATCH_JOB": "a", "TORCHELASTIC_RUN_ID": "b", "RANK": "5", "LOCAL_RANK": "1"}, wire.Source("a", 5, 1)),
-    ({"TORCHELASTIC_RUN_ID": "b", "RANK": "3", "LOCAL_RANK": "1", "CUDA_VISIBLE_DEVICES": "4,6"},
-     wire.Source("b", 3, 6)),
-    ({"SLURM_JOB_ID": "991", "SLURM_PROCID": "9", "SLURM_LOCALID": "0", "CUDA_VISIBLE_DEVICES": "GPU-1f2a"},
-     wire.Source("991", 9, -1)),
-    ({"STALLWATCH_JOB": "tab\there" + "x" * 200, "RANK": "junk"}, wire.Source("tab_here" + "x" * 120, 0, -1)),
-])
-def test_identity_comes_from_the_launchers_environment(env: dict[str, str], expected: wire.Source) -> None:
-    assert source_from_environment(env=env) == expected
 
 
 def test_http_get_records_the_spokes_cache_verdict(agent: tuple[EventsCollector, Received]) -> None:

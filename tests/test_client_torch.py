@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, IterableDataset, get_worker_info
 
 from stallwatch.client import RecordedFile, transport
 from stallwatch.client.torch import instrument
@@ -112,7 +112,7 @@ def test_loader_waits_and_worker_reads_reach_the_agent_per_rank(agent: str, file
         }
 
     def labels(rank: int, **extra: str) -> tuple[tuple[str, str], ...]:
-        return tuple(sorted({"job": "e2e", "rank": str(rank), **extra}.items()))
+        return tuple(sorted({"training_job": "e2e", "rank": str(rank), **extra}.items()))
 
     def everything_arrived() -> bool:
         metrics = scrape(agent)
@@ -139,21 +139,30 @@ def test_loader_waits_and_worker_reads_reach_the_agent_per_rank(agent: str, file
                    for name, label in metrics)
 
 
-def test_every_read_is_tagged_with_the_batch_it_served_even_out_of_order(tmp_path: Path, files: list[Path]) -> None:
+class FileStream(IterableDataset[torch.Tensor]):
+    """The same files as an iterable dataset, each worker streaming its own share of them."""
+
+    def __init__(self, paths: list[Path]) -> None:
+        self.files = FileDataset(paths)
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        info = get_worker_info()
+        share = range(len(self.files)) if info is None else range(info.id, len(self.files), info.num_workers)
+        return (self.files[index] for index in share)
+
+
+def assert_every_read_carries_its_batch(tmp_path: Path, files: list[Path], loader: DataLoader[Any],
+                                        epochs: int, workers: set[int]) -> None:
+    """Iterate `loader` into a real receiver; each step's number names exactly the reads of its samples."""
     socket_path = tmp_path / "events.sock"
     received: list[EventBatch] = []
     collector = EventsCollector(str(socket_path), sink=received.append)
     transport.configure(str(socket_path))
     try:
-        loader = instrument(
-            DataLoader(FileDataset(files, slow_every=5), batch_size=4, num_workers=4, in_order=False,
-                       persistent_workers=True),
-            job="tags", rank=0,
-        )
         served: list[list[int]] = []  # sample indices of each batch, in the order the loop got them
-        for _ in range(2):
+        for _ in range(epochs):
             served += [batch.tolist() for batch in loader]
-        expected_reads = 2 * sum(reads_per_file(p.stat().st_size) for p in files)
+        expected_reads = epochs * sum(reads_per_file(p.stat().st_size) for p in files)
 
         def rows(kind: str) -> int:
             return sum(len(b) for b in received if b.kind == kind)
@@ -165,15 +174,31 @@ def test_every_read_is_tagged_with_the_batch_it_served_even_out_of_order(tmp_pat
         collector.close()
     steps = [b.columns for b in received if b.kind == "step"]
     step_batches = [int(k) for columns in steps for k in columns["batch"]]
-    assert sorted(step_batches) == list(range(16)), "one number per batch of the run, across both epochs"
+    assert sorted(step_batches) == list(range(len(served))), "one number per batch of the run, across epochs"
     keys_by_batch: dict[int, set[int]] = {}
-    workers = set()
+    seen_workers = set()
     for columns in (b.columns for b in received if b.kind == "read"):
         for batch, key, worker in zip(columns["batch"], columns["key"], columns["worker"], strict=True):
             keys_by_batch.setdefault(int(batch), set()).add(int(key))
-            workers.add(int(worker))
-    assert workers == {0, 1, 2, 3}
+            seen_workers.add(int(worker))
+    assert seen_workers == workers
     for number, indices in zip(step_batches, served, strict=True):
         file_keys = {read_key(str(files[i]), offset)
                      for i in indices for offset in read_offsets(files[i].stat().st_size)}
         assert keys_by_batch[number] == file_keys
+
+
+def test_every_read_is_tagged_with_the_batch_it_served_even_out_of_order(tmp_path: Path, files: list[Path]) -> None:
+    loader = DataLoader(FileDataset(files, slow_every=5), batch_size=4, num_workers=4, in_order=False,
+                        persistent_workers=True)
+    assert_every_read_carries_its_batch(tmp_path, files, instrument(loader, job="tags", rank=0), 2, {0, 1, 2, 3})
+
+
+def test_reads_of_an_iterable_dataset_are_tagged_too(tmp_path: Path, files: list[Path]) -> None:
+    loader = DataLoader(FileStream(files), batch_size=3, num_workers=2, prefetch_factor=3)
+    assert_every_read_carries_its_batch(tmp_path, files, instrument(loader, job="stream", rank=0), 1, {0, 1})
+
+
+def test_reads_in_the_main_process_are_tagged_too(tmp_path: Path, files: list[Path]) -> None:
+    loader = DataLoader(FileDataset(files[:12]), batch_size=5, shuffle=True)
+    assert_every_read_carries_its_batch(tmp_path, files[:12], instrument(loader, job="main", rank=0), 2, {-1})

@@ -91,12 +91,12 @@ NODE_RELABEL: dict[str, Any] = {"source_labels": ["__address__"], "regex": "(.+)
 def start_prometheus(binary: str, workdir: Path, targets: Sequence[str], rule_files: Sequence[Path],
                      alertmanager: str | None = None, interval_seconds: int = 1,
                      job: str = "stallwatch") -> Server:
-    """Scrape `targets` as `job` (honouring the agents' own `job` label: the training job's name)."""
+    """Scrape `targets` as `job` (the agents carry the training job as `training_job`: no collision)."""
     workdir.mkdir(parents=True, exist_ok=True)
     config: dict[str, Any] = {
         "global": {"scrape_interval": f"{interval_seconds}s", "evaluation_interval": f"{interval_seconds}s"},
         "rule_files": [str(p) for p in rule_files],
-        "scrape_configs": [{"job_name": job, "honor_labels": True, "relabel_configs": [NODE_RELABEL],
+        "scrape_configs": [{"job_name": job, "relabel_configs": [NODE_RELABEL],
                             "static_configs": [{"targets": list(targets)}]}],
     }
     if alertmanager is not None:

@@ -43,6 +43,7 @@ from stallwatch.eventbatch import (
 )
 from stallwatch.exporters.collector import CollectorContext, register_collector
 from stallwatch.exporters.events_decode import Decoded, Records, RejectedBatchError, decode, peek_events
+from stallwatch.exporters.gpu_directory import GpuDirectory
 from stallwatch.exporters.receiver import EventReceiver
 from stallwatch.flags import positive_float, positive_int
 
@@ -95,8 +96,10 @@ class EventsCollector:
         socket_group: int | None = None,
         clock_ns: Callable[[], int] = time.monotonic_ns,
         wall_clock_ns: Callable[[], int] = time.time_ns,
+        gpus: GpuDirectory | None = None,
     ) -> None:
         self._jobs = jobs if jobs is not None else Interner()
+        self._gpus = gpus if gpus is not None else GpuDirectory()
         self._ranks: SeriesCap[int] = SeriesCap(rank_limit, expire_after_s)
         self._sink = sink
         self._clock_ns, self._wall_clock_ns = clock_ns, wall_clock_ns
@@ -105,12 +108,13 @@ class EventsCollector:
         self._batches: Counter[str] = Counter()
         self._events: Counter[str] = Counter({"step": 0, "read": 0})
         self._dropped: Counter[str] = Counter()
-        self._receiver = EventReceiver(socket_path, queue_limit, self.process, self._queue_full, socket_group)
+        self._receiver = EventReceiver(socket_path, queue_limit, self.process, self._refused, socket_group)
 
-    def _queue_full(self, events: int) -> None:
+    def _refused(self, result: str, events: int) -> None:
+        """A batch the receiver dropped before decoding: its queue was full, or the datagram was cut."""
         with self._lock:
-            self._batches["queue_full"] += 1
-            self._dropped["queue_full"] += events
+            self._batches[result] += 1
+            self._dropped["queue_full" if result == "queue_full" else "rejected"] += events
 
     # --- processing -------------------------------------------------------------------------------
     def process(self, datagrams: list[bytes]) -> None:
@@ -158,8 +162,8 @@ class EventsCollector:
             del self._series[key]
 
     def _forward(self, accepted: list[tuple[int, Decoded]]) -> None:
-        sources = [{"job": job, "rank": d.source.rank, "gpu": d.source.gpu, "worker": d.source.worker}
-                   for job, d in accepted]
+        sources = [{"job": job, "rank": d.source.rank, "gpu": self._gpus.index_of(d.source.gpu_uuid, d.source.gpu),
+                    "worker": d.source.worker} for job, d in accepted]
         for kind, records in (("step", [d.steps for _, d in accepted]), ("read", [d.reads for _, d in accepted])):
             if not any(len(part) for part in records):
                 continue
@@ -196,7 +200,7 @@ class EventsCollector:
                 events.add_metric([kind], count)
             for reason, count in sorted(self._dropped.items()):
                 dropped.add_metric([reason], count)
-            folded.add_metric(["job"], self._jobs.folded)
+            folded.add_metric([catalogue.JOB_LABEL], self._jobs.folded)
             folded.add_metric(["rank"], self._ranks.folded)
         up.add_metric([], 1.0 if self._receiver.bound else 0.0)
         yield from (wait, compute, read_duration, reads, read_bytes, client_dropped, batches, events, dropped,
@@ -255,7 +259,7 @@ def _from_context(context: CollectorContext) -> EventsCollector:
     context.jobs.limit, context.jobs.expire_after_s = options.events_job_limit, options.events_expire_after
     return EventsCollector(options.events_socket, options.events_queue_limit, context.jobs,
                            options.events_rank_limit, options.events_expire_after, context.sink,
-                           options.events_socket_group)
+                           options.events_socket_group, gpus=context.gpus)
 
 
 register_collector("events", True, "loader waits, steps and dataset reads sent by training clients",

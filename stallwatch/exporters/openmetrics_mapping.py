@@ -22,13 +22,12 @@ import re
 from collections import defaultdict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, cast
 
-import yaml
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 
 from stallwatch import catalogue
+from stallwatch.exporters.config import ConfigError, parse_yaml, read_bounded
 from stallwatch.exporters.openmetrics_scrape import ScrapeError
 
 BUILTIN_MAPPINGS = ("juicefs", "alluxio", "qumulo")
@@ -52,9 +51,9 @@ class Rule:
 
 def load_mapping(text: str, origin: str) -> tuple[Rule, ...]:
     try:
-        document = yaml.safe_load(text)
-    except yaml.YAMLError as error:
-        raise MappingError(f"{origin}: not valid YAML: {error}") from error
+        document = parse_yaml(text, origin)
+    except ConfigError as error:
+        raise MappingError(str(error)) from error
     if not isinstance(document, dict) or not isinstance(document.get("metrics"), list):
         raise MappingError(f"{origin}: expected a mapping with a list under 'metrics'")
     return tuple(_rule(item, f"{origin}: metrics[{index}]") for index, item in enumerate(document["metrics"]))
@@ -90,7 +89,7 @@ def mapping_text(name_or_path: str) -> tuple[str, str]:
     if name_or_path in BUILTIN_MAPPINGS:
         resource = importlib.resources.files("stallwatch.exporters") / "mappings" / f"{name_or_path}.yaml"
         return resource.read_text(), f"built-in mapping {name_or_path}"
-    return Path(name_or_path).read_text(), name_or_path
+    return read_bounded(name_or_path), name_or_path
 
 
 def apply_mapping(rules: Iterable[Rule], families: Iterable[Metric], spoke: str) -> list[Metric]:
