@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from stallwatch.catalogue import JOB_LABEL as JOB
 from stallwatch.client import wire
 from stallwatch.correlator.eventfile import read_events
 from stallwatch.eventbatch import OVERFLOW, Interner
@@ -89,7 +90,7 @@ def test_a_full_disk_under_the_recorders_never_stops_attribution(
               if n == "stallwatch_correlator_record_errors_total"}
     print(f"{'64 KiB tmpfs' if on_tmpfs else '/dev/full'}: {of(samples, 'stallwatch_correlator_windows_total'):.0f} "
           f"windows closed, {steps:.0f} steps received, record errors {errors}")
-    assert of(samples, "stallwatch_compute_seconds_total", job="full-disk") > 0  # attributed
+    assert of(samples, "stallwatch_compute_seconds_total", **{JOB: "full-disk"}) > 0  # attributed
     assert of(samples, "stallwatch_correlator_record_errors_total", recording="events", reason="ENOSPC") > 0
     assert of(samples, "stallwatch_correlator_dropped_events_total") == 0
     log = agent.stderr()
@@ -151,7 +152,7 @@ def test_a_collector_wedged_on_a_fifo_fails_alone_and_makes_the_agent_unhealthy(
 
 # --- item 1: caps that forget finished jobs -------------------------------------------------------
 def job_ranks(samples: Samples, name: str, job: str) -> set[str]:
-    return {dict(ls)["rank"] for (n, ls) in samples if n == name and dict(ls).get("job") == job}
+    return {dict(ls)["rank"] for (n, ls) in samples if n == name and dict(ls).get(JOB) == job}
 
 
 LOADER, CORRELATOR = "stallwatch_loader_wait_seconds_count", "stallwatch_compute_seconds_total"
@@ -178,7 +179,7 @@ def test_two_hundred_short_jobs_never_fill_the_caps_and_finished_ones_expire(
                     sender.steps(job, rank, 5)
                 time.sleep(0.05)
             samples = scrape(agent.url)
-            loader_jobs = label_values(samples, LOADER, "job")
+            loader_jobs = label_values(samples, LOADER, JOB)
             most_jobs = max(most_jobs, len(loader_jobs))
             most_pairs = max(most_pairs, sum(1 for (n, _) in samples if n == LOADER))
             assert job_ranks(samples, LOADER, job) == {str(rank) for rank in range(8)}, (number, loader_jobs)
@@ -189,7 +190,7 @@ def test_two_hundred_short_jobs_never_fill_the_caps_and_finished_ones_expire(
 
         def all_expired() -> bool:
             samples = scrape(agent.url)
-            return not label_values(samples, LOADER, "job") and not label_values(samples, CORRELATOR, "job")
+            return not label_values(samples, LOADER, JOB) and not label_values(samples, CORRELATOR, JOB)
 
         wait_for("every job's series to expire", all_expired, 10, agent.process, agent.log)
         after = scrape(agent.url)
@@ -203,9 +204,9 @@ def test_two_hundred_short_jobs_never_fill_the_caps_and_finished_ones_expire(
     assert of(live, "stallwatch_correlator_folded_label_values_total") == 0
     assert of(after, "stallwatch_receiver_events_total", kind="step") == 200 * 4 * 8 * 5
     assert most_pairs <= 64
-    assert not label_values(after, "stallwatch_stall_seconds_total", "job")
-    assert not label_values(after, "stallwatch_gpu_stall_idle_seconds_total", "job")
-    assert not label_values(after, "stallwatch_warmup_phase", "job")
+    assert not label_values(after, "stallwatch_stall_seconds_total", JOB)
+    assert not label_values(after, "stallwatch_gpu_stall_idle_seconds_total", JOB)
+    assert not label_values(after, "stallwatch_warmup_phase", JOB)
 
 
 # --- item 2: the correlator's series under any number of ranks ----------------------------------------
@@ -230,7 +231,8 @@ def test_fifty_thousand_ranks_fold_in_the_correlator_and_the_agent_stays_under_i
             sender.steps("wide", rank)
 
         def accounted(samples: Samples) -> float:  # steps attributed (1 ms of compute each) or counted late
-            return of(samples, CORRELATOR, job="wide") / 0.001 + of(samples, "stallwatch_correlator_late_events_total")
+            attributed = of(samples, CORRELATOR, **{JOB: "wide"}) / 0.001
+            return attributed + of(samples, "stallwatch_correlator_late_events_total")
 
         def attributed() -> bool:
             return accounted(scrape(agent.url)) >= RANKS - 0.5
