@@ -37,7 +37,7 @@ class Sender:
 
     def steps(self, job: str, rank: int, count: int = 1) -> None:
         now = time.monotonic_ns()
-        steps = [(n, now - 3_000_000, now - 2_000_000, now - 1_000_000) for n in range(count)]
+        steps = [(n, now - 3_000_000, now - 2_000_000, now - 1_000_000, -1) for n in range(count)]
         self._socket.sendto(wire.encode(wire.Source(job, rank), steps, [], len(steps), 0, 0, now, time.time_ns()),
                             self.path)
 
