@@ -391,6 +391,17 @@ CORRELATOR_DROPPED_EVENTS = counter(
     "backlog (input queue full) or window_full (the window store held its cap of events of that kind).",
 )
 
+CORRELATOR_FOLDED_LABELS = counter(
+    "correlator", "correlator_folded_label_values_total", "", ["label"],
+    "Window rows whose (job, rank) pair (label=rank) or (job, gpu) pair (label=gpu) was past the per-node cap "
+    "(--events.rank-limit live pairs) and was folded into the value __other__ of its job.",
+)
+CORRELATOR_RECORD_ERRORS = counter(
+    "correlator", "correlator_record_errors_total", "", ["recording", "reason"],
+    "Records the correlator could not write to its recording (recording=events for --correlator.record-events, "
+    "windows for --correlator.record-windows), by cause (reason=ENOSPC: the disk is full); each is left out "
+    "whole and attribution goes on.",
+)
 
 def all_metrics() -> tuple[AnyMetricDef, ...]:
     return tuple(_ALL)

@@ -26,10 +26,11 @@ A verdict column holds `Verdict` numbers.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import IntEnum
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -135,40 +136,112 @@ def discard(batch: EventBatch) -> None:
 
 
 OVERFLOW = wire.OVERFLOW_NAME
+DEFAULT_EXPIRE_AFTER_S = 120.0  # a job or rank that sent nothing for this long is finished (`--events.expire-after`)
+_SCAN_EVERY_NS = 1_000_000_000  # the longest an expired series is still exposed, past its idle time
+
+Job = TypeVar("Job", int, str)
 
 
 class Interner:
-    """Label value <-> small int, capped: past `limit` distinct values, new ones fold into one.
+    """Label value <-> small int, capped: at most `limit` live values, past it new ones fold into one.
 
     This is the agent's cardinality cap for client-supplied names (jobs): `folded` counts what was
-    folded, for the metric that reports it. `limit` may be changed until the first name is interned.
+    folded, for the metric that reports it. With `expire_after_s`, a value not interned for that long
+    is released and its place freed for a new one: the cap means "at most `limit` live jobs", not
+    "the first `limit` jobs since the agent started". Ids are never reused, and a released id still
+    names its value for one more `expire_after_s`, for consumers that lag (the correlator's windows).
+    `limit` and `expire_after_s` may be changed until the first name is interned.
     """
 
-    def __init__(self, limit: int = 64) -> None:
+    def __init__(self, limit: int = 64, expire_after_s: float | None = None,
+                 clock_ns: Callable[[], int] = time.monotonic_ns) -> None:
         self.limit = limit
-        self._ids: dict[str, int] = {}
-        self._names: list[str] = []
+        self.expire_after_s = expire_after_s
+        self._clock_ns = clock_ns
+        self._ids: dict[str, int] = {}  # live values
+        self._names: dict[int, str] = {}  # live and recently released ids
+        self._seen: dict[int, int] = {}  # live id -> when last interned
+        self._released: dict[int, int] = {}  # released id -> when
+        self._next = 0
         self._lock = threading.Lock()
         self.folded = 0
 
     def intern(self, name: str) -> int:
         found = self._ids.get(name)
         if found is not None:
+            if self.expire_after_s is not None:
+                self._seen[found] = self._clock_ns()
             return found
         with self._lock:
-            if name in self._ids:
-                return self._ids[name]
-            if len(self._names) >= self.limit:
+            now = self._clock_ns()
+            self._expire(now)
+            if name not in self._ids and len(self._ids) - (OVERFLOW in self._ids) >= self.limit:
                 self.folded += 1
                 name = OVERFLOW
-                if name in self._ids:
-                    return self._ids[name]
-            self._ids[name] = len(self._names)
-            self._names.append(name)
-            return self._ids[name]
+            ident = self._ids.get(name)
+            if ident is None:
+                ident = self._ids[name] = self._next
+                self._names[ident] = name
+                self._next += 1
+            self._seen[ident] = now
+            return ident
+
+    def _expire(self, now: int) -> None:
+        if self.expire_after_s is None:
+            return
+        idle_ns = self.expire_after_s * 1e9
+        for ident in [ident for ident, seen in self._seen.items() if now - seen > idle_ns]:
+            del self._ids[self._names[ident]], self._seen[ident]
+            self._released[ident] = now
+        for ident in [ident for ident, released in self._released.items() if now - released > idle_ns]:
+            del self._names[ident], self._released[ident]
 
     def name(self, ident: int) -> str:
-        return self._names[ident]
+        """The value of a live or recently released id; `OVERFLOW` for one long gone."""
+        return self._names.get(ident, OVERFLOW)
+
+    def names(self) -> list[str]:
+        """The live values, oldest first."""
+        return [self._names[ident] for ident in sorted(self._ids.values())]
 
     def __len__(self) -> int:
-        return len(self._names)
+        return len(self._ids)
+
+
+class SeriesCap(Generic[Job]):
+    """The (job, rank) label pairs that have series: past `limit` pairs, a new pair folds into the
+    rank `OVERFLOW` of its job; with `expire_after_s`, a pair not seen for that long expires (its
+    series go) and frees its place. `folded` counts the folds. Not thread-safe: callers lock.
+
+    The receiver keys by job id, the correlator by job name; both hold at most `limit` pairs plus one
+    `OVERFLOW` pair per job, so their series are bounded whatever ranks clients claim.
+    """
+
+    def __init__(self, limit: int, expire_after_s: float | None = None) -> None:
+        self.limit = limit
+        self._idle_ns = None if expire_after_s is None else expire_after_s * 1e9
+        self._seen: dict[tuple[Job, str], int] = {}
+        self._next_scan = 0
+        self.folded = 0
+
+    def admit(self, job: Job, rank: str, now_ns: int) -> tuple[Job, str]:
+        """The pair (job, rank) is labelled with: itself, or (job, OVERFLOW) past the cap."""
+        key = (job, rank)
+        if key not in self._seen and len(self._seen) >= self.limit:
+            self.folded += 1
+            key = (job, OVERFLOW)
+        self._seen[key] = now_ns
+        return key
+
+    def expire(self, now_ns: int) -> list[tuple[Job, str]]:
+        """The pairs idle past `expire_after_s`, now forgotten (checked at most once a second)."""
+        if self._idle_ns is None or now_ns < self._next_scan:
+            return []
+        self._next_scan = now_ns + min(_SCAN_EVERY_NS, int(self._idle_ns / 4))
+        gone = [key for key, seen in self._seen.items() if now_ns - seen > self._idle_ns]
+        for key in gone:
+            del self._seen[key]
+        return gone
+
+    def __len__(self) -> int:
+        return len(self._seen)

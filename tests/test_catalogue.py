@@ -21,7 +21,7 @@ BOUNDED_LABELS = {
     "training_job", "rank", "gpu", "uuid", "name", "spoke", "cause", "phase", "collector", "version", "revision",
     "direction",
     "reason", "xid", "call", "error", "mode", "interface", "device", "verdict", "result", "source", "kind",
-    "label", "capacity_factor", "code",
+    "label", "capacity_factor", "code", "recording",
     # pod labels only on stallwatch_gpu_pod_info: one series per allocated GPU device of the node
     "resource", "namespace", "pod", "container",
 }

@@ -9,13 +9,13 @@ batch is a write of its header and columns: the agent can tee its stream to a fi
 from __future__ import annotations
 
 import json
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import BinaryIO
 
 import numpy as np
 
+from stallwatch.correlator.recordfile import RecordFile
 from stallwatch.eventbatch import EventBatch
 
 MAGIC = b"stallwatch-events 1\n"
@@ -26,26 +26,21 @@ class EventFileError(ValueError):
 
 
 class EventFileWriter:
-    """Appends batches to an event file; safe to call from several threads."""
+    """Appends batches to an event file; safe to call from several threads. A batch that cannot be
+    written (a full disk) is left out whole and counted in `file.errors`: it never raises."""
 
     def __init__(self, path: str | Path) -> None:
-        self._file = Path(path).open("wb")  # noqa: SIM115 (closed by close())
-        self._file.write(MAGIC)
-        self._lock = threading.Lock()
+        self.file = RecordFile(path, "events", truncate=True, header=MAGIC)
 
-    def write(self, batch: EventBatch) -> None:
+    def write(self, batch: EventBatch) -> bool:
         columns = {name: np.ascontiguousarray(column) for name, column in batch.columns.items()}
         header = {"kind": batch.kind, "rows": len(batch),
                   "columns": [[name, column.dtype.str] for name, column in columns.items()]}
-        with self._lock:
-            self._file.write(json.dumps(header).encode() + b"\n")
-            for column in columns.values():
-                self._file.write(column.tobytes())
-            self._file.flush()
+        return self.file.append(b"".join([json.dumps(header).encode(), b"\n",
+                                          *(column.tobytes() for column in columns.values())]))
 
     def close(self) -> None:
-        with self._lock:
-            self._file.close()
+        self.file.close()
 
 
 def _read_exact(stream: BinaryIO, size: int, where: str) -> bytes:

@@ -27,7 +27,7 @@ from stallwatch.correlator.pipeline import CorrelatorPipeline, Watermark, event_
 from stallwatch.correlator.results import NameLookup
 from stallwatch.correlator.settings import CorrelatorSettings, seconds_to_ns
 from stallwatch.correlator.windowfile import WindowFileWriter
-from stallwatch.eventbatch import EventBatch, Interner
+from stallwatch.eventbatch import DEFAULT_EXPIRE_AFTER_S, EventBatch, Interner
 
 log = logging.getLogger(__name__)
 
@@ -66,13 +66,15 @@ class LiveCorrelator:
         spokes: Interner | None = None,
         windows_path: str | Path | None = None,
         events_path: str | Path | None = None,
+        rank_limit: int = 64,
+        expire_after_s: float | None = DEFAULT_EXPIRE_AFTER_S,
         clock_ns: Callable[[], int] = time.monotonic_ns,
         tick_s: float = 0.1,
         max_backlog_events: int = DEFAULT_BACKLOG_EVENTS,
         start: bool = True,
     ) -> None:
         self.settings = settings or CorrelatorSettings()
-        self.metrics = CorrelatorMetrics(job_names, spokes)
+        self.metrics = CorrelatorMetrics(job_names, spokes, rank_limit, expire_after_s)
         self._window_file = WindowFileWriter(windows_path, job_names) if windows_path else None
         self._events = EventFileWriter(events_path) if events_path else None
         listeners = [self.metrics.observe] + ([self._window_file.write] if self._window_file else [])
@@ -113,7 +115,7 @@ class LiveCorrelator:
         if self.correlator.windows.closed_until != closed_until:
             _return_freed_memory()
         dropped = self._dropped_snapshot()
-        self.metrics.set_losses(self.correlator.windows.late, dropped)
+        self.metrics.set_losses(self.correlator.windows.late, dropped, self._record_errors())
 
     def _dropped_snapshot(self) -> dict[tuple[str, str], int]:
         with self._lock:
@@ -123,6 +125,11 @@ class LiveCorrelator:
         for kind, events in self.correlator.windows.shed.items():
             dropped[(kind, "window_full")] = events
         return dropped
+
+    def _record_errors(self) -> dict[tuple[str, str], int]:
+        recorders = (("events", self._events), ("windows", self._window_file))
+        return {(name, reason): count for name, recorder in recorders if recorder is not None and recorder.file
+                for reason, count in recorder.file.errors.items()}
 
     def _run(self) -> None:
         while not self._stop.wait(self._tick_s):

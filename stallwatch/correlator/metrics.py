@@ -12,7 +12,7 @@ from prometheus_client.core import Metric
 from stallwatch import catalogue
 from stallwatch.catalogue import CAUSES, PHASES
 from stallwatch.correlator.results import NameLookup, WhatIfCurve, WindowResult
-from stallwatch.eventbatch import Interner
+from stallwatch.eventbatch import DEFAULT_EXPIRE_AFTER_S, Interner, SeriesCap
 
 NO_SPOKE = "default"
 
@@ -21,15 +21,27 @@ def whatif_spoke_label(spokes: Interner) -> str:
     """The what-if's `spoke` label: the spoke names the spoke collectors interned, in order, joined by
     `+` (the what-if replays all of the node's reads, it cannot tell spokes apart), or `default` when
     reads arrive but no spoke collector named a spoke."""
-    return "+".join(spokes.name(ident) for ident in range(len(spokes))) or NO_SPOKE
+    return "+".join(spokes.names()) or NO_SPOKE
 
 
 class CorrelatorMetrics:
-    """Thread-safe: `observe` runs on the pipeline's thread, `collect` on the scrape's."""
+    """Thread-safe: `observe` runs on the pipeline's thread, `collect` on the scrape's.
 
-    def __init__(self, job_names: NameLookup = str, spokes: Interner | None = None) -> None:
+    The receiver's caps hold here too (`SeriesCap`, by window end time): at most `rank_limit` live
+    (job, rank) pairs, and as many (job, gpu) pairs, past which a rank or GPU folds into `__other__`
+    of its job (the folded ranks' stall and compute seconds add up there; its input-bound ratio is the
+    last folded rank's), counted per window row in `correlator_folded_label_values_total`. A pair
+    with no row for `expire_after_s` loses its series, and a job its per-job series once the warm-up
+    tracker retires it (after the same time without a step).
+    """
+
+    def __init__(self, job_names: NameLookup = str, spokes: Interner | None = None, rank_limit: int = 64,
+                 expire_after_s: float | None = DEFAULT_EXPIRE_AFTER_S) -> None:
         self._job_names = job_names
         self._spokes = spokes if spokes is not None else Interner()
+        self._job_labels: dict[int, str] = {}  # ids of the jobs with series, until the warm-up retires them
+        self._ranks: SeriesCap[str] = SeriesCap(rank_limit, expire_after_s)
+        self._gpus: SeriesCap[str] = SeriesCap(rank_limit, expire_after_s)
         self._lock = threading.Lock()
         self._stall: dict[tuple[str, ...], float] = defaultdict(float)
         self._compute: dict[tuple[str, ...], float] = defaultdict(float)
@@ -45,20 +57,24 @@ class CorrelatorMetrics:
         self._windows = 0
         self._late: dict[str, int] = {}
         self._dropped: dict[tuple[str, str], int] = {}
+        self._record_errors: dict[tuple[str, str], int] = {}
 
     def observe(self, result: WindowResult) -> None:
-        name = self._job_names
+        name = self._job_label
+        now = result.end_ns
         with self._lock:
             self._windows += 1
+            self._expire(now)
             for r in result.ranks:
-                labels = (name(r.job), str(r.rank))
+                labels = self._ranks.admit(name(r.job), str(r.rank), now)
                 self._compute[labels] += r.compute_s
                 self._ratio[labels] = r.input_bound_ratio
                 for cause, seconds in zip(CAUSES, r.stall_s, strict=True):
                     self._stall[(*labels, cause)] += seconds
             for g in result.gpus:
+                job_gpu = self._gpus.admit(name(g.job), str(g.gpu), now)
                 for cause, seconds in zip(CAUSES, g.idle_s, strict=True):
-                    self._gpu_idle[(name(g.job), str(g.gpu), cause)] += seconds
+                    self._gpu_idle[(*job_gpu, cause)] += seconds
             for j in result.jobs:
                 job = name(j.job)
                 self._phase[job] = j.phase
@@ -69,8 +85,25 @@ class CorrelatorMetrics:
                 self._regressions[job] = j.regressions
             self._whatif.update(result.whatif)
             self._whatif_curve = result.whatif_curve or self._whatif_curve
-            for job in map(name, result.retired_jobs):
-                self._forget(job)
+            for retired in result.retired_jobs:
+                self._forget(self._job_labels.pop(retired, "") or self._job_names(retired))
+
+    def _job_label(self, job: int) -> str:
+        """A job id's name, looked up once: windows close after the interner may have let the id go."""
+        label = self._job_labels.get(job)
+        if label is None:
+            label = self._job_labels[job] = self._job_names(job)
+        return label
+
+    def _expire(self, now: int) -> None:
+        for labels in self._ranks.expire(now):
+            self._compute.pop(labels, None)
+            self._ratio.pop(labels, None)
+            for cause in CAUSES:
+                self._stall.pop((*labels, cause), None)
+        for labels in self._gpus.expire(now):
+            for cause in CAUSES:
+                self._gpu_idle.pop((*labels, cause), None)
 
     def _forget(self, job: str) -> None:
         """A retired job's series go, so a node's series stay bounded by its live jobs."""
@@ -81,9 +114,10 @@ class CorrelatorMetrics:
                         self._regressions):
             per_job.pop(job, None)
 
-    def set_losses(self, late: Mapping[str, int], dropped: Mapping[tuple[str, str], int]) -> None:
+    def set_losses(self, late: Mapping[str, int], dropped: Mapping[tuple[str, str], int],
+                   record_errors: Mapping[tuple[str, str], int]) -> None:
         with self._lock:
-            self._late, self._dropped = dict(late), dict(dropped)
+            self._late, self._dropped, self._record_errors = dict(late), dict(dropped), dict(record_errors)
 
     def collect(self) -> Iterator[Metric]:
         c = catalogue
@@ -105,6 +139,8 @@ class CorrelatorMetrics:
                 (c.CORRELATOR_WINDOWS.family(), {(): self._windows}),
                 (c.CORRELATOR_LATE_EVENTS.family(), {(k,): v for k, v in self._late.items()}),
                 (c.CORRELATOR_DROPPED_EVENTS.family(), {k: v for k, v in self._dropped.items()}),
+                (c.CORRELATOR_FOLDED_LABELS.family(), {("rank",): self._ranks.folded, ("gpu",): self._gpus.folded}),
+                (c.CORRELATOR_RECORD_ERRORS.family(), {k: v for k, v in self._record_errors.items()}),
                 (c.WARMUP_PHASE.family(), {(j, p): float(p == phase) for j, phase in self._phase.items()
                                            for p in PHASES}),
             ]

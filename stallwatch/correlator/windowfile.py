@@ -6,22 +6,27 @@ import json
 from pathlib import Path
 from typing import TextIO
 
+from stallwatch.correlator.recordfile import RecordFile
 from stallwatch.correlator.results import NameLookup, WindowResult
 
 
 class WindowFileWriter:
+    """To a path: appended whole lines, a line that cannot be written (a full disk) left out and counted
+    in `file.errors`, never raised. To a stream (standard output): written as is."""
+
     def __init__(self, target: str | Path | TextIO, job_names: NameLookup = str) -> None:
-        if isinstance(target, (str, Path)):
-            self._stream: TextIO = Path(target).open("a", encoding="utf-8")  # noqa: SIM115 (closed by close())
-            self._owned = True
-        else:
-            self._stream, self._owned = target, False
+        self.file = RecordFile(target, "windows") if isinstance(target, (str, Path)) else None
+        self._stream = target if not isinstance(target, (str, Path)) else None
         self._job_names = job_names
 
     def write(self, result: WindowResult) -> None:
-        self._stream.write(json.dumps(result.record(self._job_names)) + "\n")
-        self._stream.flush()
+        line = json.dumps(result.record(self._job_names)) + "\n"
+        if self.file is not None:
+            self.file.append(line.encode())
+        elif self._stream is not None:
+            self._stream.write(line)
+            self._stream.flush()
 
     def close(self) -> None:
-        if self._owned:
-            self._stream.close()
+        if self.file is not None:
+            self.file.close()

@@ -108,7 +108,8 @@ def main(argv: Sequence[str]) -> int:
         server.close()
         return 2
     log.info("collectors enabled: %s", ", ".join(collectors) or "none")
-    scrape = ScrapeCollector(collectors)
+    scrape = ScrapeCollector(collectors, timeout_s=options.collector_timeout)
+    server.report_wedged(scrape.wedged)
     registry.register(scrape)
     registry.register(_BuildInfo())
     server.start()

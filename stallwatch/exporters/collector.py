@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -120,34 +121,99 @@ def registered() -> Mapping[str, CollectorSpec]:
     return dict(sorted(_REGISTRY.items()))
 
 
-class ScrapeCollector(PromCollector):
-    """Runs every enabled collector on each scrape, isolating failures, and reports on each one."""
+DEFAULT_TIMEOUT_S = 8.0  # under Prometheus's default scrape timeout of 10 s, with room to encode and send
+WEDGED_DEADLINES = 3  # a call outstanding this many deadlines makes the agent unhealthy
 
-    def __init__(self, collectors: Mapping[str, Collector], clock: Callable[[], float] = time.perf_counter):
+
+class _Call:
+    """One run of a collector's `collect()`, on a daemon thread of its own (a wedged one never blocks exit)."""
+
+    def __init__(self, name: str, collector: Collector, clock: Callable[[], float]) -> None:
+        self.started = clock()
+        self.finished: float | None = None
+        self.families: list[Metric] = []
+        self.failed = False
+        self.overran = False  # a scrape gave up waiting on it (logged once)
+        self._collector, self._clock = collector, clock
+        self.done = threading.Event()
+        threading.Thread(target=self._run, args=(name,), name=f"collect-{name}", daemon=True).start()
+
+    def _run(self, name: str) -> None:
+        try:
+            self.families = list(self._collector.collect())
+        except Exception:
+            log.exception("collector %s failed", name)
+            self.failed = True
+        self.finished = self._clock()
+        self.done.set()
+
+
+class ScrapeCollector(PromCollector):
+    """Runs every enabled collector on each scrape, isolating failures, and reports on each one.
+
+    The collectors run side by side, each on a thread of its own, under one deadline (`timeout_s`):
+    one that overruns it is reported failed (`scrape_collector_success 0`) and the rest are served.
+    A collector has at most one call at a time: a scrape that finds one still running (a concurrent
+    scrape's, or one that overran) waits on it rather than start another, so a collector wedged on a
+    hung file system holds one thread however many scrapes come. A call running for `WEDGED_DEADLINES`
+    deadlines makes `wedged()` name the collector, for the health check.
+    """
+
+    def __init__(self, collectors: Mapping[str, Collector], clock: Callable[[], float] = time.monotonic,
+                 timeout_s: float = DEFAULT_TIMEOUT_S):
         self._collectors = dict(collectors)
         self._clock = clock
+        self._timeout_s = timeout_s
+        self._lock = threading.Lock()
+        self._calls: dict[str, _Call] = {}  # each collector's latest call
 
     def collect(self) -> Iterator[Metric]:
         duration = catalogue.SCRAPE_COLLECTOR_DURATION.family()
         success = catalogue.SCRAPE_COLLECTOR_SUCCESS.family()
-        for name, collector in self._collectors.items():
-            start = self._clock()
-            try:
-                families = list(collector.collect())
-            except Exception:
-                log.exception("collector %s failed", name)
-                families, ok = [], 0.0
-            else:
-                ok = 1.0
-            duration.add_metric([name], self._clock() - start)
-            success.add_metric([name], ok)
-            yield from families
+        deadline = self._clock() + self._timeout_s
+        calls = self._start_calls()
+        for name, call in calls.items():
+            on_time = call.done.wait(max(deadline - self._clock(), 0.0))
+            if not on_time and not call.overran:
+                call.overran = True
+                log.warning("collector %s overran its deadline of %g s; reported failed until it answers",
+                            name, self._timeout_s)
+            ended = call.finished if on_time and call.finished is not None else self._clock()
+            duration.add_metric([name], ended - call.started)
+            success.add_metric([name], 0.0 if call.failed or not on_time else 1.0)
+            if on_time:
+                yield from call.families
         yield duration
         yield success
 
+    def _start_calls(self) -> dict[str, _Call]:
+        """Each collector's call: the one still running, else a new one."""
+        with self._lock:
+            for name, collector in self._collectors.items():
+                running = self._calls.get(name)
+                if running is None or running.done.is_set():
+                    self._calls[name] = _Call(name, collector, self._clock)
+            return dict(self._calls)
+
+    def wedged(self) -> list[str]:
+        """Collectors whose call has been running for `WEDGED_DEADLINES` deadlines or more."""
+        now = self._clock()
+        with self._lock:
+            return sorted(name for name, call in self._calls.items()
+                          if not call.done.is_set() and now - call.started >= WEDGED_DEADLINES * self._timeout_s)
+
     def close(self) -> None:
-        for collector in self._collectors.values():
-            try:
-                collector.close()
-            except Exception:
-                log.exception("collector close failed")
+        """Close every collector, each given one deadline: a wedged one must not hold up the agent's exit."""
+        for name, collector in self._collectors.items():
+            closing = threading.Thread(target=_close, args=(name, collector), name=f"close-{name}", daemon=True)
+            closing.start()
+            closing.join(self._timeout_s)
+            if closing.is_alive():
+                log.warning("collector %s did not close within %g s; left behind", name, self._timeout_s)
+
+
+def _close(name: str, collector: Collector) -> None:
+    try:
+        collector.close()
+    except Exception:
+        log.exception("collector %s: close failed", name)

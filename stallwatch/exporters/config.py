@@ -22,9 +22,9 @@ import yaml
 from yaml.composer import ComposerError
 
 from stallwatch.build import version_text
-from stallwatch.exporters.collector import CollectorSpec
+from stallwatch.exporters.collector import DEFAULT_TIMEOUT_S, WEDGED_DEADLINES, CollectorSpec
 from stallwatch.exporters.logformat import FORMATS
-from stallwatch.flags import cut, shown
+from stallwatch.flags import cut, positive_float, shown
 
 DEFAULT_PORT = 9842
 DEFAULT_LISTEN_ADDRESS = f":{DEFAULT_PORT}"
@@ -56,6 +56,10 @@ def build_parser(collectors: Mapping[str, CollectorSpec]) -> argparse.ArgumentPa
                         choices=["debug", "info", "warning", "error"], help="(default: %(default)s)")
     parser.add_argument("--log.format", dest="log_format", default="logfmt", choices=FORMATS,
                         help="how each log line is written (default: %(default)s)")
+    parser.add_argument("--collector.timeout", dest="collector_timeout", type=positive_float, default=DEFAULT_TIMEOUT_S,
+                        metavar="SECONDS", help="a collector that takes longer on a scrape is reported failed and the "
+                        "rest are served; keep it under Prometheus's scrape timeout. One still running after "
+                        f"{WEDGED_DEADLINES} times this makes /-/healthy fail (default: %(default)s)")
     enable = parser.add_argument_group("collectors")
     for name, spec in collectors.items():
         state = "on" if spec.default_enabled else "off"

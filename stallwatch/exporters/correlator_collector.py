@@ -9,6 +9,7 @@ An event consumer: the agent builds it first and hands its `submit` to every oth
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 from stallwatch.correlator import settings
 from stallwatch.correlator.live import DEFAULT_BACKLOG_EVENTS, LiveCorrelator
@@ -27,14 +28,20 @@ def _add_arguments(group: argparse._ArgumentGroup) -> None:
 
 
 def _from_context(context: CollectorContext) -> LiveCorrelator:
+    """The receiver's label caps and expiry (`--events.rank-limit`, `--events.expire-after`) hold for the
+    correlator's series too, and a job retires from the warm-up tracker after the same idle time."""
     options = context.options
+    shared = settings.from_options(options)
+    warmup = dataclasses.replace(shared.warmup, expiry_s=options.events_expire_after)
     return LiveCorrelator(
-        settings.from_options(options),
+        dataclasses.replace(shared, warmup=warmup),
         job_names=context.jobs.name,
         spokes=context.spokes,
         windows_path=options.correlator_record_windows,
         events_path=options.correlator_record_events,
         max_backlog_events=options.correlator_backlog_limit,
+        rank_limit=options.events_rank_limit,
+        expire_after_s=options.events_expire_after,
     )
 
 

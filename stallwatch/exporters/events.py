@@ -6,11 +6,13 @@ counters with NumPy one batch at a time, and hands the records to the correlator
 `read` event batches (`stallwatch.eventbatch`). A full receive queue (`--events.queue-limit`
 events) drops whole batches, counted here.
 
-Cardinality: clients choose job names and ranks, so both are capped per node. Job names past
-`--events.job-limit` fold into `__other__`; (job, rank) series past `--events.rank-limit` fold into
-the rank `__other__` of their job, so the loader series stay under (rank limit + job limit + 1) label
-pairs whatever clients send; `stallwatch_receiver_folded_label_values_total{label}` counts the folds.
-The correlator still gets every record with its real rank.
+Cardinality: clients choose job names and ranks, so both are capped per node, and the caps count
+live jobs: a job or (job, rank) that sent nothing for `--events.expire-after` seconds is finished,
+its series go and its place is free for a new one. Job names past `--events.job-limit` live ones fold
+into `__other__`; (job, rank) series past `--events.rank-limit` live ones fold into the rank
+`__other__` of their job, so the loader series stay under (rank limit + job limit + 1) label pairs
+whatever clients send; `stallwatch_receiver_folded_label_values_total{label}` counts the folds. The
+correlator gets every record with its real rank, and applies the same caps to its own series.
 """
 
 from __future__ import annotations
@@ -30,12 +32,20 @@ from prometheus_client.core import HistogramMetricFamily, Metric
 
 from stallwatch import catalogue
 from stallwatch.client import wire
-from stallwatch.eventbatch import OVERFLOW, SCHEMAS, EventBatch, EventSink, Interner, discard
+from stallwatch.eventbatch import (
+    DEFAULT_EXPIRE_AFTER_S,
+    SCHEMAS,
+    EventBatch,
+    EventSink,
+    Interner,
+    SeriesCap,
+    discard,
+)
 from stallwatch.exporters.collector import CollectorContext, register_collector
 from stallwatch.exporters.events_decode import Decoded, Records, RejectedBatchError, decode, peek_events
 from stallwatch.exporters.gpu_directory import GpuDirectory
 from stallwatch.exporters.receiver import EventReceiver
-from stallwatch.flags import positive_int
+from stallwatch.flags import positive_float, positive_int
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +91,7 @@ class EventsCollector:
         queue_limit: int = 200_000,
         jobs: Interner | None = None,
         rank_limit: int = 64,
+        expire_after_s: float | None = DEFAULT_EXPIRE_AFTER_S,
         sink: EventSink = discard,
         socket_group: int | None = None,
         clock_ns: Callable[[], int] = time.monotonic_ns,
@@ -89,8 +100,7 @@ class EventsCollector:
     ) -> None:
         self._jobs = jobs if jobs is not None else Interner()
         self._gpus = gpus if gpus is not None else GpuDirectory()
-        self._rank_limit = rank_limit
-        self._ranks_folded = 0
+        self._ranks: SeriesCap[int] = SeriesCap(rank_limit, expire_after_s)
         self._sink = sink
         self._clock_ns, self._wall_clock_ns = clock_ns, wall_clock_ns
         self._lock = threading.Lock()  # guards the aggregates below, read by collect()
@@ -121,12 +131,12 @@ class EventsCollector:
                 log.debug("events: rejected a batch: %s", rejected)
                 continue
             job = self._jobs.intern(decoded.source.job)
-            self._aggregate(job, decoded)
+            self._aggregate(job, decoded, now)
             accepted.append((job, decoded))
         if accepted:
             self._forward(accepted)
 
-    def _aggregate(self, job: int, decoded: Decoded) -> None:
+    def _aggregate(self, job: int, decoded: Decoded, now: int) -> None:
         steps, reads = decoded.steps, decoded.reads
         wait = steps["wait_end_ns"] - steps["wait_start_ns"]
         compute = steps["compute_end_ns"] - steps["wait_end_ns"]
@@ -134,7 +144,8 @@ class EventsCollector:
         by_verdict = np.bincount(reads["verdict"].astype(np.int64) + 1, minlength=3)
         read_bytes = int(reads["bytes"].sum())
         with self._lock:
-            series = self._series_of(job, decoded.source.rank)
+            self._expire(now)
+            series = self._series.setdefault(self._ranks.admit(job, str(decoded.source.rank), now), _Series())
             series.wait.add(wait)
             series.compute.add(compute)
             series.read_duration.add(duration)
@@ -145,16 +156,10 @@ class EventsCollector:
             self._events["step"] += len(steps)
             self._events["read"] += len(reads)
 
-    def _series_of(self, job: int, rank: int) -> _Series:
-        """The series of (job, rank), or of (job, __other__) once the node holds `rank_limit` of them."""
-        key = (job, str(rank))
-        found = self._series.get(key)
-        if found is None:
-            if len(self._series) >= self._rank_limit:
-                self._ranks_folded += 1
-                key = (job, OVERFLOW)
-            found = self._series.setdefault(key, _Series())
-        return found
+    def _expire(self, now: int) -> None:
+        """Drop the series of (job, rank) pairs idle past the expiry; the caller holds the lock."""
+        for key in self._ranks.expire(now):
+            del self._series[key]
 
     def _forward(self, accepted: list[tuple[int, Decoded]]) -> None:
         sources = [{"job": job, "rank": d.source.rank, "gpu": self._gpus.index_of(d.source.gpu_uuid, d.source.gpu),
@@ -179,6 +184,7 @@ class EventsCollector:
         dropped = c.RECEIVER_DROPPED_EVENTS.family()
         folded, up = c.RECEIVER_FOLDED_LABELS.family(), c.RECEIVER_UP.family()
         with self._lock:
+            self._expire(self._clock_ns())
             for (job, rank), series in sorted(self._series.items()):
                 labels = [self._jobs.name(job), rank]
                 series.wait.add_to(wait, labels)
@@ -195,7 +201,7 @@ class EventsCollector:
             for reason, count in sorted(self._dropped.items()):
                 dropped.add_metric([reason], count)
             folded.add_metric([catalogue.JOB_LABEL], self._jobs.folded)
-            folded.add_metric(["rank"], self._ranks_folded)
+            folded.add_metric(["rank"], self._ranks.folded)
         up.add_metric([], 1.0 if self._receiver.bound else 0.0)
         yield from (wait, compute, read_duration, reads, read_bytes, client_dropped, batches, events, dropped,
                     folded, up)
@@ -225,11 +231,15 @@ def _add_arguments(group: argparse._ArgumentGroup) -> None:
                        metavar="N", help="events waiting to be decoded before batches are dropped "
                        "(default: %(default)s)")
     group.add_argument("--events.job-limit", dest="events_job_limit", type=positive_int, default=64, metavar="N",
-                       help="distinct job names kept as label values; more fold into __other__ "
+                       help="live job names kept as label values; more fold into __other__ "
                        "(default: %(default)s)")
     group.add_argument("--events.rank-limit", dest="events_rank_limit", type=positive_int, default=64, metavar="N",
-                       help="distinct (job, rank) label pairs kept; ranks of more fold into __other__ "
-                       "(default: %(default)s)")
+                       help="live (job, rank) label pairs kept, in the loader and the correlator metrics; "
+                       "ranks of more fold into __other__ (default: %(default)s)")
+    group.add_argument("--events.expire-after", dest="events_expire_after", type=positive_float,
+                       default=DEFAULT_EXPIRE_AFTER_S, metavar="SECONDS",
+                       help="a job or (job, rank) that sent nothing for this long is finished: its loader and "
+                       "correlator series go and it no longer counts against the limits (default: %(default)s)")
     group.add_argument("--events.socket-group", dest="events_socket_group", type=_group_id, default=None,
                        metavar="GROUP", help="group (name or id) that owns the socket and, when the agent creates "
                        "it, its directory: training processes in it may send (default: the agent's own group)")
@@ -246,9 +256,10 @@ def _group_id(text: str) -> int:
 
 def _from_context(context: CollectorContext) -> EventsCollector:
     options = context.options
-    context.jobs.limit = options.events_job_limit
+    context.jobs.limit, context.jobs.expire_after_s = options.events_job_limit, options.events_expire_after
     return EventsCollector(options.events_socket, options.events_queue_limit, context.jobs,
-                           options.events_rank_limit, context.sink, options.events_socket_group, gpus=context.gpus)
+                           options.events_rank_limit, options.events_expire_after, context.sink,
+                           options.events_socket_group, gpus=context.gpus)
 
 
 register_collector("events", True, "loader waits, steps and dataset reads sent by training clients",
