@@ -31,6 +31,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from stallwatch import catalogue as c
 from stallwatch import report
+from stallwatch.demo.agent import AgentSetup, start_agent
+from stallwatch.demo.cluster import ClusterDemo, ClusterSettings
 from stallwatch.demo.hub import Hub, make_dataset
 from stallwatch.demo.processes import stop_process
 from stallwatch.demo.spoke import Nginx, spoke_server_block
@@ -47,7 +49,6 @@ from stallwatch.mixin.alerts import render_alerting_rules
 from stallwatch.mixin.config import Thresholds
 from stallwatch.mixin.rules import render_recording_rules
 
-LISTENING = re.compile(r"listening on (http://\S+?)'")
 PROGRESS = re.compile(r"epoch (\d+) step (\d+)/(\d+)")
 SPOKE_NAME = "demo-spoke"
 ALERT_GRACE_SECONDS = 60.0
@@ -146,30 +147,6 @@ class Demo:
             self.say(f"\n  ALERT received by the webhook: {labels.get('alertname')} ({alert.get('status')}) "
                      f"{alert.get('annotations', {}).get('description', '')}")
 
-    def _start_agent(self, work: Path, spoke: Nginx, hub_url: str) -> tuple[subprocess.Popen[str], str]:
-        command = [
-            sys.executable, "-m", "stallwatch", "agent", "--web.listen-address", "127.0.0.1:0",
-            "--gpu.fake-devices", "1", "--gpu.fake-trace", str(work / "gpu.trace"), "--gpu.interval", "0.5",
-            "--events.socket", str(work / "events.sock"),
-            "--collector.spoke_nginx", "--spoke_nginx.log", str(spoke.access_log), "--spoke_nginx.name", SPOKE_NAME,
-            "--collector.hub_probe", "--hub_probe.target", f"{SPOKE_NAME}={hub_url}/", "--hub_probe.interval", "2",
-            "--correlator.cache-capacity", str(self.s.cache_bytes),
-            "--correlator.window", str(self.s.window_seconds),
-            "--correlator.record-windows", str(work / "windows.jsonl"),
-        ]
-        log = (work / "agent.log").open("w")
-        agent = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, text=True)
-        self._stack.callback(stop_process, agent)
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            match = LISTENING.search((work / "agent.log").read_text())
-            if match:
-                return agent, match.group(1)
-            if agent.poll() is not None:
-                break
-            time.sleep(0.1)
-        raise RuntimeError(f"the agent did not start:\n{(work / 'agent.log').read_text()[-2000:]}")
-
     def _start_monitoring(self, work: Path, agent_url: str) -> Server | None:
         prometheus_bin, alertmanager_bin = find_binary("prometheus"), find_binary("prometheus-alertmanager")
         if prometheus_bin is None:
@@ -215,7 +192,8 @@ class Demo:
             spoke = Nginx(work / "spoke", spoke_server_block(hub.url), f"{max(1, s.cache_bytes // 2**20)}m")
             self._stack.callback(spoke.close)
             self.say(f"  spoke        {spoke.url()}  (nginx proxy_cache, {s.cache_bytes / 2**20:.0f} MiB)")
-            _, agent_url = self._start_agent(work, spoke, hub.url)
+            agent_url = start_agent(self._stack, AgentSetup(work, spoke.access_log, SPOKE_NAME, hub.url,
+                                                            s.cache_bytes, s.window_seconds))
             self.say(f"  agent        {agent_url}")
             prometheus = self._start_monitoring(work, agent_url)
             started = time.time()
@@ -316,16 +294,26 @@ def main(argv: Sequence[str]) -> int:
                         help="spoke capacity, e.g. 150MiB (default: the whole dataset; 85%% of it with --outage)")
     parser.add_argument("--outage", action="store_true", help="cut the hub mid-run so a stall alert fires")
     parser.add_argument("--workdir", type=Path, default=None, help="(default: a new temporary folder)")
+    parser.add_argument("--nodes", type=int, default=1,
+                        help="2 or more: a multi-node data-parallel job, one agent and spoke per node, the last "
+                             "node's spoke cold (its own scenario; the flags above do not apply)")
     options = parser.parse_args(argv)
+    workdir = options.workdir or Path(tempfile.mkdtemp(prefix="stallwatch-demo-"))
+    if options.nodes > 1:
+        return _report_errors(lambda: ClusterDemo(ClusterSettings(nodes=options.nodes, workdir=workdir)).run())
     settings = Settings(
         duration=options.duration, cache_size=options.cache_size, outage=options.outage,
         outage_seconds=options.outage_seconds, rtt_seconds=options.rtt_ms / 1000, bandwidth_mbit=options.bandwidth_mbit,
         shards=options.shards, shard_mib=options.shard_mib, step_seconds=options.step_seconds, workers=options.workers,
         price_per_gb=options.price_per_gb,
-        workdir=options.workdir or Path(tempfile.mkdtemp(prefix="stallwatch-demo-")),
+        workdir=workdir,
     )
+    return _report_errors(lambda: Demo(settings).run())
+
+
+def _report_errors(demo: Callable[[], object]) -> int:
     try:
-        Demo(settings).run()
+        demo()
     except KeyboardInterrupt:
         print("\ninterrupted; everything the demo started is stopped", file=sys.stderr)
         return 130
