@@ -29,6 +29,9 @@ SERIES = {
     stall(B, 2, "remote_fetch"): "0+15x30",
     stall(B, 2, "other"): "0+3x30",
     stall(B, 3, "remote_fetch"): "0+3x30",
+    # the time in which some rank of the job on the node stalled: node b's ranks stall at the same time
+    f'{c.JOB_STALL_SECONDS.name}{{{c.JOB_LABEL}="train", {A}}}': "0+7.5x30",
+    f'{c.JOB_STALL_SECONDS.name}{{{c.JOB_LABEL}="train", {B}}}': "0+18x30",
 }
 JOB = {c.JOB_LABEL: "train"}
 NODE_B = {**JOB, "instance": "b:9842", "node": "b"}
@@ -59,8 +62,9 @@ def test_job_cost_is_the_slowest_rank_times_the_jobs_gpus_and_the_gate_is_found(
                 expect(rules.job_gpus_rule(T).record, (JOB, 4)),
                 expect(rules.job_stall_rule(T).record, (JOB, 0.3)),
                 expect(rules.job_stall_gpu_seconds_rule(T).record, (JOB, 1.2)),  # 4 GPUs x 30 %
-                expect(rules.node_stall_rule(T).record, ({**JOB, "instance": "a:9842", "node": "a"}, 0.1),
+                expect(rules.node_stall_rule(T).record, ({**JOB, "instance": "a:9842", "node": "a"}, 0.125),
                        (NODE_B, 0.3)),
+                expect(rules.job_stall_bound_rule(T).record, (JOB, 0.425)),
                 expect(gating, ({**gate, "cause": "other"}, 0.05), ({**gate, "cause": "remote_fetch"}, 0.25)),
             ],
         }],

@@ -99,8 +99,8 @@ def training_alerts(t: Thresholds) -> tuple[AlertRule, ...]:
                         "slowest rank.",
             runbook="In synchronous data-parallel training every rank waits in the step's collective for the "
                     "slowest one, so one node's input stall idles every GPU of the job, on every node. The value "
-                    "is the share of the job's GPU time its slowest rank on this node spent stalled for input: "
-                    "what the node alone costs the job.\n\n"
+                    "is the share of time in which some rank of the job on this node stalled for input (its agent "
+                    "counts the union of their stalls): what the node alone costs the job's GPU time.\n\n"
                     "Check: the *Job across nodes* row of *Training input stalls*: the gating node and rank and the "
                     "cause of their stalls. `remote_fetch` there points at that node's spoke (cold, smaller than "
                     "the working set, a slow hub link: the *Spoke cache* dashboard for that spoke); `preprocess` "

@@ -113,9 +113,10 @@ def job_across_nodes(t: Thresholds) -> Row:
     return Row("Job across nodes: which node gates the job, and why", (
         Panel("Share of the job's GPU time lost to input stalls",
               "Every GPU of a synchronous job waits for its slowest rank: what share of the job's GPU time do "
-              "input stalls cost, and how much of it does each node's slowest rank cause?",
+              "input stalls cost (at least, and at most), and how much of it does each node cause?",
               Viz.TIMESERIES, "percentunit", (
                   Query(_recorded(rules.job_stall_rule(t)), f"{{{{{J}}}}}: all of its GPUs"),
+                  Query(_recorded(rules.job_stall_bound_rule(t)), f"{{{{{J}}}}}: at most (nodes' stalls apart)"),
                   Query(_recorded(rules.node_stall_rule(t)), f"{{{{{J}}}}}: stalls on {{{{node}}}}"),
               ), thresholds=(t.node_stall_cost_ratio,)),
         Panel("Gating rank's stalls by cause",
