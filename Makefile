@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: test demo generate lint typecheck pytest system-deps helm-tools benchmarks clean
+.PHONY: test demo generate lint typecheck pytest system-deps helm-tools benchmarks image protos clean
 
 test: $(STAMP) system-deps helm-tools lint typecheck pytest
 
@@ -37,6 +37,14 @@ pytest: $(STAMP) system-deps helm-tools
 
 generate: $(STAMP)
 	$(PY) -m stallwatch generate
+
+# The agent's image (Containerfile) with buildah; IMAGE=... names it, BASE=... builds from a registry image.
+image: $(STAMP) system-deps
+	PYTHON=$(PY) scripts/build-image.sh $(IMAGE)
+
+# The kubelet pod-resources modules from stallwatch/exporters/kubelet/api.proto (a test fails when stale).
+protos: $(STAMP)
+	PYTHON=$(PY) scripts/generate-protos.sh
 
 benchmarks: $(STAMP)
 	$(PY) benchmarks/run_all.py

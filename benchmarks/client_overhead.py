@@ -7,7 +7,9 @@
    another process, as the agent would.
 2. Throughput of a real DataLoader pipeline (workers, collation, a small matmul per step), plain
    and through `stallwatch.client.torch.instrument` with every sample read recorded, run
-   alternately and compared on their medians.
+   alternately: the median of the rounds' changes in throughput and in CPU time a sample (the
+   trainer's and its workers'), and their spread. CPU time is what the client adds; throughput is
+   what training sees, and what other tenants of a shared machine disturb most.
 
     PYTHONPATH=. python benchmarks/client_overhead.py [--events N] [--rounds R]
 """
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import pickle
 import statistics
 import subprocess
 import sys
@@ -23,7 +26,9 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import NamedTuple
 
+import psutil
 from prometheus_client import CollectorRegistry, Histogram
 
 from stallwatch.client import ReadSpan, transport, wire
@@ -100,7 +105,60 @@ def per_event(events: int) -> dict[str, float]:
     return results
 
 
-def pipeline_throughput(rounds: int) -> tuple[float, float]:
+def per_batch(batches: int = 2000, size: int = 64) -> tuple[float, float]:
+    """CPU µs a batch through a DataLoader without workers, plain and instrumented, best of 7: what
+    `instrument` adds to each batch (numbering, the tagged collate, the step), free of worker noise."""
+    from torch.utils.data import DataLoader, Dataset
+
+    from stallwatch.client.torch import instrument
+
+    class Indices(Dataset[int]):
+        def __len__(self) -> int:
+            return batches * size
+
+        def __getitem__(self, index: int) -> int:
+            return index
+
+    def cost(loader: DataLoader[int]) -> float:
+        start = time.process_time()
+        for _ in loader:
+            pass
+        return (time.process_time() - start) / batches * 1e6
+
+    def unchanged(samples: list[int]) -> list[int]:
+        return samples
+
+    plain = DataLoader(Indices(), batch_size=size, collate_fn=unchanged)
+    instrumented = instrument(DataLoader(Indices(), batch_size=size, collate_fn=unchanged), job="bench", rank=0)
+    plain_costs, instrumented_costs = [], []
+    for _ in range(7):
+        plain_costs.append(cost(plain))
+        instrumented_costs.append(cost(instrumented))
+    return min(plain_costs), min(instrumented_costs)
+
+
+def pickling_cost(size: int = 64) -> float:
+    """µs more than a plain list that a batch's numbered indices cost on their way to a worker."""
+    from stallwatch.client.torch import NumberedIndices
+
+    def best(indices: list[int]) -> float:
+        timings = []
+        for _ in range(7):
+            start = time.perf_counter()
+            for _ in range(5000):
+                pickle.loads(pickle.dumps(indices))
+            timings.append((time.perf_counter() - start) / 5000 * 1e6)
+        return min(timings)
+
+    return best(NumberedIndices(range(size), 7)) - best(list(range(size)))
+
+
+class Epoch(NamedTuple):
+    samples_per_second: float  # wall clock: what training sees, and what other tenants of the CPU disturb most
+    cpu_per_sample: float  # seconds of CPU, the trainer's and its workers': what the client adds to it
+
+
+def pipeline_throughput(rounds: int) -> tuple[list[Epoch], list[Epoch]]:
     import torch
     from torch.utils.data import DataLoader, Dataset
 
@@ -110,7 +168,7 @@ def pipeline_throughput(rounds: int) -> tuple[float, float]:
         """In-memory samples with a recorded 'read' each, so the client's worker side is exercised."""
 
         def __init__(self) -> None:
-            self.data = torch.randn(4096, 64)
+            self.data = torch.randn(16384, 64)  # an epoch of ~0.5 s: long beside a scheduler hiccup
 
         def __len__(self) -> int:
             return len(self.data)
@@ -123,14 +181,19 @@ def pipeline_throughput(rounds: int) -> tuple[float, float]:
 
     weights = torch.randn(64, 64)
 
-    def epoch(loader: object) -> float:
-        start, samples = time.perf_counter(), 0
-        for batch in loader:  # type: ignore[attr-defined]
+    def cpu_seconds(loader: DataLoader[torch.Tensor]) -> float:
+        """This process's CPU time and its loader workers' (persistent, so alive across epochs)."""
+        workers = loader._iterator._workers if loader._iterator is not None else []  # type: ignore[attr-defined]
+        return time.process_time() + sum(sum(psutil.Process(w.pid).cpu_times()[:2]) for w in workers)
+
+    def epoch(loader: DataLoader[torch.Tensor]) -> Epoch:
+        start, cpu_start, samples = time.perf_counter(), cpu_seconds(loader), 0
+        for batch in loader:
             activations = batch
             for _ in range(40):  # the "training step"
                 activations = torch.tanh(activations @ weights)
             samples += len(batch)
-        return samples / (time.perf_counter() - start)
+        return Epoch(samples / (time.perf_counter() - start), (cpu_seconds(loader) - cpu_start) / samples)
 
     torch.set_num_threads(1)
     plain_loader = DataLoader(Samples(), batch_size=64, num_workers=2, persistent_workers=True)
@@ -138,10 +201,14 @@ def pipeline_throughput(rounds: int) -> tuple[float, float]:
                               job="bench", rank=0)
     epoch(plain_loader), epoch(instrumented)  # warm up: start the workers
     plain, with_client = [], []
-    for _ in range(rounds):
-        plain.append(epoch(plain_loader))
-        with_client.append(epoch(instrumented))
-    return statistics.median(plain), statistics.median(with_client)
+    for round_number in range(rounds):  # the order flips every round, so neither side always goes first
+        if round_number % 2:
+            with_client.append(epoch(instrumented))
+            plain.append(epoch(plain_loader))
+        else:
+            plain.append(epoch(plain_loader))
+            with_client.append(epoch(instrumented))
+    return plain, with_client
 
 
 def main() -> int:
@@ -156,7 +223,9 @@ def main() -> int:
             assert drain.stdout is not None and drain.stdout.readline().strip() == "ready"
             transport.configure(path)
             costs = per_event(args.events)
-            plain, with_client = pipeline_throughput(args.rounds)
+            batch_plain, batch_instrumented = per_batch()
+            pickling = pickling_cost()
+            plain_rounds, client_rounds = pipeline_throughput(args.rounds)
         finally:
             drain.kill()
             drain.wait()
@@ -169,10 +238,22 @@ def main() -> int:
     record = costs["record one event (append + pack + send)"]
     print(f"  record one event / Histogram.observe       {record / observe:8.2f}x")
     print(f"  monitor() step overhead / Histogram.observe {costs['monitor() overhead per step'] / observe:7.2f}x")
-    print(f"DataLoader pipeline (2 workers, batch 64, median of {args.rounds} alternating epochs):")
-    print(f"  plain          {plain:10.0f} samples/s")
-    print(f"  with client    {with_client:10.0f} samples/s")
-    print(f"  throughput change {100 * (with_client - plain) / plain:+.2f} %")
+    print("per batch of 64, DataLoader without workers (CPU, best of 7):")
+    print(f"  plain {batch_plain:6.2f} µs, instrumented {batch_instrumented:6.2f} µs: instrument() adds "
+          f"{batch_instrumented - batch_plain:.2f} µs a batch, and {pickling:.2f} µs pickling its numbered indices "
+          "to a worker")
+    print(f"DataLoader pipeline (2 workers, batch 64, {args.rounds} rounds of a plain and an instrumented epoch):")
+    print(f"  plain          {statistics.median(e.samples_per_second for e in plain_rounds):10.0f} samples/s, "
+          f"{1e6 * statistics.median(e.cpu_per_sample for e in plain_rounds):6.2f} µs CPU a sample (medians)")
+    print(f"  with client    {statistics.median(e.samples_per_second for e in client_rounds):10.0f} samples/s, "
+          f"{1e6 * statistics.median(e.cpu_per_sample for e in client_rounds):6.2f} µs CPU a sample (medians)")
+    # Each round is a plain and an instrumented epoch side by side: its change pairs two neighbours in time.
+    for name, field in (("throughput", 0), ("CPU a sample", 1)):
+        changes = sorted(100 * (client[field] / plain[field] - 1)
+                         for plain, client in zip(plain_rounds, client_rounds, strict=True))
+        quartiles = statistics.quantiles(changes, n=4)
+        print(f"  {name} change, median of the rounds {statistics.median(changes):+.2f} %; spread: quartiles "
+              f"{quartiles[0]:+.2f} .. {quartiles[2]:+.2f} %, range {changes[0]:+.2f} .. {changes[-1]:+.2f} %")
     return 0
 
 

@@ -15,10 +15,10 @@ import os
 import time
 
 import numpy as np
+from naive_attribution import NaiveAttributor  # a sibling: this runs as a script
 
 from stallwatch.catalogue import CAUSES
 from stallwatch.correlator.pipeline import CorrelatorPipeline
-from stallwatch.correlator.reference import NaiveAttributor
 from stallwatch.correlator.results import WindowResult
 from stallwatch.correlator.settings import CorrelatorSettings
 from stallwatch.eventbatch import SCHEMAS, EventBatch, Verdict

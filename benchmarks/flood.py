@@ -14,7 +14,7 @@ default) sheds what passes its caps and counts it in `correlator_dropped_events_
 kind and reason. `run()` is what
 tests/test_flood.py calls for a few seconds; this script runs it longer:
 
-    PYTHONPATH=. .venv/bin/python benchmarks/flood.py [--seconds 30] [--rate 500000]
+    .venv/bin/python benchmarks/flood.py [--seconds 30] [--rate 500000]
 """
 
 from __future__ import annotations
@@ -26,12 +26,12 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import psutil
-from prometheus_client.parser import text_string_to_metric_families
+
+from stallwatch.harness import Samples, scrape, start_agent, stop_agent, timed_scrape, total
 
 NOMINAL_RATE = 50_000
 RANKS, WORKERS = 8, 64
@@ -84,21 +84,6 @@ def client_flood(socket_path: str, rate: int, seconds: float) -> ClientCounts:
     return ClientCounts(sent, sum(c.dropped_total for c in channels), sum(c.dropped_unreported for c in channels))
 
 
-def scrape(url: str) -> tuple[float, dict[tuple[str, tuple[tuple[str, str], ...]], float]]:
-    started = time.perf_counter()
-    with urllib.request.urlopen(url, timeout=30) as reply:
-        text = reply.read().decode()
-    elapsed = time.perf_counter() - started
-    return elapsed, {
-        (s.name, tuple(sorted(s.labels.items()))): s.value
-        for family in text_string_to_metric_families(text) for s in family.samples
-    }
-
-
-def total(metrics: dict[tuple[str, tuple[tuple[str, str], ...]], float], name: str) -> float:
-    return sum(value for (metric, _), value in metrics.items() if metric == name)
-
-
 @dataclass
 class FloodReport:
     rate: int
@@ -128,7 +113,7 @@ class FloodReport:
 
 def run(url: str, pid: int, socket_path: str, rate: int = 10 * NOMINAL_RATE, seconds: float = 3.0) -> FloodReport:
     agent = psutil.Process(pid)
-    idle = [scrape(url)[0] for _ in range(10)]
+    idle = [timed_scrape(url)[0] for _ in range(10)]
     rss_idle = agent.memory_info().rss
     client = subprocess.Popen(
         [sys.executable, __file__, "client", socket_path, str(rate), str(seconds)],
@@ -138,7 +123,7 @@ def run(url: str, pid: int, socket_path: str, rate: int = 10 * NOMINAL_RATE, sec
     failures, rss_max = 0, rss_idle
     while client.poll() is None:
         try:
-            during.append(scrape(url)[0])
+            during.append(timed_scrape(url)[0])
         except OSError:
             failures += 1
         rss_max = max(rss_max, agent.memory_info().rss)
@@ -146,15 +131,15 @@ def run(url: str, pid: int, socket_path: str, rate: int = 10 * NOMINAL_RATE, sec
     out, _ = client.communicate(timeout=60)
     counts = ClientCounts(**json.loads(out))
 
-    def settled() -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-        metrics = scrape(url)[1]
+    def settled() -> Samples:
+        metrics = scrape(url, timeout=30)
         for _ in range(200):  # the agent's queue drains within a few scrapes; bounded anyway
             accounted = (total(metrics, "stallwatch_receiver_events_total")
                          + total(metrics, "stallwatch_receiver_dropped_events_total") + counts.dropped)
             if accounted >= counts.sent:
                 break
             time.sleep(0.05)
-            metrics = scrape(url)[1]
+            metrics = scrape(url, timeout=30)
         return metrics
 
     metrics = settled()
@@ -184,7 +169,6 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=30.0)
     parser.add_argument("--rate", type=int, default=10 * NOMINAL_RATE)
     args = parser.parse_args()
-    from tests.conftest import start_agent, stop_agent
 
     workdir = Path(tempfile.mkdtemp(prefix="sw-flood-"))
     socket_path = str(workdir / "events.sock")

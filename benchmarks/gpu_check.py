@@ -30,7 +30,21 @@ def calls(nvml: Any, handle: Any) -> list[tuple[str, Callable[[], Any]]]:
         ("nvmlDeviceGetComputeRunningProcesses", lambda: len(nvml.nvmlDeviceGetComputeRunningProcesses(handle))),
         ("nvmlDeviceGetPcieThroughput(RX)", lambda: nvml.nvmlDeviceGetPcieThroughput(handle, rx)),
         ("nvmlDeviceGetPcieThroughput(TX)", lambda: nvml.nvmlDeviceGetPcieThroughput(handle, tx)),
+        ("nvmlDeviceGetMaxMigDeviceCount", unless_mig_off(nvml, lambda: nvml.nvmlDeviceGetMaxMigDeviceCount(handle))),
+        ("nvmlDeviceGetMigDeviceHandleByIndex(0) UUID", unless_mig_off(
+            nvml, lambda: nvml.nvmlDeviceGetUUID(nvml.nvmlDeviceGetMigDeviceHandleByIndex(handle, 0)))),
     ]
+
+
+def unless_mig_off(nvml: Any, call: Callable[[], Any]) -> Callable[[], Any]:
+    """A GPU without MIG devices answers the MIG calls with an error: an expected result, not a failure."""
+    def answer() -> Any:
+        try:
+            return call()
+        except nvml.NVMLError as error:
+            return f"{type(error).__name__} (no MIG devices: expected)"
+
+    return answer
 
 
 def time_call(call: Callable[[], Any], repeat: int) -> tuple[str, float]:

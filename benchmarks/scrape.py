@@ -10,8 +10,6 @@ and measures the agent's CPU share while idle-scraped. Prints ratios measured in
 from __future__ import annotations
 
 import argparse
-import os
-import re
 import statistics
 import subprocess
 import sys
@@ -19,10 +17,11 @@ import tempfile
 import textwrap
 import time
 import urllib.request
+from pathlib import Path
 
 import psutil
 
-LISTENING = re.compile(r"listening on (http://\S+?)'")
+from stallwatch.harness import start_agent, stop_agent
 
 BARE_SERVER = textwrap.dedent(
     """
@@ -40,21 +39,6 @@ BARE_SERVER = textwrap.dedent(
 )
 
 
-def start_agent() -> tuple[subprocess.Popen[str], str]:
-    socket_path = os.path.join(tempfile.mkdtemp(prefix="sw-bench-"), "events.sock")
-    agent = subprocess.Popen(
-        [sys.executable, "-m", "stallwatch", "agent", "--web.listen-address", "127.0.0.1:0",
-         "--gpu.fake-devices", "8", "--gpu.interval", "0.1", "--events.socket", socket_path],
-        stderr=subprocess.PIPE, text=True,
-    )
-    assert agent.stderr is not None
-    for line in agent.stderr:
-        match = LISTENING.search(line)
-        if match:
-            return agent, match.group(1)
-    raise SystemExit("agent did not start")
-
-
 def get(url: str) -> tuple[float, bytes]:
     start = time.perf_counter()
     body = urllib.request.urlopen(url, timeout=10).read()
@@ -70,7 +54,9 @@ def main() -> int:
     parser.add_argument("--scrapes", type=int, default=200)
     parser.add_argument("--cpu-seconds", type=float, default=20.0)
     options = parser.parse_args()
-    agent, agent_url = start_agent()
+    workdir = Path(tempfile.mkdtemp(prefix="sw-bench-"))
+    agent = start_agent(["--gpu.fake-devices", "8", "--gpu.interval", "0.1"], workdir / "agent.log")
+    agent_url = agent.url
     try:
         time.sleep(2)  # let the poller fill every GPU's readings
         series = series_count(get(agent_url)[1])
@@ -84,7 +70,7 @@ def main() -> int:
                 bare_times.append(get(bare_url)[0])
         finally:
             bare.kill()
-        process = psutil.Process(agent.pid)
+        process = psutil.Process(agent.process.pid)
         before, wall = process.cpu_times(), time.monotonic()
         rss_before = process.memory_info().rss
         scrapes_during = 0
@@ -96,8 +82,7 @@ def main() -> int:
         cpu_share = (after.user + after.system - before.user - before.system) / elapsed
         rss = process.memory_info().rss
     finally:
-        agent.terminate()
-        agent.wait(timeout=10)
+        stop_agent(agent)
 
     def ms(values: list[float], q: float) -> float:
         return statistics.quantiles(values, n=100)[int(q) - 1] * 1000 if q < 100 else max(values) * 1000

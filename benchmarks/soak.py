@@ -6,7 +6,7 @@ an nginx-format spoke log appended to and rotated every few minutes. Prometheus 
 every second. Every `--sample` seconds the agent's RSS and open file descriptors are recorded; the
 report gives first, last and max, and the growth from the first to the last quarter of the run.
 
-    PYTHONPATH=. .venv/bin/python benchmarks/soak.py [--seconds 3600] [--rate 50000] [--sample 10]
+    .venv/bin/python benchmarks/soak.py [--seconds 3600] [--rate 50000] [--sample 10]
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from pathlib import Path
 
 import psutil
 
-from benchmarks.flood import scrape, total
+from stallwatch.harness import scrape, start_agent, stop_agent, timed_scrape, total
 
 ROTATE_SECONDS = 300
 
@@ -42,7 +42,6 @@ def main() -> None:
     parser.add_argument("--rate", type=int, default=50_000, help="client events per second (default: nominal)")
     parser.add_argument("--sample", type=float, default=10.0, help="seconds between RSS/fd samples")
     args = parser.parse_args()
-    from tests.conftest import start_agent, stop_agent
 
     workdir = Path(tempfile.mkdtemp(prefix="sw-soak-"))
     socket_path, log = str(workdir / "events.sock"), workdir / "access.log"
@@ -66,12 +65,12 @@ def main() -> None:
                 log.rename(log.with_suffix(".log.1"))
                 log.touch()
                 next_rotation += ROTATE_SECONDS
-            scrapes.append(scrape(agent.url)[0])
+            scrapes.append(timed_scrape(agent.url)[0])
             if elapsed >= next_sample:
                 samples.append((elapsed, process.memory_info().rss / 2**20, process.num_fds()))
                 next_sample += args.sample
             time.sleep(max(0.0, 1.0 - (time.monotonic() - start - elapsed)))
-        metrics = scrape(agent.url)[1]
+        metrics = scrape(agent.url)
         samples.append((time.monotonic() - start, process.memory_info().rss / 2**20, process.num_fds()))
     finally:
         client.wait(timeout=args.seconds + 120)

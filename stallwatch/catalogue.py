@@ -1,8 +1,9 @@
 """Every metric stallwatch exposes, defined once.
 
 Exporters, the correlator, dashboards, alerts, the metrics reference (docs/metrics.md) and the tests
-all read these definitions; nothing else spells a metric name. Labels are bounded by design: job, rank,
-gpu, spoke, cause and a few small enumerations, never a path, URL, pid or batch id.
+all read these definitions; nothing else spells a metric name. Labels are bounded by design: training_job, rank,
+gpu, spoke, cause and a few small enumerations, never a path, URL, pid or batch id. Pod names appear on
+one info series per allocated GPU device only (stallwatch_gpu_pod_info), never on a measurement.
 """
 
 from __future__ import annotations
@@ -19,9 +20,10 @@ from prometheus_client.core import (
 )
 
 PREFIX = "stallwatch_"
-# The label naming the training job on loader and correlator metrics. Rules and dashboards refer to it
-# by this name, never by spelling it, so that renaming it is a change here and in the labels below.
-JOB_LABEL = "job"
+# The label naming the training job on loader and correlator metrics. Not `job`, which Prometheus gives
+# every series it scrapes (the scrape job): both coexist without honor_labels, as dcgm-exporter keeps its
+# HPC job in `hpc_job`. Rules and dashboards refer to it by this name, never by spelling it.
+JOB_LABEL = "training_job"
 
 
 class Kind(Enum):
@@ -102,7 +104,8 @@ def histogram(
 
 
 # --- agent -------------------------------------------------------------------------------------------
-BUILD_INFO = gauge("agent", "build_info", "", ["version"], "Always 1; the agent's version as a label.")
+BUILD_INFO = gauge("agent", "build_info", "", ["version", "revision"],
+                   "Always 1; the agent's version and the git revision it was built from (unknown if not known).")
 SCRAPE_COLLECTOR_DURATION = gauge(
     "agent", "scrape_collector_duration_seconds", "seconds", ["collector"],
     "Time a collector took to produce its metrics on this scrape.",
@@ -162,6 +165,26 @@ GPU_NVML_ERRORS = counter(
     "NVML calls that failed, by function and error (gpu is empty for calls not tied to a device).",
 )
 
+# --- pods (the kubelet's pod-resources API) ---------------------------------------------------------
+GPU_POD_INFO = gauge(
+    "pods", "gpu_pod_info", "", ["gpu", "device", "resource", "namespace", "pod", "container"],
+    "Always 1 for each GPU device the kubelet allocated to a running container; device is the device "
+    "plugin's id (GPU-... or MIG-...), gpu the index of the physical GPU it lives on (empty when NVML "
+    "does not know it). Join on gpu for pod labels; the series goes when the pod does.",
+)
+PODS_KUBELET_UP = gauge(
+    "pods", "pods_kubelet_up", "", [], "1 if the last List call to the kubelet's pod-resources API succeeded."
+)
+PODS_KUBELET_ERRORS = counter(
+    "pods", "pods_kubelet_errors_total", "", ["code"],
+    "List calls to the kubelet's pod-resources API that failed, by gRPC status code (lower case).",
+)
+PODS_DROPPED_ALLOCATIONS = counter(
+    "pods", "pods_dropped_allocations_total", "", [],
+    "GPU device allocations left out of stallwatch_gpu_pod_info, summed over answers, because the kubelet "
+    "listed more than the per-node cap (a broken kubelet or device plugin).",
+)
+
 # --- host (psutil) -----------------------------------------------------------------------------------
 HOST_CPU_SECONDS = counter(
     "host", "host_cpu_seconds_total", "seconds", ["mode"], "CPU time spent in each mode, all cores."
@@ -191,22 +214,22 @@ HOST_DISK_IO_SECONDS = counter(
 
 # --- loader: the training client and the agent's event receiver ---------------------------------------
 LOADER_WAIT = histogram(
-    "loader", "loader_wait_seconds", "seconds", ["job", "rank"],
+    "loader", "loader_wait_seconds", "seconds", [JOB_LABEL, "rank"],
     "Time the training loop waited in next(loader) for a batch.",
 )
 STEP_COMPUTE = histogram(
-    "loader", "step_compute_seconds", "seconds", ["job", "rank"],
+    "loader", "step_compute_seconds", "seconds", [JOB_LABEL, "rank"],
     "Time from receiving a batch to asking for the next one (the step's work).",
 )
 DATASET_READS = counter(
-    "loader", "dataset_reads_total", "", ["job", "rank", "verdict"],
+    "loader", "dataset_reads_total", "", [JOB_LABEL, "rank", "verdict"],
     "Dataset reads by loader workers, by the cache's verdict (hit, miss, unknown) as the reader saw it.",
 )
 DATASET_READ_BYTES = counter(
-    "loader", "dataset_read_bytes_total", "bytes", ["job", "rank"], "Bytes read by loader workers."
+    "loader", "dataset_read_bytes_total", "bytes", [JOB_LABEL, "rank"], "Bytes read by loader workers."
 )
 DATASET_READ_DURATION = histogram(
-    "loader", "dataset_read_duration_seconds", "seconds", ["job", "rank"],
+    "loader", "dataset_read_duration_seconds", "seconds", [JOB_LABEL, "rank"],
     "Duration of single dataset reads in loader workers.",
 )
 RECEIVER_BATCHES = counter(
@@ -221,17 +244,18 @@ RECEIVER_DROPPED_EVENTS = counter(
     "Events the agent dropped after receiving them (queue full under a flood, or in a rejected batch).",
 )
 CLIENT_DROPPED_EVENTS = counter(
-    "loader", "client_dropped_events_total", "", ["job", "rank"],
+    "loader", "client_dropped_events_total", "", [JOB_LABEL, "rank"],
     "Events training clients could not send (agent absent or slow), as the clients report them.",
 )
 RECEIVER_FOLDED_LABELS = counter(
     "loader", "receiver_folded_label_values_total", "", ["label"],
-    "Batches whose job name (label=job) or (job, rank) pair (label=rank) was past the per-node cap and was "
+    "Batches whose job name (label=training_job) or (job, rank) pair (label=rank) was past the per-node cap and was "
     "folded into the value __other__.",
 )
 RECEIVER_UP = gauge(
     "loader", "receiver_up", "", [],
-    "1 if the agent is bound to the events socket, 0 if it could not bind (clients count their events as dropped).",
+    "1 if the agent is bound to the events socket, 0 if it could not bind, another running agent holds the path, "
+    "or the path no longer names its socket (clients count their events as dropped).",
 )
 
 
@@ -276,7 +300,7 @@ SPOKE_HUB_PROBE_FAILURES = counter(
 )
 SPOKE_COLLECTOR_ERRORS = counter(
     "spoke", "spoke_collector_errors_total", "", ["spoke", "reason"],
-    "Problems reading the spoke's statistics: malformed log lines, failed scrapes, timeouts.",
+    "Problems reading the spoke's statistics: malformed, oversize or lost log lines, failed scrapes, timeouts.",
 )
 # NFS client view of a spoke mounted over NFS (/proc/self/mountstats, READ operations only): the
 # spoke's latency as the node sees it, where the spoke itself has no hit/miss counter.
@@ -309,7 +333,7 @@ SPOKE_NFS_READ_ERRORS = counter(
 CAUSES = ("remote_fetch", "cache_read", "preprocess", "other")
 PHASES = ("cold", "transition", "steady")
 STALL_SECONDS = counter(
-    "correlator", "stall_seconds_total", "seconds", ["job", "rank", "cause"],
+    "correlator", "stall_seconds_total", "seconds", [JOB_LABEL, "rank", "cause"],
     "Loader-wait seconds above the stall threshold, each attributed to exactly one cause.",
 )
 JOB_STALL_SECONDS = counter(
@@ -318,32 +342,33 @@ JOB_STALL_SECONDS = counter(
     "(the union of their stalls in time): what a synchronous job loses per GPU to this node's input stalls.",
 )
 COMPUTE_SECONDS = counter(
-    "correlator", "compute_seconds_total", "seconds", ["job", "rank"], "Seconds the rank spent computing."
+    "correlator", "compute_seconds_total", "seconds", [JOB_LABEL, "rank"], "Seconds the rank spent computing."
 )
 INPUT_BOUND_RATIO = gauge(
-    "correlator", "input_bound_ratio", "ratio", ["job", "rank"],
+    "correlator", "input_bound_ratio", "ratio", [JOB_LABEL, "rank"],
     "Share of step time spent waiting for input over the last window: wait / (wait + compute).",
 )
 GPU_STALL_IDLE_SECONDS = counter(
-    "correlator", "gpu_stall_idle_seconds_total", "seconds", ["job", "gpu", "cause"],
+    "correlator", "gpu_stall_idle_seconds_total", "seconds", [JOB_LABEL, "gpu", "cause"],
     "GPU idle seconds (from NVML samples) during stalls of the rank on that GPU, by the stall's cause.",
 )
 WARMUP_PHASE = gauge(
-    "correlator", "warmup_phase", "", ["job", "phase"], "1 for the job's current phase: cold, transition, steady."
+    "correlator", "warmup_phase", "", [JOB_LABEL, "phase"],
+    "1 for the job's current phase: cold, transition, steady."
 )
 WARMUP_TIME_TO_STEADY = gauge(
-    "correlator", "warmup_time_to_steady_seconds", "seconds", ["job"],
+    "correlator", "warmup_time_to_steady_seconds", "seconds", [JOB_LABEL],
     "Seconds from the job's first event to its first steady window.",
 )
 WARMUP_IDLE_GPU_SECONDS = gauge(
-    "correlator", "warmup_idle_gpu_seconds", "seconds", ["job"],
+    "correlator", "warmup_idle_gpu_seconds", "seconds", [JOB_LABEL],
     "GPU idle seconds during stalls from the job's start until steady state: the warm-up's cost.",
 )
 WARMUP_HUB_BYTES = gauge(
-    "correlator", "warmup_hub_bytes", "bytes", ["job"], "Bytes fetched from the hub until steady state."
+    "correlator", "warmup_hub_bytes", "bytes", [JOB_LABEL], "Bytes fetched from the hub until steady state."
 )
 WARMUP_REGRESSIONS = counter(
-    "correlator", "warmup_regressions_total", "", ["job"],
+    "correlator", "warmup_regressions_total", "", [JOB_LABEL],
     "Times the job fell out of steady state (eviction, thrash, hub trouble).",
 )
 CACHE_WHATIF_HIT_RATIO = gauge(

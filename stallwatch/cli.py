@@ -14,7 +14,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "demo": ("stallwatch.demo.run", "run a hub, a spoke, a training job and the agent on this machine"),
     "generate": ("stallwatch.mixin.generate", "write the generated artifacts (docs, dashboards, rules)"),
     "publish": ("stallwatch.publish", "push the generated dashboards to Grafana and rules to Prometheus"),
-    "report": ("stallwatch.report", "write an HTML warm-up report of a run"),
+    "report": ("stallwatch.report.command", "write an HTML warm-up report of a run"),
 }
 
 
@@ -23,7 +23,8 @@ EXTRAS: dict[str, str] = {"grafana_foundation_sdk": "generate", "matplotlib": "r
 
 
 def usage() -> str:
-    lines = ["usage: stallwatch COMMAND [ARGS]   (stallwatch COMMAND --help for its options)", "", "commands:"]
+    lines = ["usage: stallwatch COMMAND [ARGS]   (stallwatch COMMAND --help for its options)",
+             "       stallwatch --version", "", "commands:"]
     lines += [f"  {name:10} {text}" for name, (_, text) in COMMANDS.items()]
     return "\n".join(lines) + "\n"
 
@@ -33,6 +34,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not args or args[0] in ("-h", "--help"):
         print(usage(), end="")
         return 0 if args else 2
+    if args[0] == "--version":
+        from stallwatch.build import version_text
+        print(version_text("stallwatch"))
+        return 0
     command = COMMANDS.get(args[0])
     if command is None:
         print(f"stallwatch: error: unknown command {args[0]!r} (try: {', '.join(COMMANDS)})", file=sys.stderr)

@@ -133,7 +133,7 @@ def discard(batch: EventBatch) -> None:
     """The sink used when nothing consumes batches (the correlator is disabled)."""
 
 
-OVERFLOW = "__other__"
+OVERFLOW = wire.OVERFLOW_NAME
 
 
 class Interner:

@@ -15,11 +15,9 @@ from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
-from prometheus_client.parser import text_string_to_metric_families
-
-from stallwatch.demo.processes import free_port
 from stallwatch.demo.spoke import Nginx, nginx_binary
-from tests.conftest import ROOT, start_agent, stop_agent
+from stallwatch.harness import free_port, scrape, start_agent, stop_agent
+from tests.conftest import ROOT
 
 NGINX = nginx_binary()
 __all__ = ["NGINX", "ROOT", "Agent", "Hub", "Nginx", "free_port", "get"]
@@ -80,13 +78,7 @@ class Agent:
         return self._agent.stderr().splitlines(keepends=True)
 
     def scrape(self) -> dict[tuple[str, ...], float]:
-        with urllib.request.urlopen(self.url, timeout=10) as response:
-            text = response.read().decode()
-        samples: dict[tuple[str, ...], float] = {}
-        for family in text_string_to_metric_families(text):
-            for sample in family.samples:
-                samples[(sample.name, *(f"{k}={v}" for k, v in sorted(sample.labels.items())))] = sample.value
-        return samples
+        return {(name, *(f"{k}={v}" for k, v in labels)): value for (name, labels), value in scrape(self.url).items()}
 
     def close(self) -> None:
         stop_agent(self._agent)

@@ -3,31 +3,34 @@
 from __future__ import annotations
 
 import argparse
+import json
+import select
+import signal
+import socket
 import subprocess
 import sys
 import time
+import urllib.parse
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import requests
 from prometheus_client.core import Metric
-from prometheus_client.parser import text_string_to_metric_families
 
-from stallwatch import catalogue
+from stallwatch import __version__, build, catalogue, harness
 from stallwatch.eventbatch import EventBatch, discard
 from stallwatch.exporters.agent import _build
 from stallwatch.exporters.collector import Collector, CollectorContext, CollectorSpec
 from stallwatch.exporters.config import ConfigError
-from tests.conftest import ROOT, AgentProcess
+from stallwatch.harness import AgentProcess
+from tests.conftest import ROOT
 
 
 def scrape(agent: AgentProcess) -> dict[str, list[tuple[dict[str, str], float]]]:
-    text = requests.get(agent.url, timeout=10).text
     out: dict[str, list[tuple[dict[str, str], float]]] = {}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            out.setdefault(s.name, []).append((s.labels, s.value))
+    for (name, labels), value in harness.scrape(agent.url).items():
+        out.setdefault(name, []).append((dict(labels), value))
     return out
 
 
@@ -91,7 +94,8 @@ def test_config_file_sets_options_and_flags_win(
     ("args", "config", "message"),
     [
         (["--bogus"], None, "unrecognized arguments: --bogus"),
-        (["--gpu.interval", "-1"], None, "must be > 0"),
+        (["--log.format", "text"], None, "invalid choice: 'text'"),
+        (["--gpu.interval", "-1"], None, "must be in (0, 60]"),
         (["--web.listen-address", "nowhere"], None, "is not [HOST]:PORT"),
         (["--config.file", "{config}"], "collector.gpu: [", "not valid YAML at line"),
         (["--config.file", "{config}"], "colector.gpu: true", "unknown option 'colector.gpu'"),
@@ -159,3 +163,62 @@ def test_a_collector_that_cannot_be_built_is_a_one_line_config_error() -> None:
     with pytest.raises(ConfigError, match=r"^collector broken: no such file$"):
         _build([CollectorSpec("broken", True, "", broken)], CollectorContext(options=argparse.Namespace(),
                                                                              sink=discard))
+
+
+def test_a_burst_of_connections_waits_in_the_listen_queue(agent_factory: Callable[..., AgentProcess]) -> None:
+    """50 scrapers connecting at once while the agent is busy (here: stopped) are queued by the kernel,
+    not dropped to SYN retries (Python's default backlog is 5; the exporters' is 128)."""
+    agent = agent_factory("--no-collector.gpu", "--no-collector.host")
+    host, port = urllib.parse.urlsplit(agent.url).netloc.split(":")
+    agent.process.send_signal(signal.SIGSTOP)
+    clients = [socket.socket() for _ in range(50)]
+    try:
+        for client in clients:
+            client.setblocking(False)
+            client.connect_ex((host, int(port)))
+        time.sleep(1.0)
+        _, connected, _ = select.select([], clients, [], 0)
+        established = sum(client.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR) == 0 for client in connected)
+    finally:
+        agent.process.send_signal(signal.SIGCONT)
+        for client in clients:
+            client.close()
+    print(f"{established} of 50 simultaneous connections established while the agent was busy")
+    assert established == 50
+
+
+def checkout_revision() -> str:
+    """What the agent should report from this tree: git's HEAD where it is a checkout, else unknown."""
+    if not (ROOT / ".git").exists():
+        return build.UNKNOWN
+    return subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True,
+                          check=True).stdout.strip()[:12]
+
+
+@pytest.mark.parametrize("command", [["--version"], ["agent", "--version"]])
+def test_version_prints_version_and_revision_and_exits_0(command: list[str]) -> None:
+    result = run_cli(*command)
+    assert result.returncode == 0, result.stderr
+    program = "stallwatch agent" if command[0] == "agent" else "stallwatch"
+    assert result.stdout.startswith(f"{program}, version {__version__} (revision: {checkout_revision()},")
+    assert len(result.stdout.strip().splitlines()) == 1
+
+
+def test_build_info_carries_version_and_revision(agent_factory: Callable[..., AgentProcess]) -> None:
+    metrics = scrape(agent_factory("--no-collector.gpu", "--no-collector.host"))
+    assert metrics[catalogue.BUILD_INFO.name] == [({"version": __version__, "revision": checkout_revision()}, 1.0)]
+
+
+def test_revision_sources(tmp_path: Path) -> None:
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    assert build._from_direct_url(json.dumps({"url": "https://x/y.git", "vcs_info": {"vcs": "git",
+                                                                                      "commit_id": commit}})) \
+        == commit[:12]
+    # An install from a directory or an index records no commit; a damaged record is no revision either.
+    assert build._from_direct_url(json.dumps({"url": "file:///src", "dir_info": {}})) is None
+    assert build._from_direct_url("{not json") is None
+    (tmp_path / "_revision").write_text(commit.upper() + "\n")
+    assert build._from_file(tmp_path / "_revision") == commit[:12]
+    (tmp_path / "_revision").write_text("v1.2 dirty\n")
+    assert build._from_file(tmp_path / "_revision") is None
+    assert build._from_checkout(tmp_path) is None  # not a git checkout

@@ -40,32 +40,32 @@ def s(metric: c.AnyMetricDef, *labels: str, suffix: str = "") -> str:
 
 CASES = (
     Case("StallwatchGPUsStarvedByRemoteFetches", {
-        s(c.GPU_STALL_IDLE_SECONDS, 'job="train"', N1, 'gpu="0"', 'cause="remote_fetch"'): "0+18x30",
-        s(c.GPU_STALL_IDLE_SECONDS, 'job="train"', N1, 'gpu="0"', 'cause="cache_read"'): "0+30x30",
-        s(c.GPU_STALL_IDLE_SECONDS, 'job="train"', N1, 'gpu="1"', 'cause="remote_fetch"'): "0+6x30",
-    }, "20m", (({"job": "train"}, "GPUs of job train spent 20% of their time idle during stalls attributed to "
+        s(c.GPU_STALL_IDLE_SECONDS, 'training_job="train"', N1, 'gpu="0"', 'cause="remote_fetch"'): "0+18x30",
+        s(c.GPU_STALL_IDLE_SECONDS, 'training_job="train"', N1, 'gpu="0"', 'cause="cache_read"'): "0+30x30",
+        s(c.GPU_STALL_IDLE_SECONDS, 'training_job="train"', N1, 'gpu="1"', 'cause="remote_fetch"'): "0+6x30",
+    }, "20m", (({"training_job": "train"}, "GPUs of job train spent 20% of their time idle during stalls attributed to "
                                  "remote fetches from the hub."),)),
     Case("StallwatchGPUsStarvedByRemoteFetches", {  # idle mostly on cache reads: not the hub's fault
-        s(c.GPU_STALL_IDLE_SECONDS, 'job="train"', N1, 'gpu="0"', 'cause="remote_fetch"'): "0+3x30",
-        s(c.GPU_STALL_IDLE_SECONDS, 'job="train"', N1, 'gpu="0"', 'cause="cache_read"'): "0+40x30",
+        s(c.GPU_STALL_IDLE_SECONDS, 'training_job="train"', N1, 'gpu="0"', 'cause="remote_fetch"'): "0+3x30",
+        s(c.GPU_STALL_IDLE_SECONDS, 'training_job="train"', N1, 'gpu="0"', 'cause="cache_read"'): "0+40x30",
     }, "20m"),
     Case("StallwatchTrainingInputBound", {
-        s(c.INPUT_BOUND_RATIO, 'job="train"', N1, 'rank="0"'): "0.25x30",
-        s(c.INPUT_BOUND_RATIO, 'job="train"', N1, 'rank="1"'): "0.35x30",
-    }, "20m", (({"job": "train"}, "Job train waits for input 30% of its step time (highly input-bound)."),)),
+        s(c.INPUT_BOUND_RATIO, 'training_job="train"', N1, 'rank="0"'): "0.25x30",
+        s(c.INPUT_BOUND_RATIO, 'training_job="train"', N1, 'rank="1"'): "0.35x30",
+    }, "20m", (({"training_job": "train"}, "Job train waits for input 30% of its step time (highly input-bound)."),)),
     Case("StallwatchTrainingInputBound", {  # moderately input-bound only
-        s(c.INPUT_BOUND_RATIO, 'job="train"', N1, 'rank="0"'): "0.15x30",
-        s(c.INPUT_BOUND_RATIO, 'job="train"', N1, 'rank="1"'): "0.19x30",
+        s(c.INPUT_BOUND_RATIO, 'training_job="train"', N1, 'rank="0"'): "0.15x30",
+        s(c.INPUT_BOUND_RATIO, 'training_job="train"', N1, 'rank="1"'): "0.19x30",
     }, "20m"),
     Case("StallwatchWarmupOverBudget", {
-        s(c.WARMUP_PHASE, 'job="train"', N1, 'phase="cold"'): "1x10 0x30",
-        s(c.WARMUP_PHASE, 'job="train"', N1, 'phase="transition"'): "0x10 1x30",
-        s(c.WARMUP_PHASE, 'job="train"', N1, 'phase="steady"'): "0x40",
-    }, "35m", (({"job": "train"}, "Job train has not reached steady state within 30m."),)),
+        s(c.WARMUP_PHASE, 'training_job="train"', N1, 'phase="cold"'): "1x10 0x30",
+        s(c.WARMUP_PHASE, 'training_job="train"', N1, 'phase="transition"'): "0x10 1x30",
+        s(c.WARMUP_PHASE, 'training_job="train"', N1, 'phase="steady"'): "0x40",
+    }, "35m", (({"training_job": "train"}, "Job train has not reached steady state within 30m."),)),
     Case("StallwatchWarmupOverBudget", {  # steady after 20 minutes, within the budget
-        s(c.WARMUP_PHASE, 'job="train"', N1, 'phase="cold"'): "1x10 0x30",
-        s(c.WARMUP_PHASE, 'job="train"', N1, 'phase="transition"'): "0x10 1x10 0x20",
-        s(c.WARMUP_PHASE, 'job="train"', N1, 'phase="steady"'): "0x20 1x20",
+        s(c.WARMUP_PHASE, 'training_job="train"', N1, 'phase="cold"'): "1x10 0x30",
+        s(c.WARMUP_PHASE, 'training_job="train"', N1, 'phase="transition"'): "0x10 1x10 0x20",
+        s(c.WARMUP_PHASE, 'training_job="train"', N1, 'phase="steady"'): "0x20 1x20",
     }, "35m"),
     Case("StallwatchNodeStallsCostJob", {
         # Node b's rank 2 waits for remote fetches 30 % of its time; every GPU of the job waits with it.
@@ -100,22 +100,22 @@ CASES = (
     Case("StallwatchHubFailingWhileTrainingStalls", {
         s(c.SPOKE_HUB_ERRORS, 'spoke="s1"', N1): "0+30x20",
         s(c.SPOKE_HUB_FETCH_DURATION, 'spoke="s1"', N1, suffix="_count"): "0+30x20",
-        s(c.STALL_SECONDS, 'job="train"', N1, 'rank="0"', 'cause="remote_fetch"'): "0+30x20",
+        s(c.STALL_SECONDS, 'training_job="train"', N1, 'rank="0"', 'cause="remote_fetch"'): "0+30x20",
     }, "15m", (({"spoke": "s1"}, "Spoke s1: 50% of fetches from the hub fail while training ranks reading "
                                  "through it stall."),)),
     Case("StallwatchHubFailingWhileTrainingStalls", {  # the hub fails but nobody stalls on it
         s(c.SPOKE_HUB_ERRORS, 'spoke="s1"', N1): "0+30x20",
         s(c.SPOKE_HUB_FETCH_DURATION, 'spoke="s1"', N1, suffix="_count"): "0+30x20",
-        s(c.STALL_SECONDS, 'job="train"', N1, 'rank="0"', 'cause="remote_fetch"'): "0x20",
+        s(c.STALL_SECONDS, 'training_job="train"', N1, 'rank="0"', 'cause="remote_fetch"'): "0x20",
     }, "15m"),
     Case("StallwatchHubFailingWhileTrainingStalls", {
         # s1's hub fails; the job that stalls hard runs on n2, which reads through s2 (its hub probe says so);
         # on n1, which reads through s1, a rank stalls 1 % of its time (the 1 ms stall threshold's noise).
         s(c.SPOKE_HUB_ERRORS, 'spoke="s1"', N1): "0+30x20",
         s(c.SPOKE_HUB_FETCH_DURATION, 'spoke="s1"', N1, suffix="_count"): "0+30x20",
-        s(c.STALL_SECONDS, 'job="small"', N1, 'rank="0"', 'cause="other"'): "0+0.6x20",
+        s(c.STALL_SECONDS, 'training_job="small"', N1, 'rank="0"', 'cause="other"'): "0+0.6x20",
         s(c.SPOKE_HUB_PROBE_SUCCESS, 'spoke="s2"', 'instance="n2"'): "1x20",
-        s(c.STALL_SECONDS, 'job="train"', 'instance="n2"', 'rank="0"', 'cause="remote_fetch"'): "0+40x20",
+        s(c.STALL_SECONDS, 'training_job="train"', 'instance="n2"', 'rank="0"', 'cause="remote_fetch"'): "0+40x20",
     }, "15m"),
     Case("StallwatchEgressOverBudget", {  # 6 GB a minute: 360 GB an hour at 0.02 USD/GB
         s(c.SPOKE_BYTES, 'spoke="s1"', N1, 'source="hub"'): "0+6000000000x100",
@@ -126,9 +126,10 @@ CASES = (
         s(c.SPOKE_BYTES, 'spoke="s1"', N1, 'source="cache"'): "0+90000000000x100",
     }, "80m"),
     Case("StallwatchClientDroppingEvents", {
-        s(c.CLIENT_DROPPED_EVENTS, 'job="train"', 'rank="0"', N1): "0+60x20",
+        s(c.CLIENT_DROPPED_EVENTS, 'training_job="train"', 'rank="0"', N1): "0+60x20",
         s(c.RECEIVER_EVENTS, 'kind="wait"', N1): "0+540x20",
-        s(c.CLIENT_DROPPED_EVENTS, 'job="train"', 'rank="0"', 'instance="n2"'): "0+60x20",  # n2 accepts nothing
+        # n2 accepts nothing
+        s(c.CLIENT_DROPPED_EVENTS, 'training_job="train"', 'rank="0"', 'instance="n2"'): "0+60x20",
     }, "15m", (
         ({"instance": "n1"}, "Training clients on n1 dropped 10% of their events: stall attribution there is "
                              "incomplete."),
@@ -136,7 +137,7 @@ CASES = (
                              "incomplete."),
     )),
     Case("StallwatchClientDroppingEvents", {
-        s(c.CLIENT_DROPPED_EVENTS, 'job="train"', 'rank="0"', N1): "0+3x20",
+        s(c.CLIENT_DROPPED_EVENTS, 'training_job="train"', 'rank="0"', N1): "0+3x20",
         s(c.RECEIVER_EVENTS, 'kind="wait"', N1): "0+597x20",
     }, "15m"),
     Case("StallwatchReceiverDroppingEvents", {

@@ -18,9 +18,12 @@ UNIT_SUFFIXES = {
     "hertz": "_hertz", "celsius": "_celsius", "bytes_per_second": "_bytes_per_second",
 }
 BOUNDED_LABELS = {
-    "job", "rank", "gpu", "uuid", "name", "spoke", "cause", "phase", "collector", "version", "direction",
+    "training_job", "rank", "gpu", "uuid", "name", "spoke", "cause", "phase", "collector", "version", "revision",
+    "direction",
     "reason", "xid", "call", "error", "mode", "interface", "device", "verdict", "result", "source", "kind",
-    "label", "capacity_factor",
+    "label", "capacity_factor", "code",
+    # pod labels only on stallwatch_gpu_pod_info: one series per allocated GPU device of the node
+    "resource", "namespace", "pod", "container",
 }
 
 

@@ -5,38 +5,25 @@ from __future__ import annotations
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import generate_latest
-from prometheus_client.parser import text_string_to_metric_families
 
 from stallwatch.client import ReadSpan, http_get, monitor, transport, wire
 from stallwatch.client.identity import source_from_environment
 from stallwatch.eventbatch import EventBatch
 from stallwatch.exporters.events import EventsCollector
+from stallwatch.harness import parse_samples, wait_for
 from stallwatch.keys import read_key
 
 
 def samples(collector: EventsCollector) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
     registry = CollectorRegistry()
     registry.register(collector)
-    text = generate_latest(registry).decode()
-    return {
-        (s.name, tuple(sorted(s.labels.items()))): s.value
-        for family in text_string_to_metric_families(text) for s in family.samples
-    }
-
-
-def wait_for(condition: Callable[[], bool], seconds: float = 15.0) -> bool:
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(0.02)
-    return condition()
+    return parse_samples(generate_latest(registry).decode())
 
 
 class Received:
@@ -76,7 +63,7 @@ def test_each_step_times_the_wait_and_the_work_after_it(agent: tuple[EventsColle
 
     for _ in monitor(slow_loader(), job="steps", rank=2, gpu=1):
         time.sleep(0.01)
-    assert wait_for(lambda: received.rows("step") == 3)
+    wait_for("3 steps at the agent", lambda: received.rows("step") == 3, 15)
     (batch,) = [b for b in received.batches if b.kind == "step"]
     columns = batch.columns
     assert list(columns["batch"]) == [0, 1, 2]
@@ -86,8 +73,8 @@ def test_each_step_times_the_wait_and_the_work_after_it(agent: tuple[EventsColle
     assert (waits >= 20_000_000).all() and (computes >= 10_000_000).all()
     assert (columns["wait_start_ns"][1:] == columns["compute_end_ns"][:-1]).all()  # no gap, no overlap
     metrics = samples(collector)
-    assert metrics[("stallwatch_loader_wait_seconds_count", (("job", "steps"), ("rank", "2")))] == 3
-    assert metrics[("stallwatch_loader_wait_seconds_sum", (("job", "steps"), ("rank", "2")))] >= 0.06
+    assert metrics[("stallwatch_loader_wait_seconds_count", (("rank", "2"), ("training_job", "steps")))] == 3
+    assert metrics[("stallwatch_loader_wait_seconds_sum", (("rank", "2"), ("training_job", "steps")))] >= 0.06
 
 
 def test_break_and_exceptions_end_the_step_that_was_running(agent: tuple[EventsCollector, Received]) -> None:
@@ -99,7 +86,7 @@ def test_break_and_exceptions_end_the_step_that_was_running(agent: tuple[EventsC
         for index in monitor(range(100), job="exc", rank=0):
             if index == 2:
                 raise RuntimeError("training failed")
-    assert wait_for(lambda: received.rows("step") == 5 + 3)
+    wait_for("8 steps at the agent", lambda: received.rows("step") == 5 + 3, 15)
 
 
 def test_reads_carry_bytes_times_and_verdict(agent: tuple[EventsCollector, Received]) -> None:
@@ -109,12 +96,12 @@ def test_reads_carry_bytes_times_and_verdict(agent: tuple[EventsCollector, Recei
     with pytest.raises(OSError), ReadSpan("/data/missing.bin"):
         raise OSError("no such file")
     transport.sender().flush_all()
-    assert wait_for(lambda: received.rows("read") == 2)
+    wait_for("2 reads at the agent", lambda: received.rows("read") == 2, 15)
     columns = received.batches[-1].columns
     assert list(columns["bytes"]) == [1234, 0]
     assert list(columns["verdict"]) == [wire.VERDICT_MISS, wire.VERDICT_UNKNOWN]
     job = source_from_environment()
-    labels = (("job", job.job), ("rank", str(job.rank)))
+    labels = (("rank", str(job.rank)), ("training_job", job.job))
     assert samples(collector)[("stallwatch_dataset_reads_total", (*labels[:1], *labels[1:], ("verdict", "miss")))] == 1
 
 
@@ -167,8 +154,8 @@ def test_after_an_agent_restart_the_client_delivers_again_and_reports_its_drops(
                 pass
             return received.rows("step") > 0
 
-        assert wait_for(one_more_step_arrives, seconds=20)
-        labels = (("job", "restart"), ("rank", "0"))
+        wait_for("a step at the restarted agent", one_more_step_arrives, 20)
+        labels = (("rank", "0"), ("training_job", "restart"))
         assert samples(second)[("stallwatch_client_dropped_events_total", labels)] >= 7
     finally:
         second.close()
@@ -209,7 +196,7 @@ def test_bad_batches_are_counted_by_reason_and_the_receiver_goes_on(agent: tuple
     sender.close()
     for _ in monitor(range(2), job="after", rank=0):
         pass
-    assert wait_for(lambda: received.rows("step") == 2)
+    wait_for("2 steps at the agent", lambda: received.rows("step") == 2, 15)
     metrics = samples(collector)
     assert metrics[("stallwatch_receiver_batches_total", (("result", "bad_version"),))] == 1
     assert metrics[("stallwatch_receiver_batches_total", (("result", "truncated"),))] == 1
@@ -224,19 +211,6 @@ def test_an_unbindable_socket_leaves_the_agent_running_and_says_so(tmp_path: Pat
         assert samples(collector)[("stallwatch_receiver_up", ())] == 0
     finally:
         collector.close()
-
-
-@pytest.mark.parametrize(("env", "expected"), [
-    ({}, wire.Source("unknown", 0, -1)),
-    ({"STALLWATCH_JOB": "a", "TORCHELASTIC_RUN_ID": "b", "RANK": "5", "LOCAL_RANK": "1"}, wire.Source("a", 5, 1)),
-    ({"TORCHELASTIC_RUN_ID": "b", "RANK": "3", "LOCAL_RANK": "1", "CUDA_VISIBLE_DEVICES": "4,6"},
-     wire.Source("b", 3, 6)),
-    ({"SLURM_JOB_ID": "991", "SLURM_PROCID": "9", "SLURM_LOCALID": "0", "CUDA_VISIBLE_DEVICES": "GPU-1f2a"},
-     wire.Source("991", 9, -1)),
-    ({"STALLWATCH_JOB": "tab\there" + "x" * 200, "RANK": "junk"}, wire.Source("tab_here" + "x" * 120, 0, -1)),
-])
-def test_identity_comes_from_the_launchers_environment(env: dict[str, str], expected: wire.Source) -> None:
-    assert source_from_environment(env=env) == expected
 
 
 def test_http_get_records_the_spokes_cache_verdict(agent: tuple[EventsCollector, Received]) -> None:
@@ -265,7 +239,7 @@ def test_http_get_records_the_spokes_cache_verdict(agent: tuple[EventsCollector,
         server.server_close()
     transport.sender().flush_all()
     _, received = agent
-    assert wait_for(lambda: received.rows("read") == 2)
+    wait_for("2 reads at the agent", lambda: received.rows("read") == 2, 15)
     columns = received.batches[-1].columns
     assert list(columns["verdict"]) == [wire.VERDICT_HIT, wire.VERDICT_MISS]
     assert list(columns["key"]) == [read_key("/cached/a.bin", 0), read_key("/cold/b.bin", 100)]

@@ -3,24 +3,20 @@
 from __future__ import annotations
 
 import os
-import re
-import subprocess
-import sys
 import time
-import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from prometheus_client.parser import text_string_to_metric_families
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, IterableDataset, get_worker_info
 
 from stallwatch.client import RecordedFile, transport
 from stallwatch.client.torch import instrument
 from stallwatch.eventbatch import EventBatch
 from stallwatch.exporters.events import EventsCollector
+from stallwatch.harness import scrape, start_agent, stop_agent, wait_for
 from stallwatch.keys import read_key
 
 pytestmark = pytest.mark.slow
@@ -80,48 +76,16 @@ def files(tmp_path: Path) -> list[Path]:
     return paths
 
 
-def start_agent(socket_path: Path, log: Path) -> tuple[subprocess.Popen[bytes], str]:
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    command = [sys.executable, "-m", "stallwatch", "agent", "--web.listen-address", "127.0.0.1:0",
-               "--events.socket", str(socket_path), "--no-collector.gpu"]
-    process = subprocess.Popen(command, stderr=log.open("wb"), env=env)
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline and process.poll() is None:
-        found = re.search(r"listening on (http://\S+?/metrics)", log.read_text())
-        if found:
-            return process, found.group(1)
-        time.sleep(0.05)
-    process.kill()
-    raise AssertionError(f"agent did not start: {log.read_text()}")
-
-
-def scrape(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    with urllib.request.urlopen(url, timeout=10) as response:
-        text = response.read().decode()
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
-
-
-def wait_for(condition: Callable[[], bool], seconds: float = 30.0) -> bool:
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        if condition():
-            return True
-        time.sleep(0.1)
-    return condition()
-
-
 @pytest.fixture
 def agent(tmp_path: Path) -> Iterator[str]:
     socket_path = tmp_path / "run" / "events.sock"
-    process, url = start_agent(socket_path, tmp_path / "agent.log")
+    agent = start_agent(["--events.socket", str(socket_path), "--no-collector.gpu"], tmp_path / "agent.log", timeout=60)
     transport.configure(str(socket_path))
     try:
-        yield url
+        yield agent.url
     finally:
         transport.sender().close()
-        process.terminate()
-        process.wait(timeout=30)
+        stop_agent(agent)
 
 
 def test_loader_waits_and_worker_reads_reach_the_agent_per_rank(agent: str, files: list[Path]) -> None:
@@ -148,7 +112,7 @@ def test_loader_waits_and_worker_reads_reach_the_agent_per_rank(agent: str, file
         }
 
     def labels(rank: int, **extra: str) -> tuple[tuple[str, str], ...]:
-        return tuple(sorted({"job": "e2e", "rank": str(rank), **extra}.items()))
+        return tuple(sorted({"training_job": "e2e", "rank": str(rank), **extra}.items()))
 
     def everything_arrived() -> bool:
         metrics = scrape(agent)
@@ -158,7 +122,7 @@ def test_loader_waits_and_worker_reads_reach_the_agent_per_rank(agent: str, file
             for rank, m in measured.items()
         )
 
-    assert wait_for(everything_arrived), scrape(agent)
+    wait_for("every step and read at the agent", everything_arrived, 30)
     metrics = scrape(agent)
     for rank, m in measured.items():
         assert m["steps"] == 8 * (rank + 1)
@@ -175,40 +139,66 @@ def test_loader_waits_and_worker_reads_reach_the_agent_per_rank(agent: str, file
                    for name, label in metrics)
 
 
-def test_every_read_is_tagged_with_the_batch_it_served_even_out_of_order(tmp_path: Path, files: list[Path]) -> None:
+class FileStream(IterableDataset[torch.Tensor]):
+    """The same files as an iterable dataset, each worker streaming its own share of them."""
+
+    def __init__(self, paths: list[Path]) -> None:
+        self.files = FileDataset(paths)
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        info = get_worker_info()
+        share = range(len(self.files)) if info is None else range(info.id, len(self.files), info.num_workers)
+        return (self.files[index] for index in share)
+
+
+def assert_every_read_carries_its_batch(tmp_path: Path, files: list[Path], loader: DataLoader[Any],
+                                        epochs: int, workers: set[int]) -> None:
+    """Iterate `loader` into a real receiver; each step's number names exactly the reads of its samples."""
     socket_path = tmp_path / "events.sock"
     received: list[EventBatch] = []
     collector = EventsCollector(str(socket_path), sink=received.append)
     transport.configure(str(socket_path))
     try:
-        loader = instrument(
-            DataLoader(FileDataset(files, slow_every=5), batch_size=4, num_workers=4, in_order=False,
-                       persistent_workers=True),
-            job="tags", rank=0,
-        )
         served: list[list[int]] = []  # sample indices of each batch, in the order the loop got them
-        for _ in range(2):
+        for _ in range(epochs):
             served += [batch.tolist() for batch in loader]
-        expected_reads = 2 * sum(reads_per_file(p.stat().st_size) for p in files)
+        expected_reads = epochs * sum(reads_per_file(p.stat().st_size) for p in files)
 
         def rows(kind: str) -> int:
             return sum(len(b) for b in received if b.kind == kind)
 
-        assert wait_for(lambda: rows("read") == expected_reads and rows("step") == len(served)), (rows("read"),)
+        wait_for("every read and step in the recording",
+                 lambda: rows("read") == expected_reads and rows("step") == len(served), 30)
     finally:
         transport.sender().close()
         collector.close()
     steps = [b.columns for b in received if b.kind == "step"]
     step_batches = [int(k) for columns in steps for k in columns["batch"]]
-    assert sorted(step_batches) == list(range(16)), "one number per batch of the run, across both epochs"
+    assert sorted(step_batches) == list(range(len(served))), "one number per batch of the run, across epochs"
     keys_by_batch: dict[int, set[int]] = {}
-    workers = set()
+    seen_workers = set()
     for columns in (b.columns for b in received if b.kind == "read"):
         for batch, key, worker in zip(columns["batch"], columns["key"], columns["worker"], strict=True):
             keys_by_batch.setdefault(int(batch), set()).add(int(key))
-            workers.add(int(worker))
-    assert workers == {0, 1, 2, 3}
+            seen_workers.add(int(worker))
+    assert seen_workers == workers
     for number, indices in zip(step_batches, served, strict=True):
         file_keys = {read_key(str(files[i]), offset)
                      for i in indices for offset in read_offsets(files[i].stat().st_size)}
         assert keys_by_batch[number] == file_keys
+
+
+def test_every_read_is_tagged_with_the_batch_it_served_even_out_of_order(tmp_path: Path, files: list[Path]) -> None:
+    loader = DataLoader(FileDataset(files, slow_every=5), batch_size=4, num_workers=4, in_order=False,
+                        persistent_workers=True)
+    assert_every_read_carries_its_batch(tmp_path, files, instrument(loader, job="tags", rank=0), 2, {0, 1, 2, 3})
+
+
+def test_reads_of_an_iterable_dataset_are_tagged_too(tmp_path: Path, files: list[Path]) -> None:
+    loader = DataLoader(FileStream(files), batch_size=3, num_workers=2, prefetch_factor=3)
+    assert_every_read_carries_its_batch(tmp_path, files, instrument(loader, job="stream", rank=0), 1, {0, 1})
+
+
+def test_reads_in_the_main_process_are_tagged_too(tmp_path: Path, files: list[Path]) -> None:
+    loader = DataLoader(FileDataset(files[:12]), batch_size=5, shuffle=True)
+    assert_every_read_carries_its_batch(tmp_path, files[:12], instrument(loader, job="main", rank=0), 2, {-1})

@@ -13,15 +13,17 @@ from hypothesis import strategies as st
 
 from stallwatch.client import wire
 from stallwatch.eventbatch import Verdict
-from stallwatch.exporters.events_decode import REJECT_REASONS, RejectedBatchError, decode
+from stallwatch.exporters.events_decode import MAX_DROPPED, MAX_READ_BYTES, REJECT_REASONS, RejectedBatchError, decode
 
 NOW = time.monotonic_ns()
 WALL = time.time_ns()
 HOUR = 3600 * 10**9
 
 job_names = st.text(min_size=1, max_size=wire.MAX_JOB_NAME).filter(str.isprintable)
+gpu_uuids = st.one_of(st.just(""), st.builds("{}-{}".format, st.sampled_from(["GPU", "MIG"]), st.uuids()))
 sources = st.builds(
-    wire.Source, job_names, st.integers(0, 2**31 - 1), st.integers(-1, 2**15 - 1), st.integers(-1, 2**15 - 1)
+    wire.Source, job_names, st.integers(0, 2**31 - 1), st.integers(-1, 2**15 - 1), st.integers(-1, 2**15 - 1),
+    gpu_uuids,
 )
 ages = st.integers(0, HOUR - 1)
 durations = st.integers(0, 10**9)
@@ -54,7 +56,7 @@ def rows(records: np.ndarray, fields: tuple[tuple[str, str], ...]) -> list[tuple
 
 
 @settings(max_examples=150, deadline=None)
-@given(sources, st.lists(steps(), max_size=40), st.lists(reads(), max_size=40), st.integers(0, 2**64 - 1))
+@given(sources, st.lists(steps(), max_size=40), st.lists(reads(), max_size=40), st.integers(0, MAX_DROPPED))
 def test_round_trip(source: wire.Source, step_rows: list[wire.Step], read_rows: list[wire.Read], dropped: int) -> None:
     decoded = decode(encode(source, step_rows, read_rows, dropped), NOW, WALL)
     assert decoded.source == source
@@ -113,6 +115,9 @@ READ = (7, 42, 4096, NOW - 50, NOW - 10, wire.VERDICT_MISS)
     (encode(wire.Source("job", -1), [STEP], []), "bad_value"),
     (encode(SOURCE, [], [(*READ[:5], 5)]), "bad_value"),
     (encode(SOURCE, [], [(7, 42, -1, *READ[3:])]), "bad_value"),
+    (encode(SOURCE, [], [(7, 42, MAX_READ_BYTES + 1, *READ[3:])]), "bad_value"),
+    (encode(SOURCE, [STEP], [], dropped=MAX_DROPPED + 1), "bad_value"),
+    (encode(wire.Source(wire.OVERFLOW_NAME, 0), [STEP], []), "bad_string"),
     (encode(SOURCE, [(7, NOW - 100, NOW - 200, NOW)], []), "bad_timestamp"),
     (encode(SOURCE, [], [(*READ[:3], NOW - 10, NOW + 10, 0)]), "bad_timestamp"),
     (encode(SOURCE, [STEP], [], mono_ns=NOW + 60 * 10**9, wall_ns=WALL + 60 * 10**9), "bad_timestamp"),
@@ -122,6 +127,24 @@ def test_each_check_rejects_with_its_reason(batch: bytes, reason: str) -> None:
     with pytest.raises(RejectedBatchError) as rejected:
         decode(batch, NOW, WALL)
     assert rejected.value.reason == reason
+
+
+GPU_UUID = "GPU-6a1b2c3d-0000-4000-8000-00000000fa4e"
+
+
+def test_the_gpu_uuid_rides_in_the_string_table_where_an_older_agent_skips_it() -> None:
+    with_uuid = encode(wire.Source("job-a", 1, 0, 2, GPU_UUID), [STEP], [READ])
+    without = encode(SOURCE, [STEP], [READ])
+    header, older_header = wire.HEADER.unpack_from(with_uuid), wire.HEADER.unpack_from(without)
+    assert header[0] == older_header[0] == wire.VERSION and header[1] == 2 and older_header[1] == 1
+    assert header[2:] == older_header[2:]  # the job is still string 0, every other field unchanged
+    assert decode(with_uuid, NOW, WALL).source.gpu_uuid == GPU_UUID
+    assert decode(without, NOW, WALL).source.gpu_uuid == ""
+    renamed = with_uuid.replace(b"gpu_uuid=", b"future_a=")  # an attribute a later client may add
+    assert decode(renamed, NOW, WALL).source == SOURCE
+    with pytest.raises(RejectedBatchError) as rejected:
+        decode(with_uuid.replace(b"gpu_uuid=", b"gpu_uuid:"), NOW, WALL)
+    assert rejected.value.reason == "bad_string"
 
 
 def test_a_client_in_another_time_namespace_is_moved_onto_the_agents_clock() -> None:

@@ -303,9 +303,9 @@ def test_service_takes_batches_from_many_threads_and_serves_catalogue_metrics(tm
     names = {line.split("{")[0].split(" ")[0] for line in text.splitlines() if not line.startswith("#")}
     published = set(catalogue.family_names(catalogue.by_subsystem("correlator")))
     assert names <= {n + suffix for n in published for suffix in ("", "_created")} | published
-    assert 'stallwatch_stall_seconds_total{cause="remote_fetch",job="0",rank="0"}' in text
+    assert 'stallwatch_stall_seconds_total{cause="remote_fetch",rank="0",training_job="0"}' in text
     assert 'stallwatch_cache_whatif_hit_ratio{capacity_factor="2",spoke="default"}' in text
-    assert 'stallwatch_warmup_phase{job="0",phase="steady"} 1.0' in text
+    assert 'stallwatch_warmup_phase{phase="steady",training_job="0"} 1.0' in text
     assert len((tmp_path / "w.jsonl").read_text().splitlines()) >= 3
 
 

@@ -6,7 +6,6 @@ Alertmanager. The run's own metrics must agree with the spoke, the report and gr
 from __future__ import annotations
 
 import re
-import shutil
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -69,25 +68,25 @@ def test_the_clients_verdicts_agree_with_the_spokes_log(outcome: Outcome) -> Non
 
 
 def test_stalls_are_attributed_to_remote_fetches_and_sum_to_the_stall(outcome: Outcome) -> None:
-    causes = {cause: value(outcome, c.STALL_SECONDS.name, job="demo", cause=cause) for cause in c.CAUSES}
+    causes = {cause: value(outcome, c.STALL_SECONDS.name, training_job="demo", cause=cause) for cause in c.CAUSES}
     total = sum(causes.values())
     # The cold epoch and the 12 s hub outage dominate the stall time, and both are reads that missed.
     assert causes["remote_fetch"] > 0.6 * total, causes
     assert total >= 12 * 0.5, causes
-    waits = value(outcome, c.LOADER_WAIT.name + "_sum", job="demo")
+    waits = value(outcome, c.LOADER_WAIT.name + "_sum", training_job="demo")
     assert total <= waits + 1e-6
-    idle = value(outcome, c.GPU_STALL_IDLE_SECONDS.name, job="demo", cause="remote_fetch")
+    idle = value(outcome, c.GPU_STALL_IDLE_SECONDS.name, training_job="demo", cause="remote_fetch")
     assert idle > 0.5 * causes["remote_fetch"]  # the emulated GPU idled through those stalls
 
 
 def test_warmup_is_found_and_the_stall_alert_is_delivered(outcome: Outcome) -> None:
-    steady_after = value(outcome, c.WARMUP_TIME_TO_STEADY.name, job="demo")
+    steady_after = value(outcome, c.WARMUP_TIME_TO_STEADY.name, training_job="demo")
     assert 0 < steady_after < outcome.ended - outcome.started
-    assert value(outcome, c.WARMUP_HUB_BYTES.name, job="demo") >= 48 * 2**20  # the whole dataset crossed once
+    assert value(outcome, c.WARMUP_HUB_BYTES.name, training_job="demo") >= 48 * 2**20  # the whole dataset crossed once
     names = {alert["labels"]["alertname"] for alert in outcome.alerts}
     assert "StallwatchGPUsStarvedByRemoteFetches" in names, outcome.alerts
     starved = next(a for a in outcome.alerts if a["labels"]["alertname"] == "StallwatchGPUsStarvedByRemoteFetches")
-    assert starved["labels"]["job"] == "demo" and starved["annotations"]["runbook_url"].endswith(
+    assert starved["labels"]["training_job"] == "demo" and starved["annotations"]["runbook_url"].endswith(
         "#stallwatchgpusstarvedbyremotefetches")
 
 
@@ -109,18 +108,18 @@ def test_report_numbers_are_the_runs_own(outcome: Outcome) -> None:
     shown = {key: re.search(rf'id="{key}">([^<]*)<', html).group(1)  # type: ignore[union-attr]
              for key in ("time-to-steady", "warmup-idle", "warmup-hub-bytes", "warmup-cost")}
     assert outcome.prometheus is not None  # the report came from Prometheus; the agent's own values:
-    steady = value(outcome, c.WARMUP_TIME_TO_STEADY.name, job="demo")
+    steady = value(outcome, c.WARMUP_TIME_TO_STEADY.name, training_job="demo")
     assert shown["time-to-steady"] == f"{steady:,.1f} s"
-    hub = value(outcome, c.WARMUP_HUB_BYTES.name, job="demo")
+    hub = value(outcome, c.WARMUP_HUB_BYTES.name, training_job="demo")
     assert shown["warmup-hub-bytes"] == f"{hub / 1e9:,.3f} GB"
     assert shown["warmup-cost"] == f"${hub / 1e9 * 0.02:,.4f}"
     assert float(shown["warmup-idle"].removesuffix(" s")) == pytest.approx(
-        value(outcome, c.WARMUP_IDLE_GPU_SECONDS.name, job="demo"), abs=0.06)
+        value(outcome, c.WARMUP_IDLE_GPU_SECONDS.name, training_job="demo"), abs=0.06)
     assert html.count("data:image/png;base64,") == 5 and 'id="whatif"' in html
 
 
 def test_report_renders_in_chromium_with_its_figures(outcome: Outcome, tmp_path: Path) -> None:
-    chromium = shutil.which("chromium") or pytest.fail("chromium not found: `make test` installs Debian's chromium")
+    chromium = require_binary("chromium", "chromium")
     page = tmp_path / "report.html"
     page.write_text(outcome.report.read_text().replace("<head>", "<head>" + PROBE, 1))
     flags = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
@@ -138,7 +137,7 @@ def test_report_renders_in_chromium_with_its_figures(outcome: Outcome, tmp_path:
 
 
 def test_the_chromium_probe_sees_a_broken_figure(tmp_path: Path) -> None:
-    chromium = shutil.which("chromium") or pytest.fail("chromium not found: `make test` installs Debian's chromium")
+    chromium = require_binary("chromium", "chromium")
     page = tmp_path / "broken.html"
     page.write_text(f"<html><head>{PROBE}</head><body><img src='data:image/png;base64,AAAA'></body></html>")
     loaded = subprocess.run([chromium, "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run",

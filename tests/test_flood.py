@@ -8,7 +8,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from benchmarks.flood import NOMINAL_RATE, run
-from tests.conftest import AgentProcess
+from stallwatch.harness import AgentProcess
 
 
 def test_a_ten_times_flood_is_accounted_for_exactly(agent_factory: Callable[..., AgentProcess], tmp_path: Path) -> None:

@@ -8,23 +8,35 @@ PrometheusRule and dashboard templates whatever `make generate` has produced so 
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import socket
+import ssl
 import subprocess
+import sys
+import tempfile
+import urllib.error
 import urllib.request
 from collections import Counter
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import bcrypt
 import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
 
+from stallwatch.demo.stack import query, start_prometheus
 from stallwatch.exporters import agent  # noqa: F401  (registers the collectors this checkout has)
 from stallwatch.exporters.collector import registered
+from stallwatch.exporters.config import parse
+from stallwatch.harness import free_port, start_agent, stop_agent, wait_for
+from stallwatch.mixin.config import Thresholds
 from stallwatch.mixin.generate import ARTIFACTS, CHART_COPIES, chart_copies
-from tests.conftest import ROOT, start_agent, stop_agent
+from tests.conftest import ROOT, require_binary
+from tests.test_security import self_signed
 
 CHART = ROOT / "helm" / "stallwatch"
 HELM = ROOT / "build" / "tools" / "bin" / "helm"
@@ -59,6 +71,23 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
         "socket": {"chownInit": False, "hostPath": "/run/stallwatch", "mountPath": "/run/stallwatch"},
         "agent": {"port": 19842, "telemetryPath": "/stats",
                   "config": {"collector.spoke_nginx": True, "spoke_nginx.log": "/host/spoke-logs/access.log"}},
+    },
+    "tuned": {
+        "podResources": {"enabled": True, "interval": 2},
+        "hostNetwork": True,
+        "webConfig": {"enabled": True, "config": {
+            "tls_server_config": {"cert_file": "tls.crt", "key_file": "tls.key"},
+            "basic_auth_users": {"prometheus": "$2b$04$abcdefghijklmnopqrstuuBzHbzA3YxTPcTVqXG5fGTbOQQ7y1nK2"}},
+            "files": {"tls.crt": "CERTIFICATE", "tls.key": "KEY"}},
+        "serviceMonitor": {"tlsConfig": {"insecureSkipVerify": True}, "basicAuth": {
+            "username": {"name": "scrape", "key": "user"}, "password": {"name": "scrape", "key": "password"}}},
+        "extraTolerations": [{"key": "dedicated", "operator": "Equal", "value": "training", "effect": "NoSchedule"}],
+        "extraVolumes": [{"name": "spoke-config", "configMap": {"name": "spoke"}}],
+        "extraVolumeMounts": [{"name": "spoke-config", "mountPath": "/etc/spoke", "readOnly": True}],
+        "prometheusRule": {"disabled": ["StallwatchFixtureInputBound"], "ruleLabels": {"team": "ml-platform"},
+                           "runbookUrlBase": "https://runbooks.example.com/stallwatch.md",
+                           "alerts": {"StallwatchFixtureAgentDown": {"threshold": 1, "for": "2m",
+                                                                    "severity": "critical"}}},
     },
     "kube-prometheus-stack": {
         "fullnameOverride": "gpu-agent",
@@ -156,6 +185,7 @@ def test_toggles_decide_what_is_rendered(rendered: dict[str, list[Manifest]], ch
                           "ServiceMonitor": 1, "PrometheusRule": rules})
     for name in ("defaults", "device-mounts-and-host-paths", "kube-prometheus-stack"):
         assert Counter(m["kind"] for m in rendered[name]) == everything, name
+    assert Counter(m["kind"] for m in rendered["tuned"]) == everything + Counter({"Secret": 1})
     assert Counter(m["kind"] for m in rendered["everything-off"]) == Counter({"ConfigMap": 1, "DaemonSet": 1})
 
 
@@ -204,22 +234,171 @@ def test_crd_schemas_catch_a_typo(rendered: dict[str, list[Manifest]]) -> None:
         validator(operator_schemas("ServiceMonitor")[0]).validate(monitor)
 
 
+def chart_values() -> dict[str, Any]:
+    values: dict[str, Any] = yaml.safe_load((CHART / "values.yaml").read_text())
+    return values
+
+
+def with_runbook_base(groups: list[dict[str, Any]], base: str) -> list[dict[str, Any]]:
+    """The generated groups as the chart renders them by default: runbook links under an absolute base."""
+    groups = json.loads(json.dumps(groups))
+    for rule in (r for g in groups for r in g["rules"] if "runbook_url" in r.get("annotations", {})):
+        rule["annotations"]["runbook_url"] = base + rule["annotations"]["runbook_url"].removeprefix(
+            Thresholds().runbook_base_url)
+    return groups
+
+
+def check_rules(promtool: str, manifests: list[Manifest], directory: Path) -> None:
+    for manifest in of_kind(manifests, "PrometheusRule"):
+        extracted = directory / f"{manifest['metadata']['name']}.yaml"
+        extracted.write_text(yaml.safe_dump({"groups": manifest["spec"]["groups"]}))
+        result = subprocess.run([promtool, "check", "rules", str(extracted)], capture_output=True, text=True,
+                                timeout=60)
+        assert result.returncode == 0, result.stdout + result.stderr
+
+
 def test_prometheus_rules_pass_promtool_and_keep_their_templates(
     rendered: dict[str, list[Manifest]], chart: Path, promtool: str, tmp_path: Path
 ) -> None:
     manifests = of_kind(rendered["defaults"], "PrometheusRule")
     sources = {yaml.safe_load(path.read_text())["groups"][0]["name"]: path for path in chart_files(chart, "rules")}
+    check_rules(promtool, manifests, tmp_path)
+    base = chart_values()["prometheusRule"]["runbookUrlBase"]
+    assert base.startswith("https://")
     for manifest in manifests:
         groups = manifest["spec"]["groups"]
-        extracted = tmp_path / f"{manifest['metadata']['name']}.yaml"
-        extracted.write_text(yaml.safe_dump({"groups": groups}))
-        result = subprocess.run([promtool, "check", "rules", str(extracted)], capture_output=True, text=True,
-                                timeout=60)
-        assert result.returncode == 0, result.stdout + result.stderr
-        # `{{ $labels.job }}` and friends reach Prometheus exactly as generated, not consumed by helm.
-        assert groups == yaml.safe_load(sources[groups[0]["name"]].read_text())["groups"]
+        # `{{ $labels.training_job }}` and friends reach Prometheus exactly as generated, not consumed by helm.
+        assert groups == with_runbook_base(yaml.safe_load(sources[groups[0]["name"]].read_text())["groups"], base)
     fixture = next(m for m in manifests if m["spec"]["groups"][0]["name"] == "stallwatch-fixture")
-    assert "{{ $labels.job }}" in fixture["spec"]["groups"][0]["rules"][1]["annotations"]["description"]
+    assert "{{ $labels.training_job }}" in fixture["spec"]["groups"][0]["rules"][1]["annotations"]["description"]
+
+
+def rules_by_name(manifests: list[Manifest]) -> dict[str, dict[str, Any]]:
+    return {r.get("alert", r.get("record")): r for m in of_kind(manifests, "PrometheusRule")
+            for g in m["spec"]["groups"] for r in g["rules"]}
+
+
+def test_rules_are_tuned_from_values(rendered: dict[str, list[Manifest]], promtool: str, tmp_path: Path) -> None:
+    check_rules(promtool, rendered["tuned"], tmp_path)
+    default, tuned = rules_by_name(rendered["defaults"]), rules_by_name(rendered["tuned"])
+    assert set(default) - set(tuned) == {"StallwatchFixtureInputBound"}  # disabled
+    down = tuned["StallwatchFixtureAgentDown"]
+    assert down["expr"] == 'up{job="stallwatch"} == 1'  # the threshold is the last number
+    assert (down["for"], down["labels"]) == ("2m", {"severity": "critical", "team": "ml-platform"})
+    assert down["annotations"]["runbook_url"] == "https://runbooks.example.com/stallwatch.md#stallwatchfixtureagentdown"
+    assert all(r["labels"]["team"] == "ml-platform" for r in tuned.values() if "alert" in r)
+    assert all("labels" not in r for r in tuned.values() if "record" in r)
+    assert default["StallwatchFixtureAgentDown"]["labels"] == {"severity": "warning"}
+
+
+@pytest.mark.parametrize(("values", "message"), [
+    ({"alerts": {"StallwatchNoSuchAlert": {"for": "1m"}}}, "no generated alert is called StallwatchNoSuchAlert"),
+    ({"disabled": ["StallwatchNoSuchAlert"]}, "no generated alert is called StallwatchNoSuchAlert"),
+    ({"alerts": {"StallwatchSpokeHitRatioRegressed": {"threshold": 0.5}}},
+     "StallwatchSpokeHitRatioRegressed.threshold: its expression does not end in a comparison with a number"),
+])
+def test_a_rule_setting_that_cannot_apply_is_refused(helm: str, chart: Path, tmp_path: Path,
+                                                     values: dict[str, Any], message: str) -> None:
+    result = run_helm(helm, "template", "stallwatch", str(chart),
+                      "-f", str(values_file(tmp_path, "rules", {"prometheusRule": values})))
+    assert result.returncode != 0 and message in result.stderr, result.stderr
+
+
+def render_release(helm: str, chart: Path, release: str, *settings: str) -> list[Manifest]:
+    result = run_helm(helm, "template", release, str(chart), "--namespace", NAMESPACE, *settings)
+    assert result.returncode == 0, result.stderr
+    return [doc for doc in yaml.safe_load_all(result.stdout) if doc]
+
+
+def scrape_job(manifests: list[Manifest]) -> str:
+    """The job Prometheus Operator gives the ServiceMonitor's targets: the Service's jobLabel value, else its name."""
+    monitor, service = the(manifests, "ServiceMonitor"), the(manifests, "Service")
+    label = monitor["spec"].get("jobLabel")
+    job: str = service["metadata"]["labels"][label] if label else service["metadata"]["name"]
+    return job
+
+
+@pytest.mark.parametrize("release", ["stallwatch", "gpu-mon"])
+def test_the_rules_select_the_agents_under_any_release_name(helm: str, chart: Path, release: str) -> None:
+    manifests = render_release(helm, chart, release)
+    assert the(manifests, "Service")["metadata"]["name"].startswith(release)
+    job = scrape_job(manifests)
+    assert job == "stallwatch" == Thresholds().agent_scrape_job
+    selectors = {r["expr"] for r in rules_by_name(manifests).values() if "job=" in r["expr"]}
+    assert selectors and all(f'job="{job}"' in expr for expr in selectors)
+    # a chart renamed by nameOverride gets a job of that name, and its rules follow
+    renamed = render_release(helm, chart, release, "--set", "nameOverride=gpu-agent")
+    assert scrape_job(renamed) == "gpu-agent"
+    assert rules_by_name(renamed)["StallwatchFixtureAgentDown"]["expr"] == 'up{job="gpu-agent"} == 0'
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("release", ["stallwatch", "gpu-mon"])
+def test_the_rendered_rules_find_the_agents_on_a_real_prometheus(
+    helm: str, chart: Path, tmp_path: Path, release: str
+) -> None:
+    """Scraped as the ServiceMonitor makes Prometheus scrape them (job from jobLabel, no honor_labels), the
+    agents keep the training job in training_job, and the rendered agent-down rule fires for a dead one."""
+    manifests = render_release(helm, chart, release, "--set-json",
+                               'prometheusRule.alerts={"StallwatchAgentDown":{"for":"1s"}}')
+    assert the(manifests, "ServiceMonitor")["spec"]["endpoints"][0]["honorLabels"] is False
+    job = scrape_job(manifests)
+    rule_files = []
+    for manifest in of_kind(manifests, "PrometheusRule"):
+        rule_files.append(tmp_path / f"{manifest['metadata']['name']}.yaml")
+        rule_files[-1].write_text(yaml.safe_dump({"groups": manifest["spec"]["groups"]}))
+    socket_path = Path(tempfile.mkdtemp(prefix="sw-")) / "events.sock"
+    running = start_agent(["--gpu.fake-devices=1", f"--events.socket={socket_path}"], tmp_path / "agent.log")
+    dead = f"127.0.0.1:{free_port()}"
+    prometheus = start_prometheus(require_binary("prometheus", "prometheus"), tmp_path / "prometheus",
+                                  [running.base.removeprefix("http://"), dead], rule_files, job=job)
+    try:
+        training = "from stallwatch.client import monitor\nimport time\n" \
+                   "for _ in monitor(range(40), job='resnet50', rank=0):\n    time.sleep(0.01)\n"
+        subprocess.run([sys.executable, "-c", training], check=True, timeout=60, cwd=ROOT,
+                       env=dict(os.environ, STALLWATCH_SOCKET=str(socket_path)))
+        both = f'stallwatch_loader_wait_seconds_count{{job="{job}", training_job="resnet50"}}'
+        wait_for("the training job's series", lambda: bool(query(prometheus.url, both)["data"]["result"]), 60,
+                 log=prometheus.log)
+        down = f'ALERTS{{alertname="StallwatchAgentDown", alertstate="firing", job="{job}"}}'
+        wait_for("StallwatchAgentDown", lambda: bool(query(prometheus.url, down)["data"]["result"]), 60,
+                 log=prometheus.log)
+        [alert] = query(prometheus.url, down)["data"]["result"]
+        assert alert["metric"]["instance"] == dead  # the live agent is not reported down
+    finally:
+        prometheus.close()
+        stop_agent(running)
+
+
+def test_a_job_label_the_service_lacks_is_refused(helm: str, chart: Path) -> None:
+    result = run_helm(helm, "template", "stallwatch", str(chart), "--set", "serviceMonitor.jobLabel=team")
+    assert result.returncode != 0 and 'serviceMonitor.jobLabel: the Service has no label "team"' in result.stderr
+
+
+def test_tuned_pod_spec(rendered: dict[str, list[Manifest]]) -> None:
+    spec = pod_spec(rendered["tuned"])
+    assert spec["priorityClassName"] == "system-node-critical"
+    assert spec["dnsPolicy"] == "ClusterFirstWithHostNet"
+    assert spec["tolerations"] == [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"},
+                                   {"key": "dedicated", "operator": "Equal", "value": "training",
+                                    "effect": "NoSchedule"}]
+    [agent_container] = spec["containers"]
+    mounts = {m["name"]: m for m in agent_container["volumeMounts"]}
+    assert mounts["pod-resources"] == {"name": "pod-resources", "mountPath": "/var/lib/kubelet/pod-resources",
+                                       "readOnly": True}
+    assert mounts["spoke-config"]["mountPath"] == "/etc/spoke"
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    assert volumes["spoke-config"] == {"name": "spoke-config", "configMap": {"name": "spoke"}}
+    assert volumes["web-config"]["secret"]["secretName"] == "stallwatch-web-config"
+    config = agent_config(rendered["tuned"])
+    assert config["collector.pods"] is True and config["pods.interval"] == 2
+    assert config["pods.socket"] == "/var/lib/kubelet/pod-resources/kubelet.sock"
+    assert config["web.config.file"] == "/etc/stallwatch/web/web-config.yml"
+    endpoint = the(rendered["tuned"], "ServiceMonitor")["spec"]["endpoints"][0]
+    assert endpoint["scheme"] == "https" and endpoint["tlsConfig"] == {"insecureSkipVerify": True}
+    assert endpoint["basicAuth"]["password"] == {"name": "scrape", "key": "password"}
+    assert the(rendered["defaults"], "ServiceMonitor")["spec"]["endpoints"][0]["scheme"] == "http"
+    assert pod_spec(rendered["defaults"])["priorityClassName"] == "system-node-critical"
 
 
 def test_dashboards_reach_the_grafana_sidecar_unchanged(rendered: dict[str, list[Manifest]], chart: Path) -> None:
@@ -234,7 +413,7 @@ def test_dashboards_reach_the_grafana_sidecar_unchanged(rendered: dict[str, list
             [(file_name, text)] = config_map["data"].items()
             assert text == sources[file_name].rstrip("\n")
             json.loads(text)
-    assert "{{job}}" in dashboard_maps(rendered["defaults"])[0]["data"]["Fixture_Overview.json"]
+    assert "{{training_job}}" in dashboard_maps(rendered["defaults"])[0]["data"]["Fixture_Overview.json"]
     kps = dashboard_maps(rendered["kube-prometheus-stack"])[0]
     assert kps["metadata"]["annotations"] == {"grafana_folder": "GPU training"}
 
@@ -275,7 +454,7 @@ def test_policy_no_privilege_unless_asked(rendered: dict[str, list[Manifest]], n
     values = VALUE_SETS[name]
     devices = values.get("gpu", {}).get("access") == "devices"
     spec = pod_spec(rendered[name])
-    assert not spec.get("hostNetwork") and not spec.get("hostIPC")
+    assert spec.get("hostNetwork", False) is bool(values.get("hostNetwork")) and not spec.get("hostIPC")
     assert spec["hostPID"] is bool(values.get("hostPID"))
     assert spec["automountServiceAccountToken"] is False
     assert spec["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
@@ -288,7 +467,9 @@ def test_policy_no_privilege_unless_asked(rendered: dict[str, list[Manifest]], n
         assert context["allowPrivilegeEscalation"] is bool(context.get("privileged")), container["name"]
         assert "resources" in container
     [agent_container] = spec["containers"]
-    assert agent_container["securityContext"]["runAsNonRoot"] is True
+    # the kubelet's pod-resources socket accepts root only; the container keeps no capability
+    root = values.get("podResources", {}).get("enabled", False)
+    assert agent_container["securityContext"]["runAsNonRoot"] is not root
     assert not any(m["kind"] in {"Role", "ClusterRole", "RoleBinding", "ClusterRoleBinding"} for m in rendered[name])
 
 
@@ -355,17 +536,87 @@ def test_rendered_config_and_probes_work_on_the_real_agent(helm: str, chart: Pat
         stop_agent(running)
 
 
-def test_example_training_pod_matches_the_chart(rendered: dict[str, list[Manifest]]) -> None:
-    pod = yaml.safe_load((ROOT / "docs" / "training-pod.yaml").read_text())
+def kubelet_probe(probe: dict[str, Any], base_url: str) -> bool:
+    """Run a rendered probe as the kubelet does: HTTPS without verifying the certificate, TCP by connecting."""
+    port = int(base_url.rsplit(":", 1)[1])
+    if "tcpSocket" in probe:
+        with socket.create_connection(("127.0.0.1", port), timeout=5):
+            return True
+    get = probe["httpGet"]
+    scheme = get.get("scheme", "HTTP").lower()
+    context = ssl._create_unverified_context() if scheme == "https" else None
+    with urllib.request.urlopen(f"{scheme}://127.0.0.1:{port}{get['path']}", timeout=10, context=context) as reply:
+        return bool(reply.status == 200)
+
+
+@pytest.mark.parametrize("security", ["tls", "basic-auth", "tls-and-basic-auth"])
+def test_probes_work_with_the_web_config_on(helm: str, chart: Path, tmp_path: Path, security: str) -> None:
+    key, cert = self_signed(tmp_path, "agent")
+    web: dict[str, Any] = {}
+    if "tls" in security:
+        web["tls_server_config"] = {"cert_file": "tls.crt", "key_file": "tls.key"}
+    if "basic-auth" in security:
+        web["basic_auth_users"] = {"prometheus": bcrypt.hashpw(b"secret", bcrypt.gensalt(rounds=4)).decode()}
+    values = {"gpu": {"access": "none"}, "agent": {"collectors": {"events": False}, "config": {"gpu.fake-devices": 1}},
+              "webConfig": {"enabled": True, "config": web,
+                            "files": {"tls.crt": cert.read_text(), "tls.key": key.read_text()}}}
+    manifests = render(helm, chart, values_file(tmp_path, "web", values))
+    mounted = tmp_path / "web"  # the Secret as the pod sees it under webConfig.mountPath
+    mounted.mkdir()
+    for name, content in the(manifests, "Secret")["stringData"].items():
+        (mounted / name).write_text(content)
+    config = agent_config(manifests)
+    assert config["web.config.file"] == "/etc/stallwatch/web/web-config.yml"
+    config["web.config.file"] = str(mounted / "web-config.yml")
+    (tmp_path / "agent.yaml").write_text(yaml.safe_dump(known_to_this_agent(config)))
+    container = pod_spec(manifests)["containers"][0]
+    running = start_agent(["--config.file", str(tmp_path / "agent.yaml")], tmp_path / "agent.log")
+    try:
+        port = running.base.rsplit(":", 1)[1]
+        if "basic-auth" in security:  # an HTTP probe would get 401: the chart probes by TCP
+            scheme = "https" if "tls" in security else "http"
+            with pytest.raises(urllib.error.HTTPError, match="401"):
+                urllib.request.urlopen(f"{scheme}://127.0.0.1:{port}/-/healthy", timeout=10,
+                                       context=ssl._create_unverified_context() if scheme == "https" else None)
+        for probe in ("livenessProbe", "readinessProbe"):
+            assert ("tcpSocket" in container[probe]) is ("basic-auth" in security)
+            assert kubelet_probe(container[probe], running.base)
+        endpoint = the(manifests, "ServiceMonitor")["spec"]["endpoints"][0]
+        assert endpoint["scheme"] == ("https" if "tls" in security else "http")
+    finally:
+        stop_agent(running)
+
+
+def test_the_node_proc_means_the_nodes_mounts(rendered: dict[str, list[Manifest]], tmp_path: Path) -> None:
+    """With the node's /proc the agent reads PID 1's mountstats: its own /proc/self lists the pod's mounts."""
+    config = agent_config(rendered["device-mounts-and-host-paths"])
+    mount = next(m for m in pod_spec(rendered["device-mounts-and-host-paths"])["containers"][0]["volumeMounts"]
+                 if m["name"] == "host-proc")
+    assert config["spoke_nfs.proc"] == mount["mountPath"] and config["spoke_nfs.pid"] == 1
+    config_file = tmp_path / "agent.yaml"
+    config_file.write_text(yaml.safe_dump({key: config[key] for key in ("spoke_nfs.proc", "spoke_nfs.pid")}))
+    options = parse(["--config.file", str(config_file)], registered())
+    assert (options.spoke_nfs_proc, options.spoke_nfs_pid) == ("/host/proc", "1")
+    assert not any(key.startswith("spoke_nfs.") for key in agent_config(rendered["defaults"]))
+
+
+def test_example_training_job_matches_the_chart(rendered: dict[str, list[Manifest]]) -> None:
+    job = yaml.safe_load((ROOT / "docs" / "training-job.yaml").read_text())
     for version in KUBERNETES_VERSIONS:
-        kubernetes_validate.validate(pod, version, strict=True)
+        kubernetes_validate.validate(job, version, strict=True)
     config = agent_config(rendered["defaults"])
+    pod = job["spec"]["template"]
     socket_volume = next(v for v in pod["spec"]["volumes"] if "hostPath" in v)
     [trainer] = pod["spec"]["containers"]
+    # the Job's name, set by the Job controller on its pods, names the training job
+    [named] = [e for e in trainer["env"] if e["name"] == "STALLWATCH_JOB"]
+    assert named["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.labels['batch.kubernetes.io/job-name']"
     mount = next(m for m in trainer["volumeMounts"] if m["name"] == socket_volume["name"])
     socket = next(e["value"] for e in trainer["env"] if e["name"] == "STALLWATCH_SOCKET")
     host_dir = next(v for v in pod_spec(rendered["defaults"])["volumes"] if v["name"] == "socket")["hostPath"]["path"]
     assert socket_volume["hostPath"]["path"] == host_dir
+    # a training pod must start whether or not the agent has created the directory yet
+    assert socket_volume["hostPath"]["type"] == "DirectoryOrCreate"
     # The same socket file, seen from the agent's mount and from the training pod's.
     assert Path(socket).relative_to(mount["mountPath"]) == Path(config["events.socket"]).relative_to(
         "/var/run/stallwatch")

@@ -20,7 +20,7 @@ from stallwatch.exporters import agent  # noqa: F401  (registers every collector
 from stallwatch.exporters.collector import CollectorContext, registered
 from stallwatch.exporters.config import ConfigError, parse
 from stallwatch.exporters.hub_probe import HubProbeCollector, Target, parse_target
-from tests.conftest import AgentProcess
+from stallwatch.harness import AgentProcess
 from tests.test_security import self_signed
 
 DELAY = 0.2  # the hub's think time before it answers

@@ -21,7 +21,7 @@ def test_only_stallwatch_is_importable_from_the_root() -> None:
     assert packages == ["stallwatch", "tests"]
 
 
-@pytest.mark.parametrize("package", ["exporters", "correlator", "client", "demo", "mixin"])
+@pytest.mark.parametrize("package", ["exporters", "correlator", "client", "demo", "mixin", "report"])
 def test_a_subpackage_under_a_second_name_is_a_one_line_import_error(package: str) -> None:
     probe = f"import sys; sys.path.insert(0, {str(ROOT / 'stallwatch')!r}); import {package}"
     result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, cwd=ROOT, timeout=60)

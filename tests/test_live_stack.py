@@ -16,15 +16,14 @@ from typing import Any
 import pytest
 import requests
 import yaml
-from prometheus_client.parser import text_string_to_metric_families
 
 from stallwatch import catalogue as c
-from stallwatch.demo.processes import free_port
-from stallwatch.demo.stack import Server, Webhook, query, start_alertmanager, start_prometheus, wait_for
+from stallwatch.demo.stack import Server, Webhook, query, start_alertmanager, start_prometheus
+from stallwatch.harness import AgentProcess, free_port, parse_samples, scrape, wait_for
 from stallwatch.mixin.alerts import render_alerting_rules
 from stallwatch.mixin.config import Thresholds
 from stallwatch.mixin.rules import render_recording_rules
-from tests.conftest import AgentProcess, require_binary
+from tests.conftest import require_binary
 from tests.dashqueries import METRIC, dashboard_queries
 
 pytestmark = pytest.mark.slow
@@ -40,7 +39,7 @@ def servers() -> Iterator[list[Server | Webhook | FakeDcgmExporter]]:
 
 def served_names(agent: AgentProcess) -> set[str]:
     text = requests.get(agent.url, timeout=10).text
-    return {sample.name for family in text_string_to_metric_families(text) for sample in family.samples}
+    return {name for name, _ in parse_samples(text)}
 
 
 class FakeDcgmExporter:
@@ -70,9 +69,7 @@ class FakeDcgmExporter:
 
 
 def gpu_uuids(agent: AgentProcess) -> list[str]:
-    text = requests.get(agent.url, timeout=10).text
-    return [s.labels["uuid"] for f in text_string_to_metric_families(text) for s in f.samples
-            if s.name == c.GPU_INFO.name]
+    return [dict(labels)["uuid"] for name, labels in scrape(agent.url) if name == c.GPU_INFO.name]
 
 
 def test_generated_rules_and_dashboards_on_a_real_prometheus_and_alertmanager(

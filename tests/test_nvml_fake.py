@@ -16,7 +16,8 @@ CALLED = [
     "nvmlDeviceGetMemoryInfo", "nvmlDeviceGetPowerUsage", "nvmlDeviceGetTotalEnergyConsumption",
     "nvmlDeviceGetClockInfo", "nvmlDeviceGetPcieThroughput", "nvmlDeviceGetTemperature",
     "nvmlDeviceGetCurrentClocksEventReasons", "nvmlDeviceGetComputeRunningProcesses", "nvmlEventSetCreate",
-    "nvmlDeviceRegisterEvents", "nvmlEventSetWait", "nvmlEventSetFree",
+    "nvmlDeviceRegisterEvents", "nvmlEventSetWait", "nvmlEventSetFree", "nvmlDeviceGetMaxMigDeviceCount",
+    "nvmlDeviceGetMigDeviceHandleByIndex",
 ]
 
 
@@ -54,6 +55,21 @@ def test_errors_are_pynvml_classes_with_pynvml_codes() -> None:
     assert nvml.NVML_CLOCK_SM == pynvml.NVML_CLOCK_SM
     with pytest.raises(AttributeError):
         _ = nvml.nvmlDeviceGetFanSpeed  # not implemented: must not fall through to the real library
+
+
+def test_uuids_and_mig_devices_answer_as_pynvml_does() -> None:
+    mig = "MIG-0d5e7c2a-aaaa-4bbb-8ccc-dddddddddddd"
+    nvml = FakeNVML([FakeGpu(), FakeGpu(mig_uuids=(mig,))])
+    nvml.nvmlInit()
+    plain, split = nvml.nvmlDeviceGetHandleByIndex(0), nvml.nvmlDeviceGetHandleByIndex(1)
+    uuid = nvml.nvmlDeviceGetUUID(plain)
+    assert isinstance(uuid, str) and uuid.startswith("GPU-") and len(uuid) == 40
+    with pytest.raises(pynvml.NVMLError_NotSupported):
+        nvml.nvmlDeviceGetMaxMigDeviceCount(plain)
+    assert nvml.nvmlDeviceGetMaxMigDeviceCount(split) == 7
+    assert nvml.nvmlDeviceGetUUID(nvml.nvmlDeviceGetMigDeviceHandleByIndex(split, 0)) == mig
+    with pytest.raises(pynvml.NVMLError_NotFound):
+        nvml.nvmlDeviceGetMigDeviceHandleByIndex(split, 1)
 
 
 def test_return_types_and_units_match_pynvml() -> None:

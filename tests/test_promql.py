@@ -9,8 +9,8 @@ from stallwatch.mixin.promql import PromQLError, by, quantile, rate, selector
 
 
 def test_selectors_use_the_catalogue_name_and_check_labels() -> None:
-    assert selector(c.STALL_SECONDS, 'job=~"$job"', 'cause="remote_fetch"', 'instance="n1"') == (
-        c.STALL_SECONDS.name + '{job=~"$job", cause="remote_fetch", instance="n1"}')
+    assert selector(c.STALL_SECONDS, 'training_job=~"$job"', 'cause="remote_fetch"', 'instance="n1"') == (
+        c.STALL_SECONDS.name + '{training_job=~"$job", cause="remote_fetch", instance="n1"}')
     with pytest.raises(PromQLError, match="no label 'gpu'"):
         selector(c.STALL_SECONDS, 'gpu="0"')
     with pytest.raises(PromQLError, match="not a label matcher"):

@@ -18,7 +18,7 @@ import pytest
 import requests
 import yaml
 
-from stallwatch.demo.processes import free_port
+from stallwatch.harness import free_port
 from stallwatch.publish import Grafana, PublishError, find_promtool, generated, install_rules, reload_prometheus
 from tests.conftest import ROOT, require_binary
 

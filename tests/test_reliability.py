@@ -4,12 +4,12 @@ NVML faults seen by the alert rules, and spoke logs and endpoints that vanish an
 from __future__ import annotations
 
 import math
+import os
 import signal
+import socket
 import subprocess
-import sys
 import threading
 import time
-import urllib.request
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -18,38 +18,26 @@ import pytest
 import yaml
 from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import generate_latest
-from prometheus_client.parser import text_string_to_metric_families
 
 from stallwatch import catalogue as c
 from stallwatch.client import monitor, transport, wire
+from stallwatch.client.identity import source_from_environment
 from stallwatch.eventbatch import Interner
 from stallwatch.exporters.collector import ScrapeCollector
 from stallwatch.exporters.events import EventsCollector
 from stallwatch.exporters.gpu import GpuCollector
 from stallwatch.exporters.host import HostCollector
 from stallwatch.exporters.nvml_fake import FakeGpu, FakeNVML
+from stallwatch.exporters.openmetrics_mapping import load_mapping, mapping_text
+from stallwatch.exporters.receiver import RECEIVE_BUFFER
 from stallwatch.exporters.spoke_nginx import MalformedLineError, NginxSpokeCollector, parse_entry
-from stallwatch.exporters.spoke_openmetrics import OpenMetricsSpokeCollector, load_mapping, mapping_text
+from stallwatch.exporters.spoke_openmetrics import OpenMetricsSpokeCollector
 from stallwatch.exporters.web import MetricsServer
-from tests.conftest import ROOT, AgentProcess
+from stallwatch.harness import AgentProcess, Samples, parse_samples, scrape, stop_agent, total
+from tests.conftest import laughs, refused_agent
 from tests.test_alert_rules import RULE_FILES, Case, promtool_test
 
-Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
 DATA = Path(__file__).parent / "data"
-
-
-def parse(text: str) -> Samples:
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
-
-
-def scrape(url: str) -> Samples:
-    with urllib.request.urlopen(url, timeout=10) as reply:
-        return parse(reply.read().decode())
-
-
-def of(samples: Samples, name: str, **labels: str) -> float:
-    return sum(v for (n, ls), v in samples.items() if n == name and all((k, x) in ls for k, x in labels.items()))
 
 
 # --- a client cannot blow up the series count ----------------------------------------------------
@@ -62,43 +50,180 @@ def test_ten_thousand_jobs_and_ranks_stay_under_the_series_bound(tmp_path: Path)
         collector.process(batches)
         registry = CollectorRegistry()
         registry.register(collector)
-        samples = parse(generate_latest(registry).decode())
+        samples = parse_samples(generate_latest(registry).decode())
     finally:
         collector.close()
     print(f"{len(samples)} samples from 10,000 distinct jobs and ranks")
-    pairs = {(dict(ls)["job"], dict(ls)["rank"]) for (n, ls) in samples if n == "stallwatch_loader_wait_seconds_count"}
+    pairs = {(dict(ls)["training_job"], dict(ls)["rank"]) for (n, ls) in samples
+             if n == "stallwatch_loader_wait_seconds_count"}
     assert len(pairs) == 65 and ("__other__", "__other__") in pairs  # 64 kept, everything else in one
     per_pair = 3 * (len(c.LATENCY_BUCKETS) + 3) + 3 + 1 + 1  # 3 histograms, reads by verdict, bytes, drops
     assert len(samples) <= (64 + 64 + 1) * per_pair + 50, len(samples)
-    assert of(samples, "stallwatch_loader_wait_seconds_count") == 10_000  # folded, not lost
-    assert of(samples, "stallwatch_receiver_folded_label_values_total", label="job") == 10_000 - 64
-    assert of(samples, "stallwatch_receiver_folded_label_values_total", label="rank") == 10_000 - 64
+    assert total(samples, "stallwatch_loader_wait_seconds_count") == 10_000  # folded, not lost
+    assert total(samples, "stallwatch_receiver_folded_label_values_total", label="training_job") == 10_000 - 64
+    assert total(samples, "stallwatch_receiver_folded_label_values_total", label="rank") == 10_000 - 64
 
 
-# --- collector flags ---------------------------------------------------------------------------------
+def test_no_client_can_name_its_job_like_the_overflow_bucket(
+    agent_factory: Callable[..., AgentProcess], tmp_path: Path,
+) -> None:
+    path = str(tmp_path / "events.sock")
+    agent = agent_factory("--no-collector.gpu", "--no-collector.host", "--events.socket", path)
+    now = time.monotonic_ns()
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sender:
+        for job in ("__other__", "honest"):  # a hand-made datagram: the client library would rename it
+            sender.sendto(wire.encode(wire.Source(job, 0), [(0, now - 3, now - 2, now - 1)], [], 1, 0, 0, now,
+                                      time.time_ns()), path)
+    samples = scrape_after(agent.url, 2)
+    assert total(samples, "stallwatch_receiver_batches_total", result="bad_string") == 1
+    jobs = {dict(labels).get("training_job") for (name, labels) in samples if name.startswith("stallwatch_loader_")}
+    assert jobs - {None} == {"honest"}
+    assert source_from_environment(job="__other__", env={}).job == "unknown"
+
+
+def send_datagrams(path: str, datagrams: list[bytes]) -> None:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sender:
+        sender.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 1 << 20)  # room for the oversized one
+        for data in datagrams:
+            sender.sendto(data, path)
+
+
+def scrape_after(url: str, batches: int) -> Samples:
+    """A scrape once the agent has counted `batches` batches (accepted or not)."""
+    deadline = time.monotonic() + 10
+    while total(samples := scrape(url), "stallwatch_receiver_batches_total") < batches and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return samples
+
+
+def test_counters_count_only_what_was_really_received(
+    agent_factory: Callable[..., AgentProcess], tmp_path: Path,
+) -> None:
+    path = str(tmp_path / "events.sock")
+    agent = agent_factory("--no-collector.gpu", "--no-collector.host", "--events.socket", path)
+    now, wall = time.monotonic_ns(), time.time_ns()
+
+    def header(steps: int, reads: int, dropped: int = 0, job: bytes = b"forger") -> bytes:
+        return (wire.HEADER.pack(wire.VERSION, 1, 0, -1, -1, 0, steps, reads, dropped, now, wall)
+                + wire.STRING_LENGTH.pack(len(job)) + job)
+
+    def read(size: int) -> bytes:
+        return wire.READ.pack(0, 1, size, now - 2, now - 1, wire.VERDICT_HIT)
+
+    # A batch that fills the receive buffer exactly, then 1 kB more: cut by the kernel, valid if cut.
+    prefix = RECEIVE_BUFFER - wire.HEADER.size - wire.STRING_LENGTH.size
+    job = b"j" * (prefix % wire.READ.size or wire.READ.size)
+    count = (prefix - len(job)) // wire.READ.size
+    oversized = header(0, count, job=job) + read(1) * count
+    assert len(oversized) == RECEIVE_BUFFER
+    forged = [
+        header(2**32 - 1, 0),  # 4 billion steps claimed in a 51-byte datagram
+        header(0, 4) + read(2**62 - 1) * 4,  # reads whose bytes add past int64
+        header(0, 0, dropped=2**64 - 1),  # a client claiming 2**64 - 1 dropped events
+        oversized + b"\0" * 1000,
+    ]
+    genuine = wire.encode(wire.Source("honest", 0), [(0, now - 3, now - 2, now - 1)], [], 1, 0, 5, now, wall)
+    send_datagrams(path, [*forged * 50, genuine])
+    samples = scrape_after(agent.url, len(forged) * 50 + 1)
+    print({f"{name}{labels}": total(samples, f"stallwatch_{name}", **labels) for name, labels in [
+        ("receiver_batches_total", {"result": "accepted"}), ("receiver_dropped_events_total", {"reason": "rejected"}),
+        ("receiver_dropped_events_total", {"reason": "queue_full"}), ("dataset_read_bytes_total", {}),
+        ("client_dropped_events_total", {})]})
+    assert total(samples, "stallwatch_receiver_batches_total", result="accepted") == 1
+    assert total(samples, "stallwatch_receiver_batches_total") == len(forged) * 50 + 1
+    assert total(samples, "stallwatch_receiver_dropped_events_total", reason="queue_full") == 0
+    # Rejected events are counted as what the datagrams could hold, not what their headers claim.
+    assert total(samples, "stallwatch_receiver_dropped_events_total", reason="rejected") <= 50 * (count + 1000 + 4)
+    assert total(samples, "stallwatch_dataset_read_bytes_total") == 0
+    assert total(samples, "stallwatch_client_dropped_events_total") == 5
+    assert total(samples, "stallwatch_receiver_events_total") == 1
+
+
+def test_a_second_agent_does_not_take_a_live_agents_socket(
+    agent_factory: Callable[..., AgentProcess], tmp_path: Path,
+) -> None:
+    path = str(tmp_path / "events.sock")
+    first = agent_factory("--no-collector.gpu", "--no-collector.host", "--events.socket", path)
+    second = agent_factory("--no-collector.gpu", "--no-collector.host", "--events.socket", path)
+    assert total(scrape(second.url), "stallwatch_receiver_up") == 0
+    assert "another running agent" in second.stderr()
+    stop_agent(second)  # and its exit must not remove the first agent's socket either
+    now = time.monotonic_ns()
+    send_datagrams(path, [wire.encode(wire.Source("job", 0), [(0, now - 3, now - 2, now - 1)], [], 1, 0, 0, now,
+                                      time.time_ns())])
+    samples = scrape_after(first.url, 1)
+    assert total(samples, "stallwatch_receiver_up") == 1
+    assert total(samples, "stallwatch_receiver_batches_total", result="accepted") == 1
+    # Taken anyway (deleted and bound by someone else): the first agent reports that it receives nothing.
+    os.unlink(path)
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as thief:
+        thief.bind(path)
+        assert total(scrape(first.url), "stallwatch_receiver_up") == 0
+
+
+# --- collector flags and configuration files ------------------------------------------------------
 @pytest.mark.parametrize(("flags", "message"), [
     (["--events.queue-limit", "0"], "must be a positive integer"),
     (["--events.rank-limit", "many"], "invalid"),
     (["--events.job-limit", "-3"], "must be a positive integer"),
+    (["--events.queue-limit", "1" + "0" * 30], "--events.queue-limit"),
     (["--spoke_nginx.interval", "soon"], "--spoke_nginx.interval"),
-    (["--spoke_nginx.interval", "-1"], "must be >= 0"),
+    (["--spoke_nginx.interval", "-1"], "must be in [0, 604800]"),
+    (["--spoke_nginx.rotate-wait", "inf"], "--spoke_nginx.rotate-wait"),
+    (["--spoke_nginx.max-line-bytes", "0"], "--spoke_nginx.max-line-bytes"),
     (["--collector.spoke_qumulo"], "--spoke_qumulo.url is required"),
     (["--spoke_nfs.mount", "nomount"], "expected NAME=/mount/point"),
     (["--spoke_openmetrics.timeout", "x"], "--spoke_openmetrics.timeout"),
+    (["--spoke_openmetrics.timeout", "nan"], "--spoke_openmetrics.timeout"),
+    (["--spoke_openmetrics.timeout", "inf"], "--spoke_openmetrics.timeout"),
+    (["--spoke_openmetrics.timeout", "-1"], "--spoke_openmetrics.timeout"),
+    (["--spoke_qumulo.max-backoff", "1e308"], "--spoke_qumulo.max-backoff"),
+    (["--gpu.interval", "nan"], "--gpu.interval"),
+    (["--gpu.interval", "inf"], "--gpu.interval"),
+    (["--gpu.pcie-interval", "nan"], "--gpu.pcie-interval"),
+    (["--gpu.pcie-interval", "-1"], "--gpu.pcie-interval"),
+    (["--gpu.idle-threshold", "nan"], "--gpu.idle-threshold"),
+    (["--gpu.idle-threshold", "inf"], "--gpu.idle-threshold"),
+    (["--gpu.idle-threshold", "-0.5"], "--gpu.idle-threshold"),
+    (["--gpu.fake-devices", "-1"], "--gpu.fake-devices"),
+    (["--correlator.window", "nan"], "--correlator.window"),
+    (["--correlator.window", "1e308"], "--correlator.window"),
+    (["--correlator.lateness", "inf"], "--correlator.lateness"),
+    (["--correlator.retention", "1e308"], "--correlator.retention"),
+    (["--correlator.cache-capacity", "nan"], "--correlator.cache-capacity"),
+    (["--correlator.cache-capacity", "inf"], "--correlator.cache-capacity"),
+    (["--correlator.cache-capacity", "1e308"], "--correlator.cache-capacity"),
     (["--collector.spoke_openmetrics", "--spoke_openmetrics.url", "http://127.0.0.1:1/",
       "--spoke_openmetrics.mapping", "/nonexistent/mapping.yaml"], "collector spoke_openmetrics:"),
     (["--collector.spoke_qumulo", "--spoke_qumulo.url", "https://127.0.0.1:1/", "--spoke_qumulo.ca-file",
       "/nonexistent/ca.pem"], "collector spoke_qumulo:"),
 ])
 def test_bad_collector_flags_are_one_line_and_exit_2(tmp_path: Path, flags: list[str], message: str) -> None:
-    result = subprocess.run(
-        [sys.executable, "-m", "stallwatch", "agent", "--web.listen-address", "127.0.0.1:0", "--no-collector.gpu",
-         "--events.socket", str(tmp_path / "e.sock"), *flags],
-        capture_output=True, text=True, timeout=60, cwd=ROOT,
-    )
-    last = result.stderr.strip().splitlines()[-1]
-    assert result.returncode == 2 and last.startswith("stallwatch agent: error:") and message in last, result.stderr
-    assert "Traceback" not in result.stderr
+    ended = refused_agent(["--no-collector.gpu", "--events.socket", str(tmp_path / "e.sock"), *flags])
+    assert ended.one_line_error and message in ended.stderr, ended.stderr
+
+
+@pytest.mark.parametrize(("content", "message"), [
+    (f"gpu.interval: {laughs()}\n", "aliases"),  # 412 bytes that expand to 9**9 strings
+    ("gpu.interval: " + "[" * 50_000 + "]" * 50_000 + "\n", "nested deeper than"),
+    (None, "larger than"),  # /dev/zero: endless
+    ("gpu.interval: " + "9" * 5000 + "\n", "4300 digits"),
+    ("gpu.interval: .nan\n", "gpu.interval"),
+    ("correlator.window: 1e308\n", "correlator.window"),
+    ("correlator.cache-capacity: .inf\n", "correlator.cache-capacity"),
+    ("log.level: " + "x" * 100_000 + "\n", "log.level must be one of"),
+])
+def test_bad_config_files_are_one_line_and_exit_2_in_bounded_time_and_memory(
+    tmp_path: Path, content: str | None, message: str,
+) -> None:
+    config = tmp_path / "agent.yaml"
+    if content is not None:
+        config.write_text(content)
+    path = "/dev/zero" if content is None else str(config)
+    ended = refused_agent(["--no-collector.gpu", "--events.socket", str(tmp_path / "e.sock"), "--config.file", path])
+    print(f"{message}: {ended.cpu_seconds:.1f} s CPU, peak RSS {ended.peak_rss_mib:.0f} MiB")
+    assert ended.one_line_error and message in ended.stderr, ended.stderr[-2000:]
+    assert ended.cpu_seconds < 20 and ended.peak_rss_mib < 300
 
 
 # --- an agent crash while training runs -----------------------------------------------------------
@@ -124,7 +249,7 @@ def test_training_runs_through_an_agent_crash_and_its_losses_are_counted(
     thread.start()
     try:
         deadline = time.monotonic() + 20
-        while of(scrape(first.url), "stallwatch_receiver_events_total") == 0 and time.monotonic() < deadline:
+        while total(scrape(first.url), "stallwatch_receiver_events_total") == 0 and time.monotonic() < deadline:
             time.sleep(0.1)
         first.process.send_signal(signal.SIGKILL)  # a crash: the stale socket file stays behind
         first.process.wait(timeout=10)
@@ -135,7 +260,7 @@ def test_training_runs_through_an_agent_crash_and_its_losses_are_counted(
         second = agent_factory("--no-collector.gpu", "--no-collector.host", "--events.socket", path)
 
         def reported() -> float:
-            return of(scrape(second.url), "stallwatch_client_dropped_events_total", job="crash", rank="3")
+            return total(scrape(second.url), "stallwatch_client_dropped_events_total", training_job="crash", rank="3")
 
         deadline = time.monotonic() + 20  # the client retries an absent agent after a pause
         channel = transport.sender().channel(wire.Source("crash", 3, -1, -1))
@@ -151,7 +276,7 @@ def test_training_runs_through_an_agent_crash_and_its_losses_are_counted(
     assert during_outage > 0 and gaps[0] < outage / 2  # training went on through the outage, never blocked
     assert channel.dropped_total > 0 and channel.dropped_unreported == 0
     assert reported() == channel.dropped_total  # every lost event counted, and the count reached the agent
-    assert of(scrape(second.url), "stallwatch_receiver_events_total") > 0
+    assert total(scrape(second.url), "stallwatch_receiver_events_total") > 0
 
 
 # --- NVML faults: the agent serves on, the errors say which, the alert fires ----------------------
@@ -173,8 +298,8 @@ def test_nvml_faults_keep_the_agent_serving_and_fire_the_alert(promtool: str, tm
                 nvml.unload_driver()
             gpu.poll()
             samples = scrape(url)
-            assert of(samples, "stallwatch_host_cpu_seconds_total") > 0  # the rest of the agent serves on
-            assert of(samples, "stallwatch_scrape_collector_success", collector="gpu") == 1
+            assert total(samples, "stallwatch_host_cpu_seconds_total") > 0  # the rest of the agent serves on
+            assert total(samples, "stallwatch_scrape_collector_success", collector="gpu") == 1
             for (name, labels), value in samples.items():
                 if name in (c.GPU_DEVICES.name, c.GPU_UP.name):
                     key = name + "{" + ", ".join(f'{k}="{v}"' for k, v in labels) + "}"
@@ -187,12 +312,13 @@ def test_nvml_faults_keep_the_agent_serving_and_fire_the_alert(promtool: str, tm
         server.close()
         scrape_collector.close()
     # The errors metric says which: GPU 1 lost, its power unsupported, then the driver gone for everyone.
-    assert of(final_lost, c.GPU_UP.name, gpu="0") == 1 and of(final_lost, c.GPU_UP.name, gpu="1") == 0
-    assert of(final_lost, c.GPU_NVML_ERRORS.name, gpu="1", error="gpu_is_lost") >= 10
-    assert of(final_lost, c.GPU_NVML_ERRORS.name, gpu="1", call="nvmlDeviceGetPowerUsage", error="not_supported") == 1
-    assert of(final_lost, c.GPU_NVML_ERRORS.name, gpu="0") == 0
-    assert of(after, c.GPU_DEVICES.name) == 0
-    assert of(after, c.GPU_NVML_ERRORS.name, call="nvmlInit", error="driver_not_loaded") == 14  # a retry each poll
+    assert total(final_lost, c.GPU_UP.name, gpu="0") == 1 and total(final_lost, c.GPU_UP.name, gpu="1") == 0
+    assert total(final_lost, c.GPU_NVML_ERRORS.name, gpu="1", error="gpu_is_lost") >= 10
+    assert total(final_lost, c.GPU_NVML_ERRORS.name, gpu="1", call="nvmlDeviceGetPowerUsage",
+                 error="not_supported") == 1
+    assert total(final_lost, c.GPU_NVML_ERRORS.name, gpu="0") == 0
+    assert total(after, c.GPU_DEVICES.name) == 0
+    assert total(after, c.GPU_NVML_ERRORS.name, call="nvmlInit", error="driver_not_loaded") == 14  # a retry each poll
     # Fed what the agent emitted, a minute apart, the generated rules fire while GPUs are missing.
     def values(points: list[float]) -> str:
         return " ".join("_" if math.isnan(p) else str(int(p)) for p in points)
@@ -251,8 +377,8 @@ def test_a_deleted_and_recreated_nginx_log_loses_and_repeats_nothing(tmp_path: P
         writer.close()
         collector.close()
     assert used == [4, 3, 3, 0]
-    assert of(samples, "stallwatch_spoke_requests_total") == 10
-    assert of(samples, "stallwatch_spoke_collector_errors_total") == 0
+    assert total(samples, "stallwatch_spoke_requests_total") == 10
+    assert total(samples, "stallwatch_spoke_collector_errors_total") == 0
 
 
 class _Spoke(BaseHTTPRequestHandler):
@@ -302,5 +428,5 @@ def test_a_slow_then_down_spoke_endpoint_is_counted_and_recovers_without_double_
     hits = ("stallwatch_spoke_requests_total", (("result", "hit"), ("spoke", "jfs")))
     assert healthy[hits] == recovered[hits] == 13  # the source's own counter: nothing added twice
     assert hits not in slow and hits not in down  # no stale value while the endpoint fails
-    assert of(recovered, "stallwatch_spoke_collector_errors_total", reason="timeout") == 1
-    assert of(recovered, "stallwatch_spoke_collector_errors_total", reason="unreachable") == 1
+    assert total(recovered, "stallwatch_spoke_collector_errors_total", reason="timeout") == 1
+    assert total(recovered, "stallwatch_spoke_collector_errors_total", reason="unreachable") == 1

@@ -6,13 +6,18 @@ root filesystem) is in test_helm.py."""
 from __future__ import annotations
 
 import base64
+import itertools
 import os
 import socket
 import ssl
 import stat
+import statistics
 import subprocess
 import sys
+import threading
+import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
@@ -23,7 +28,8 @@ import pytest
 
 from stallwatch.exporters.collector import registered
 from stallwatch.exporters.config import build_parser
-from tests.conftest import ROOT, AgentProcess
+from stallwatch.harness import AgentProcess
+from tests.conftest import ROOT, laughs, refused_agent
 from tests.test_spoke_qumulo import TOKEN, serve
 
 PASSWORD = "scrape-pass-7"
@@ -65,6 +71,8 @@ def test_event_socket_is_0660_with_the_group_in_a_0750_directory(
     info, directory = path.stat(), path.parent.stat()
     assert stat.S_ISSOCK(info.st_mode) and stat.S_IMODE(info.st_mode) == 0o660 and info.st_gid == group
     assert stat.S_IMODE(directory.st_mode) == 0o750 and directory.st_gid == group
+    said = " ".join((ROOT / "docs" / "client.md").read_text().split())
+    assert "The socket is created 0660 in a directory made 0750" in said  # the docs say what the agent does
     assert directory.st_uid == info.st_uid == os.getuid()
 
 
@@ -116,6 +124,41 @@ def test_tls_and_basic_auth_from_a_web_config_file(agent_factory: Callable[..., 
     assert PASSWORD not in agent.stderr() and hashed not in agent.stderr()
 
 
+def test_a_rotated_certificate_is_served_without_a_restart(
+    agent_factory: Callable[..., AgentProcess], tmp_path: Path,
+) -> None:
+    """As cert-manager renews a Secret: the files are replaced (a new inode), and the next connection gets
+    the new certificate. A pair that does not load (a key not matching its certificate, half-way through
+    a rotation) is logged once and the certificate before it is served on."""
+    issued = {name: self_signed(tmp_path, name) for name in ("first", "second", "third")}
+
+    def install(key_of: str, cert_of: str) -> None:
+        for source, target in ((issued[key_of][0], "server.key"), (issued[cert_of][1], "server.crt")):
+            staged = tmp_path / f".{target}.new"
+            staged.write_bytes(source.read_bytes())
+            os.replace(staged, tmp_path / target)
+
+    def served_by(name: str) -> bool:
+        try:
+            return get(agent.url, ssl.create_default_context(cafile=str(issued[name][1])))[0] == 200
+        except (urllib.error.URLError, ssl.SSLError, ConnectionError):
+            return False
+
+    install("first", "first")
+    config = tmp_path / "web.yml"
+    config.write_text("tls_server_config:\n  cert_file: server.crt\n  key_file: server.key\n")
+    agent = agent_factory("--no-collector.gpu", "--web.config.file", str(config))
+    assert served_by("first") and not served_by("second")
+    install("second", "second")
+    assert served_by("second") and not served_by("first")
+    install("second", "third")  # the certificate is new, its key not yet
+    assert served_by("second") and served_by("second")
+    assert agent.stderr().count("serving the previous certificate") == 1, agent.stderr()
+    install("third", "third")
+    assert served_by("third")
+    assert agent.process.poll() is None  # the same process all along
+
+
 def test_client_certificates_are_verified_when_required(
     agent_factory: Callable[..., AgentProcess], tmp_path: Path,
 ) -> None:
@@ -150,15 +193,17 @@ def test_client_certificates_are_verified_when_required(
     ("basic_auth_users:\n  prometheus: plaintext-password\n", "is not a bcrypt hash"),
     ("http_server_config:\n  http2: true\n", "unknown key 'http_server_config'"),
     ("- just\n- a list\n", "expected a mapping"),
+    (f"basic_auth_users:\n  prometheus: {laughs()}\n", "aliases"),  # 9**9 strings from 400 bytes
+    ("basic_auth_users:\n  prometheus: " + "[" * 50_000 + "]" * 50_000 + "\n", "nested deeper than"),
 ])
 def test_bad_web_configs_are_one_line_and_exit_2(tmp_path: Path, text: str, message: str) -> None:
     config = tmp_path / "web.yml"
     config.write_text(text)
-    result = subprocess.run([sys.executable, "-m", "stallwatch", "agent", "--web.config.file", str(config)],
-                            capture_output=True, text=True, timeout=60, cwd=ROOT)
-    assert result.returncode == 2 and message in result.stderr, result.stderr
-    assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) == 1
-    assert "plaintext-password" not in result.stderr
+    ended = refused_agent(["--no-collector.gpu", "--events.socket", str(tmp_path / "e.sock"),
+                           "--web.config.file", str(config)])
+    assert ended.one_line_error and message in ended.stderr, ended.stderr[-2000:]
+    assert len(ended.stderr.strip().splitlines()) == 1 and "plaintext-password" not in ended.stderr
+    assert ended.cpu_seconds < 20 and ended.peak_rss_mib < 300
 
 
 def test_the_qumulo_token_is_never_a_flag_nor_in_logs_or_metrics(
@@ -188,3 +233,51 @@ def test_the_qumulo_token_is_never_a_flag_nor_in_logs_or_metrics(
     finally:
         httpd.shutdown()
         httpd.server_close()
+
+
+def test_basic_auth_hides_which_users_exist_bounds_guessing_and_answers_non_ascii_with_401(
+    agent_factory: Callable[..., AgentProcess], tmp_path: Path,
+) -> None:
+    hashed = bcrypt.hashpw(PASSWORD.encode(), bcrypt.gensalt(rounds=10)).decode()
+    config = tmp_path / "web.yml"
+    config.write_text(f"basic_auth_users:\n  prometheus: '{hashed}'\n")
+    agent = agent_factory("--no-collector.gpu", "--web.config.file", str(config))
+    host, port = urllib.parse.urlsplit(agent.url).netloc.split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as raw:
+        raw.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\nAuthorization: Basic \xc3\xa9t\xe9\r\n\r\n")
+        assert raw.recv(100).startswith(b"HTTP/1.0 401 ")
+
+    def seconds(auth: str) -> float:
+        start = time.perf_counter()
+        assert get(agent.url, auth=auth)[0] in (200, 401)
+        return time.perf_counter() - start
+
+    unknown = statistics.median(seconds(f"mallory:{PASSWORD}") for _ in range(7))
+    wrong = statistics.median(seconds("prometheus:wrong") for _ in range(7))
+    assert get(agent.url, auth=f"prometheus:{PASSWORD}")[0] == 200  # from now on a cached success
+    idle = statistics.median(seconds(f"prometheus:{PASSWORD}") for _ in range(7))
+
+    stop, process = threading.Event(), psutil.Process(agent.process.pid)
+
+    def guess(thread: int) -> None:
+        for attempt in itertools.count():
+            if stop.is_set():
+                return
+            assert get(agent.url, auth=f"prometheus:guess-{thread}-{attempt}")[0] == 401
+
+    guessers = [threading.Thread(target=guess, args=(n,)) for n in range(8)]
+    cpu_before, start = sum(process.cpu_times()[:2]), time.monotonic()
+    for thread in guessers:
+        thread.start()
+    time.sleep(0.5)
+    under_attack = [seconds(f"prometheus:{PASSWORD}") for _ in range(15)]
+    time.sleep(max(0.0, 3 - (time.monotonic() - start)))
+    cores = (sum(process.cpu_times()[:2]) - cpu_before) / (time.monotonic() - start)
+    stop.set()
+    for thread in guessers:
+        thread.join(timeout=30)
+    print(f"unknown user {unknown * 1e3:.1f} ms, wrong password {wrong * 1e3:.1f} ms; legitimate scrape "
+          f"{idle * 1e3:.1f} ms idle, {statistics.median(under_attack) * 1e3:.1f} ms under 8 guessing threads, "
+          f"which cost the agent {cores:.2f} cores")
+    assert unknown > 0.5 * wrong  # an unknown user costs a bcrypt check too
+    assert cores < 0.8  # failed checks: one at a time, and each holds its slot for as long again

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from stallwatch.exporters.spoke_nfs import NfsSpokeCollector, parse_mount_option, parse_mountstats
+from stallwatch.exporters.spoke_nfs import NfsSpokeCollector, parse_mount_option, parse_mountstats, parse_pid
 
 DATA = Path(__file__).parent / "data"
 
@@ -80,3 +80,18 @@ def test_mount_option() -> None:
     assert parse_mount_option("spoke-a=/mnt/data") == ("spoke-a", "/mnt/data")
     with pytest.raises(argparse.ArgumentTypeError):
         parse_mount_option("/mnt/data")
+
+
+def test_in_a_container_the_node_mounts_are_read_from_pid_1(tmp_path: Path) -> None:
+    proc = proc_with(tmp_path, "mountstats-procfs-nfs4.txt")
+    (proc / "self").rename(proc / "1")  # the node's init sees the NFS mount
+    (proc / "self").mkdir()
+    (proc / "self" / "mountstats").write_text("device overlay mounted on / with fstype overlay\n")  # the pod's
+    node = samples(NfsSpokeCollector({"spoke-a": "/mnt/nfs/test"}, proc, "1"))
+    assert node[("stallwatch_spoke_nfs_read_operations_total", "spoke=spoke-a")] > 0
+    pod = samples(NfsSpokeCollector({"spoke-a": "/mnt/nfs/test"}, proc))
+    assert pod[("stallwatch_spoke_collector_errors_total", "reason=mount_not_found", "spoke=spoke-a")] == 1
+    assert parse_pid("1") == "1" and parse_pid("self") == "self"
+    for bad in ("0", "-1", "../1", "thread-self"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            parse_pid(bad)

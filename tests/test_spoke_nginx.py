@@ -7,8 +7,9 @@ import os
 import shutil
 import subprocess
 import time
+import tracemalloc
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -26,19 +27,13 @@ from stallwatch.exporters.spoke_nginx import (
     upstream_error_count,
     upstream_seconds_ns,
 )
+from stallwatch.harness import wait_for
 from stallwatch.keys import read_key
 from tests.realspoke import NGINX, ROOT, Agent, Hub, Nginx, free_port, get
 
 DATA = Path(__file__).parent / "data"
 REAL_LINES = [line for line in (DATA / "nginx-stallwatch.log").read_text().splitlines() if not line.startswith("#")]
 needs_nginx = pytest.mark.skipif(not os.access(NGINX, os.X_OK), reason="nginx not installed")
-
-
-def wait_for(predicate: Callable[[], bool], seconds: float = 10.0) -> None:
-    deadline = time.monotonic() + seconds
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        time.sleep(0.05)
 
 
 def lines_in(path: Path) -> int:
@@ -282,7 +277,7 @@ def test_agent_metrics_agree_exactly_with_known_hits_and_misses(spoke: tuple[Ngi
             seen = agent.scrape()
             return sum(v for k, v in seen.items() if k[0] == "stallwatch_spoke_requests_total" and label in k)
 
-        wait_for(lambda: scraped_requests() == len(sent))
+        wait_for("every request counted", lambda: scraped_requests() == len(sent), 10)
         seen = agent.scrape()
         for result in ("hit", "miss", "expired", "stale", "updating", "revalidated", "bypass", "none"):
             assert seen[("stallwatch_spoke_requests_total", f"result={result}", label)] == expected[result], result
@@ -300,6 +295,35 @@ def test_agent_metrics_agree_exactly_with_known_hits_and_misses(spoke: tuple[Ngi
         agent.close()
 
 
+class Traffic:
+    """Requests to a real nginx, each waited for in the log file it should land in; `total` counts them."""
+
+    def __init__(self, nginx: Nginx) -> None:
+        self.nginx, self.total = nginx, 0
+
+    def send(self, count: int, written_to: Path) -> None:
+        before = lines_in(written_to)
+        for _ in range(count):
+            self.probe()
+        wait_for("the lines in the log", lambda: lines_in(written_to) == before + count, 10)
+
+    def probe(self) -> None:
+        get(self.nginx.url("/data/a.bin"))
+        self.total += 1
+
+    def reopened(self) -> bool:
+        """After `nginx -s reopen`: the worker reopens a moment after the master created the new file,
+        and until then requests still land in the renamed one; each probe is counted like any other."""
+        self.probe()
+        return lines_in(self.nginx.access_log) > 0
+
+
+def assert_every_request_counted_once(collector: NginxSpokeCollector, traffic: Traffic) -> None:
+    seen = samples(collector)
+    assert sum(v for k, v in seen.items() if k[0] == "stallwatch_spoke_requests_total") == traffic.total
+    assert not any(k[0] == "stallwatch_spoke_collector_errors_total" for k in seen)
+
+
 @needs_nginx
 @pytest.mark.slow
 def test_rotation_by_rename_and_reopen_and_by_copytruncate_loses_and_repeats_nothing(
@@ -308,45 +332,25 @@ def test_rotation_by_rename_and_reopen_and_by_copytruncate_loses_and_repeats_not
     nginx, _ = spoke
     log = nginx.access_log
     collector = NginxSpokeCollector(str(log), "spoke-a", interval=0, rotate_wait=0.5)
-    total = 0
-
-    def requests(count: int, written_to: Path) -> None:
-        nonlocal total
-        before = lines_in(written_to)
-        for _ in range(count):
-            get(nginx.url("/data/a.bin"))
-        total += count
-        wait_for(lambda: lines_in(written_to) == before + count)
-
-    requests(3, log)
+    traffic = Traffic(nginx)
+    traffic.send(3, log)
     collector.poll()
     rotated = log.with_name("access.log.1")
     log.rename(rotated)
-    requests(2, rotated)  # nginx still writes to the renamed file until it reopens
+    traffic.send(2, rotated)  # nginx still writes to the renamed file until it reopens
     nginx.reopen()
-
-    def reopened() -> bool:
-        # The worker reopens a moment after the master created the new file; until then requests
-        # still land in the renamed one. Each probe is a request like any other and is counted.
-        nonlocal total
-        get(nginx.url("/data/a.bin"))
-        total += 1
-        return lines_in(log) > 0
-
-    wait_for(reopened)
-    requests(4, log)
+    wait_for("nginx to reopen its log", traffic.reopened, 10)
+    traffic.send(4, log)
     collector.poll()
-    requests(5, log)  # not read before the copy: recovered from access.log.1
+    traffic.send(5, log)  # not read before the copy: recovered from access.log.1
     rotated.rename(log.with_name("access.log.2"))  # as logrotate shifts old copies before copying
     shutil.copyfile(log, rotated)
     os.truncate(log, 0)
-    requests(6, log)
+    traffic.send(6, log)
     collector.poll()
     time.sleep(0.6)  # past rotate_wait: the renamed file is closed
     collector.poll()
-    seen = samples(collector)
-    assert sum(v for k, v in seen.items() if k[0] == "stallwatch_spoke_requests_total") == total
-    assert not any(k[0] == "stallwatch_spoke_collector_errors_total" for k in seen)
+    assert_every_request_counted_once(collector, traffic)
     collector.close()
 
 
@@ -368,3 +372,72 @@ def test_metric_names_come_from_the_catalogue(tmp_path: Path) -> None:
     names = {family.name for family in make_collector(tmp_path / "none.log", []).collect()}
     spoke = {m.name.removesuffix("_total") for m in catalogue.by_subsystem("spoke")}
     assert names <= spoke
+
+
+@needs_nginx
+@pytest.mark.slow
+def test_two_rotations_between_polls_and_a_log_never_reopened_lose_nothing(spoke: tuple[Nginx, Hub]) -> None:
+    nginx, _ = spoke
+    log = nginx.access_log
+    collector = NginxSpokeCollector(str(log), "spoke-a", interval=0, rotate_wait=0.3)
+    traffic = Traffic(nginx)
+
+    def shift() -> None:
+        """logrotate's numbered rotation: .2 -> .3, .1 -> .2, then the log -> .1."""
+        for index in range(4, 0, -1):
+            older = log.with_name(f"access.log.{index}")
+            if older.exists():
+                older.rename(log.with_name(f"access.log.{index + 1}"))
+        log.rename(log.with_name("access.log.1"))
+
+    def rotate_and_reopen() -> None:
+        shift()
+        nginx.reopen()
+        wait_for("nginx to reopen its log", traffic.reopened, 10)
+
+    traffic.send(3, log)
+    collector.poll()
+    rotate_and_reopen()
+    traffic.send(3, log)
+    rotate_and_reopen()  # the second rotation before the next poll: the middle file was never seen
+    traffic.send(4, log)
+    collector.poll()
+    time.sleep(0.4)
+    collector.poll()
+
+    # Renamed without a reopen (logrotate's `create` without a postrotate): nginx keeps writing to the
+    # renamed file, long after rotate_wait, while the new log stays empty.
+    shift()
+    log.touch()
+    traffic.send(2, log.with_name("access.log.1"))
+    collector.poll()
+    time.sleep(0.4)
+    collector.poll()
+    traffic.send(3, log.with_name("access.log.1"))
+    time.sleep(0.4)
+    collector.poll()
+    assert_every_request_counted_once(collector, traffic)
+    collector.close()
+
+
+def test_a_line_over_the_limit_is_skipped_counted_and_never_held(tmp_path: Path) -> None:
+    log, problems = tmp_path / "access.log", []
+    tailer = LogTailer(str(log), max_line_bytes=1000, on_problem=problems.append)
+    tracemalloc.start()
+    with log.open("ab") as writer:
+        writer.write(b"short\n" + b"x" * 600)
+        writer.flush()
+        assert tailer.read_lines() == [b"short"]
+        held_before = tracemalloc.get_traced_memory()[0]
+        for _ in range(16):  # 16 MiB more of the same line, over many polls
+            writer.write(b"x" * (1 << 20))
+            writer.flush()
+            assert tailer.read_lines() == []
+        held = tracemalloc.get_traced_memory()[0] - held_before
+        tracemalloc.stop()
+        assert held < 256 << 10
+        writer.write(b"x\nnext\n" + b"y" * 2000 + b"\nlast\n")
+        writer.flush()
+        assert tailer.read_lines() == [b"next", b"last"]
+    assert problems == ["oversize_line", "oversize_line"]
+    tailer.close()

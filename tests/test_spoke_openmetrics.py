@@ -13,13 +13,8 @@ from typing import Any, ClassVar
 
 import pytest
 
-from stallwatch.exporters.spoke_openmetrics import (
-    BUILTIN_MAPPINGS,
-    MappingError,
-    OpenMetricsSpokeCollector,
-    load_mapping,
-    mapping_text,
-)
+from stallwatch.exporters.openmetrics_mapping import BUILTIN_MAPPINGS, MappingError, load_mapping, mapping_text
+from stallwatch.exporters.spoke_openmetrics import OpenMetricsSpokeCollector
 
 DATA = Path(__file__).parent / "data"
 

@@ -15,7 +15,8 @@ from typing import Any
 
 import pytest
 
-from stallwatch.exporters.spoke_openmetrics import http_get, load_mapping, mapping_text
+from stallwatch.exporters.openmetrics_mapping import load_mapping, mapping_text
+from stallwatch.exporters.openmetrics_scrape import http_get
 from stallwatch.exporters.spoke_qumulo import METRICS_PATH, QumuloSpokeCollector, token_source
 
 DATA = Path(__file__).parent / "data"

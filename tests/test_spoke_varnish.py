@@ -3,7 +3,6 @@ a real hub, and its parser on broken input."""
 
 from __future__ import annotations
 
-import shutil
 import socket
 import subprocess
 import time
@@ -13,10 +12,11 @@ from pathlib import Path
 import pytest
 
 from stallwatch.exporters.spoke_varnish import VarnishSpokeCollector, counter_values
+from stallwatch.harness import find_binary
 from tests.realspoke import Hub, free_port, get
 
-VARNISHD = shutil.which("varnishd") or "/usr/sbin/varnishd"
-needs_varnish = pytest.mark.skipif(not Path(VARNISHD).exists() or not shutil.which("varnishstat"),
+VARNISHD = find_binary("varnishd") or "/usr/sbin/varnishd"
+needs_varnish = pytest.mark.skipif(not Path(VARNISHD).exists() or not find_binary("varnishstat"),
                                    reason="varnish not installed")
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable, Iterator
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, NamedTuple, TypeVar
 
 from stallwatch.client.identity import source_from_environment
 from stallwatch.client.transport import Channel, sender
@@ -12,53 +12,63 @@ from stallwatch.client.transport import Channel, sender
 T = TypeVar("T")
 
 
-class Monitored(Generic[T]):
-    """An iterable that yields what the wrapped one yields and records one step per item.
+class TaggedBatch(NamedTuple):
+    """A batch and the number its worker built it under (the PyTorch integration's collate returns these).
 
-    A step is the wait inside `next()` (wait_start..wait_end) and the work that follows until the
-    loop asks for the next item (compute_end). The last step of an iteration ends when the loop asks
-    again and the loader is exhausted, or when the loop leaves early (`break`, an exception): the
-    generator is closed then and its `finally` records the step. Each `iter()` is one epoch; the
-    buffered events are flushed at its end.
-
-    Steps are numbered in arrival order from 0 each epoch, unless `tagged`: then the wrapped loader
-    yields `(batch_index, batch)` pairs (the PyTorch integration tags each batch in the worker that
-    built it), the step records that index and the loop gets the batch alone.
+    A named tuple because `pin_memory` keeps named tuples as they are (it turns plain tuples into lists).
     """
 
-    def __init__(self, iterable: Iterable[Any], channel: Channel, tagged: bool = False) -> None:
+    number: int
+    batch: Any
+
+
+def timed_steps(items: Iterator[Any], channel: Channel) -> Iterator[Any]:
+    """Yield what `items` yields, recording one step per item into `channel`.
+
+    A step is the wait inside `next()` (wait_start..wait_end) and the work that follows until the
+    loop asks for the next item (compute_end). The last step ends when the loop asks again and the
+    items are exhausted, or when the loop leaves early (`break`, an exception): the generator is
+    closed then and its `finally` records the step. The buffered events are flushed at the end.
+
+    A `TaggedBatch` is unwrapped: its step records the batch's own number and the loop gets the
+    batch alone. Other items are numbered in arrival order from 0.
+    """
+    clock, record = time.monotonic_ns, channel.step
+    index = 0
+    wait_start = clock()
+    try:
+        for item in items:
+            wait_end = clock()
+            if type(item) is TaggedBatch:
+                index, item = item  # noqa: PLW2901
+            try:
+                yield item
+            finally:
+                compute_end = clock()
+                record((index, wait_start, wait_end, compute_end))
+            index += 1
+            wait_start = compute_end
+    finally:
+        channel.flush()
+
+
+class Monitored(Generic[T]):
+    """An iterable that yields what the wrapped one yields and records one step per item
+    (`timed_steps`); each `iter()` is one epoch."""
+
+    def __init__(self, iterable: Iterable[Any], channel: Channel) -> None:
         self._iterable = iterable
         self._channel = channel
-        self._tagged = tagged
 
     def __len__(self) -> int:
         return len(self._iterable)  # type: ignore[arg-type]  # raises as the wrapped loader would
 
     def __iter__(self) -> Iterator[T]:
-        return self._steps(iter(self._iterable))
-
-    def _steps(self, items: Iterator[Any]) -> Iterator[T]:
-        clock, record, tagged = time.monotonic_ns, self._channel.step, self._tagged
-        index = 0
-        wait_start = clock()
-        try:
-            for item in items:
-                wait_end = clock()
-                if tagged:
-                    index, item = item  # noqa: PLW2901
-                try:
-                    yield item
-                finally:
-                    compute_end = clock()
-                    record((index, wait_start, wait_end, compute_end))
-                index += 1
-                wait_start = compute_end
-        finally:
-            self._channel.flush()
+        return timed_steps(iter(self._iterable), self._channel)
 
 
 def monitor(
-    loader: Iterable[T], job: str | None = None, rank: int | None = None, gpu: int | None = None
+    loader: Iterable[T], job: str | None = None, rank: int | None = None, gpu: int | str | None = None
 ) -> Monitored[T]:
-    """Wrap any iterable of batches; job, rank and gpu default from the environment."""
+    """Wrap any iterable of batches; job, rank and gpu default from the environment (see `instrument`)."""
     return Monitored(loader, sender().channel(source_from_environment(job, rank, gpu)))

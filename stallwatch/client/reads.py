@@ -10,11 +10,12 @@ Recording never raises into the reader: a failure to record only loses the event
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import time
 import urllib.request
-from collections.abc import Callable, Sized
+from collections.abc import Callable, Iterator, Sized
 from types import TracebackType
 from typing import IO, Any, ParamSpec, TypeVar
 
@@ -70,8 +71,15 @@ def bind_worker(source: wire.Source) -> None:
     _context.channel = sender().channel(source)
 
 
-def bound_source() -> wire.Source | None:
-    return _context.source
+@contextlib.contextmanager
+def reads_as(source: wire.Source) -> Iterator[None]:
+    """Send this process's reads as `source` inside the block; the previous source and batch after it."""
+    saved = _context.source, _context.channel, _context.batch
+    bind_worker(source)
+    try:
+        yield
+    finally:
+        _context.source, _context.channel, _context.batch = saved
 
 
 def set_batch(batch: int) -> None:

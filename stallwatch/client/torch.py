@@ -1,31 +1,54 @@
 """PyTorch integration: `instrument(loader)` times the training loop and tags worker reads by batch.
 
-How the batch tag stays right: the loader is rebuilt around the same dataset, sampler and options
-with three wrappers. In the main process, the batch sampler numbers every list of indices it hands
-out (`NumberedIndices`, a list that carries its number, counting on across epochs so a number names
-one batch of the whole run). In the worker, the dataset wrapper reads that number before fetching
-the samples, so every read the dataset records carries it, and the collate wrapper returns
-`(number, batch)`; the training loop gets the batch alone and its step records the same number.
-The tag travels with the work itself, so it does not depend on the loader's round-robin dispatch:
-it is exact with `in_order=False` (batches arrive out of order, each with its own number) and with
-`persistent_workers=True` (workers outlive epochs, numbers keep counting).
+The loader is instrumented in place and stays the same object: its class becomes a subclass of its
+own class (made once per loader class), so `isinstance` checks, every attribute (`dataset`,
+`sampler`, `batch_sampler`, `batch_size`, `collate_fn`...), `len()`, `state_dict()` and frameworks
+that re-create loaders from their arguments (Lightning injecting its `DistributedSampler`) see the
+loader they were given. Only `__iter__` differs: it yields the same batches and records one step
+per batch (`loop.timed_steps`).
 
-Iterable-style datasets have no batch sampler: reads are recorded with their worker but batch -1,
-and steps are numbered in arrival order; the correlator falls back to time overlap for them. The
-same holds without automatic batching (`batch_size=None`).
+How the batch tag stays right: the loader's own iterator is built from a *view* of the loader, an
+object of a second subclass sharing the loader's `__dict__`, whose `_index_sampler`, `collate_fn`
+and `worker_init_fn` are wrapped while the loader's own attributes stay as they are:
+
+- the index sampler numbers every list of indices it hands out (`NumberedIndices`, counting on
+  across epochs so that a number names one batch of the whole run);
+- a worker unpickles those indices from its index queue right before it fetches them, and the
+  unpickling sets the worker's current batch, so every read the dataset records carries it (in
+  the main process, with `num_workers=0`, the sampler sets it as it hands the indices out);
+- the collate function returns a `TaggedBatch(number, batch)`, which the step unwraps;
+- each worker's init function binds its reads to the worker's own source before the user's runs.
+
+The dataset itself is never wrapped, so `get_worker_info().dataset` is the user's dataset (the
+usual place to shard an `IterableDataset`). The tag travels with the work, so it is exact with
+`in_order=False` and `persistent_workers=True`, for map-style and iterable datasets alike. Without
+automatic batching (`batch_size=None`) there is no list of indices to number: steps are numbered
+in arrival order and reads carry batch -1; the correlator falls back to time overlap for them.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import Any
+import dataclasses
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, TypeVar
 
-from torch.utils.data import DataLoader, Dataset, IterableDataset, get_worker_info
+from torch.utils.data import DataLoader
 
 from stallwatch.client import reads, wire
 from stallwatch.client.identity import source_from_environment
-from stallwatch.client.loop import Monitored
+from stallwatch.client.loop import TaggedBatch, timed_steps
 from stallwatch.client.transport import sender
+
+L = TypeVar("L", bound=DataLoader[Any])
+_STATE = "_stallwatch"
+
+
+@dataclasses.dataclass
+class Instrumentation:
+    """What an instrumented loader keeps in its `__dict__`: who it records as, the next batch number."""
+
+    source: wire.Source
+    next_number: int = 0
 
 
 class NumberedIndices(list[Any]):
@@ -36,108 +59,182 @@ class NumberedIndices(list[Any]):
         self.number = number
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return NumberedIndices, (list(self), self.number)
+        return _arrived_in_worker, (list(self), self.number)
 
 
-class _NumberedBatches:
-    def __init__(self, batch_sampler: Iterable[Sequence[Any]]) -> None:
-        self._inner = batch_sampler
-        self._next = 0
+def _arrived_in_worker(indices: list[Any], number: int) -> NumberedIndices:
+    """Unpickling in a loader worker, which fetches these indices next: the reads that follow serve them."""
+    reads.set_batch(number)
+    return NumberedIndices(indices, number)
 
-    def __iter__(self) -> Iterator[NumberedIndices]:
-        for indices in self._inner:
-            numbered = NumberedIndices(indices, self._next)
-            self._next += 1
-            yield numbered
+
+def _is_stateful(component: object) -> bool:  # torchdata's Stateful protocol (StatefulDataLoader resumption)
+    return callable(getattr(component, "state_dict", None)) and callable(getattr(component, "load_state_dict", None))
+
+
+class _Numbering:
+    """Wraps a batch sampler, or one epoch's iterator of it; `counter` numbers the lists of indices."""
+
+    def __init__(self, inner: Any, counter: Instrumentation, in_this_process: bool) -> None:
+        self._inner = inner
+        self._counter = counter
+        self._in_this_process = in_this_process
+
+
+class _NumberedIterator(_Numbering):
+    def __iter__(self) -> _NumberedIterator:
+        return self
+
+    def __next__(self) -> NumberedIndices:
+        indices = next(self._inner)
+        number = self._counter.next_number
+        self._counter.next_number = number + 1
+        if self._in_this_process:
+            reads.set_batch(number)
+        return NumberedIndices(indices, number)
+
+
+class _NumberedBatches(_Numbering):
+    """The batch sampler as the loader's iterator sees it: the same lists of indices, numbered."""
+
+    def __iter__(self) -> _NumberedIterator:
+        inner = iter(self._inner)
+        numbered = _StatefulNumberedIterator if _is_stateful(inner) else _NumberedIterator
+        return numbered(inner, self._counter, self._in_this_process)
 
     def __len__(self) -> int:
-        return len(self._inner)  # type: ignore[arg-type]
+        return len(self._inner)  # raises as the wrapped sampler would
 
 
-def _bind_this_worker(source: wire.Source) -> None:
-    info = get_worker_info()
-    worker = -1 if info is None else info.id
-    this_worker = wire.Source(source.job, source.rank, source.gpu, worker)
-    if reads.bound_source() != this_worker:
-        reads.bind_worker(this_worker)
+class _ForwardsState(_Numbering):
+    """Resumption (torchdata's StatefulDataLoader) saves and restores the wrapped sampler's own state."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return self._inner.state_dict()  # type: ignore[no-any-return]
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._inner.load_state_dict(state)
 
 
-class _RecordedMapDataset(Dataset[Any]):
-    def __init__(self, inner: Dataset[Any], source: wire.Source) -> None:
-        self._inner = inner
-        self._source = source
-
-    def __getitems__(self, indices: Sequence[Any]) -> list[Any]:
-        _bind_this_worker(self._source)
-        reads.set_batch(getattr(indices, "number", -1))
-        fetch_many = getattr(self._inner, "__getitems__", None)
-        if fetch_many is not None:
-            return list(fetch_many(indices))
-        return [self._inner[index] for index in indices]
-
-    def __getitem__(self, index: Any) -> Any:
-        _bind_this_worker(self._source)
-        return self._inner[index]
-
-    def __len__(self) -> int:
-        return len(self._inner)  # type: ignore[arg-type]
+class _StatefulNumberedIterator(_ForwardsState, _NumberedIterator):
+    pass
 
 
-class _RecordedIterableDataset(IterableDataset[Any]):
-    def __init__(self, inner: IterableDataset[Any], source: wire.Source) -> None:
-        self._inner = inner
-        self._source = source
-
-    def __iter__(self) -> Iterator[Any]:
-        _bind_this_worker(self._source)
-        return iter(self._inner)
+class _StatefulNumberedBatches(_ForwardsState, _NumberedBatches):
+    pass
 
 
 class _TaggedCollate:
     def __init__(self, collate: Callable[[list[Any]], Any]) -> None:
         self._collate = collate
 
-    def __call__(self, samples: list[Any]) -> tuple[int, Any]:
-        return reads.current_batch(), self._collate(samples)
+    def __call__(self, samples: list[Any]) -> TaggedBatch:
+        return TaggedBatch(reads.current_batch(), self._collate(samples))
+
+
+class _BindWorker:
+    def __init__(self, source: wire.Source, init: Callable[[int], None] | None) -> None:
+        self._source = source
+        self._init = init
+
+    def __call__(self, worker_id: int) -> None:
+        reads.bind_worker(dataclasses.replace(self._source, worker=worker_id))
+        if self._init is not None:
+            self._init(worker_id)
+
+
+def _instrumentation(loader: DataLoader[Any]) -> Instrumentation:
+    found: Instrumentation | None = loader.__dict__.get(_STATE)
+    if found is None:  # re-created by a framework from the loader's own arguments: the environment says who
+        found = Instrumentation(source_from_environment())
+        setattr(loader, _STATE, found)
+    return found
+
+
+# The view's attributes, computed from the loader's own each time its iterator reads them.
+def _view_index_sampler(view: DataLoader[Any]) -> Any:
+    if view.batch_sampler is None:
+        return view.sampler
+    numbered = _StatefulNumberedBatches if _is_stateful(view.batch_sampler) else _NumberedBatches
+    return numbered(view.batch_sampler, _instrumentation(view), in_this_process=view.num_workers == 0)
+
+
+def _view_collate_fn(view: DataLoader[Any]) -> Any:
+    collate = view.__dict__["collate_fn"]
+    return collate if view.batch_sampler is None else _TaggedCollate(collate)
+
+
+def _view_worker_init_fn(view: DataLoader[Any]) -> _BindWorker:
+    return _BindWorker(_instrumentation(view).source, view.__dict__["worker_init_fn"])
+
+
+_instrumented: dict[type[DataLoader[Any]], type[DataLoader[Any]]] = {}
+_base_of: dict[type[DataLoader[Any]], type[DataLoader[Any]]] = {}
+
+
+def _instrumented_class(base: type[DataLoader[Any]]) -> type[DataLoader[Any]]:
+    found = _instrumented.get(base)
+    if found is not None:
+        return found
+    view_class = type(f"{base.__name__}View", (base,), {
+        "__module__": __name__,
+        "_index_sampler": property(_view_index_sampler),
+        "collate_fn": property(_view_collate_fn),
+        "worker_init_fn": property(_view_worker_init_fn),
+    })
+
+    def iterate(loader: DataLoader[Any]) -> Iterator[Any]:
+        state = _instrumentation(loader)
+        view: DataLoader[Any] = object.__new__(view_class)
+        object.__setattr__(view, "__dict__", loader.__dict__)  # one state: `_iterator`, resumption, epochs
+        steps = timed_steps(base.__iter__(view), sender().channel(state.source))
+        return _reading_here(state.source, steps) if loader.num_workers == 0 else steps
+
+    found = type(f"Instrumented{base.__name__}", (base,), {
+        "__module__": __name__,
+        "__doc__": base.__doc__,
+        "__iter__": iterate,
+        "__reduce_ex__": _reduce,
+    })
+    _instrumented[base] = found
+    _base_of[found] = base
+    return found
+
+
+def _reading_here(source: wire.Source, steps: Iterator[Any]) -> Iterator[Any]:
+    """Without workers the dataset reads in this process: as the loader's source, during its epoch only."""
+    with reads.reads_as(source):
+        yield from steps
+
+
+def _reduce(loader: DataLoader[Any], protocol: object) -> tuple[Any, ...]:
+    """Pickle and copy as an instance of the loader's own class, instrumented again when restored."""
+    return _restore, (_base_of[type(loader)],), loader.__dict__
+
+
+def _restore(base: type[DataLoader[Any]]) -> DataLoader[Any]:
+    loader: DataLoader[Any] = object.__new__(base)
+    loader.__class__ = _instrumented_class(base)
+    return loader
 
 
 def instrument(
-    loader: DataLoader[Any], job: str | None = None, rank: int | None = None, gpu: int | None = None
-) -> Monitored[Any]:
-    """A monitored copy of `loader`: same dataset, sampler and options, with reads tagged by batch.
+    loader: L, job: str | None = None, rank: int | None = None, gpu: int | str | None = None
+) -> L:
+    """Instrument `loader` in place and return it: iterating it records the loop's steps, and the reads
+    its dataset records carry the batch they serve. Job, rank and gpu default from the environment
+    (`identity.source_from_environment`; gpu is the CUDA device index the process trains on, or its UUID).
 
-    Use the returned object instead of `loader` (iterating the copy's inner loader directly would
-    yield `(number, batch)` pairs). Job, rank and gpu default from the environment.
+    Call it before the loader's first iteration: a `persistent_workers` iterator made earlier keeps its
+    workers, whose batches are then numbered in arrival order. Instrumenting again only updates who
+    the loader records as.
     """
     source = source_from_environment(job, rank, gpu)
-    options: dict[str, Any] = {
-        "num_workers": loader.num_workers,
-        "pin_memory": loader.pin_memory,
-        "timeout": loader.timeout,
-        "worker_init_fn": loader.worker_init_fn,
-        "multiprocessing_context": loader.multiprocessing_context,
-        "generator": loader.generator,
-        "prefetch_factor": loader.prefetch_factor,
-        "persistent_workers": loader.persistent_workers,
-        "pin_memory_device": loader.pin_memory_device,
-        "in_order": loader.in_order,
-    }
-    dataset = loader.dataset
-    channel = sender().channel(source)
-    if isinstance(dataset, IterableDataset):
-        rebuilt: DataLoader[Any] = DataLoader(
-            _RecordedIterableDataset(dataset, source), batch_size=loader.batch_size, drop_last=loader.drop_last,
-            collate_fn=loader.collate_fn, **options,
-        )
-        return Monitored(rebuilt, channel)
-    if loader.batch_sampler is None:
-        rebuilt = DataLoader(
-            _RecordedMapDataset(dataset, source), batch_size=None, sampler=loader.sampler,
-            collate_fn=loader.collate_fn, **options,
-        )
-        return Monitored(rebuilt, channel)
-    rebuilt = DataLoader(
-        _RecordedMapDataset(dataset, source), batch_sampler=_NumberedBatches(loader.batch_sampler),
-        collate_fn=_TaggedCollate(loader.collate_fn), **options,
-    )
-    return Monitored(rebuilt, channel, tagged=True)
+    found: Instrumentation | None = loader.__dict__.get(_STATE)
+    if found is None:
+        setattr(loader, _STATE, Instrumentation(source))
+    else:  # keeps counting batches: a number names one batch of the run
+        found.source = source
+    if type(loader) not in _base_of:
+        loader.__class__ = _instrumented_class(type(loader))  # type: ignore[assignment]  # a subclass of L
+    return loader

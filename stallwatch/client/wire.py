@@ -9,7 +9,9 @@ A batch, little-endian, no padding:
     header   HEADER: version, string count, the source (job string id, gpu, worker, rank),
              record counts, events the client dropped since its last delivered batch, and the
              client's clocks at send time (monotonic and wall, nanoseconds)
-    strings  n_strings x (u16 length, UTF-8 bytes); the header's job is an index into them
+    strings  n_strings x (u16 length, UTF-8 bytes); the header's job is an index into them, the
+             others are attributes of the source, `name=value` (`GPU_UUID`); a decoder ignores
+             names it does not know, so attributes are added without a new version
     steps    n_steps x STEP records (STEP_FIELDS)
     reads    n_reads x READ records (READ_FIELDS)
 
@@ -75,6 +77,11 @@ VERDICT_HIT = 0
 VERDICT_MISS = 1
 
 MAX_JOB_NAME = 128
+# The label value the agent folds jobs and ranks past its limits into; no client may name a job so.
+OVERFLOW_NAME = "__other__"
+# The source attribute naming its GPU as NVML does: `GPU-<uuid>`, or a MIG device's `MIG-...` id.
+# The header's gpu stays the client's guess at the physical index (-1 unknown), for agents before it.
+GPU_UUID = "gpu_uuid"
 # Events per datagram: at 41 bytes a read, a full batch stays near 21 KB, far below the socket's
 # send buffer (net.core.wmem_default, 208 KB here), and sending costs one syscall per 512 events.
 MAX_EVENTS = 512
@@ -91,12 +98,14 @@ class Source:
     rank: int
     gpu: int = -1
     worker: int = -1
+    gpu_uuid: str = ""
 
 
 def job_name(name: str) -> str:
-    """A job name the agent accepts: printable, non-empty, at most MAX_JOB_NAME characters."""
+    """A job name the agent accepts: printable, non-empty, at most MAX_JOB_NAME characters, not the
+    reserved OVERFLOW_NAME."""
     cleaned = "".join(ch if ch.isprintable() else "_" for ch in name)[:MAX_JOB_NAME]
-    return cleaned or "unknown"
+    return cleaned if cleaned and cleaned != OVERFLOW_NAME else "unknown"
 
 
 def encode(
@@ -110,14 +119,17 @@ def encode(
     wall_ns: int,
 ) -> bytes:
     """One datagram. `steps` and `reads` are tuples in STEP/READ field order, counted by the caller."""
-    job = source.job.encode()
+    strings = [source.job.encode()]
+    if source.gpu_uuid:
+        strings.append(f"{GPU_UUID}={source.gpu_uuid}".encode())
     parts = [
         HEADER.pack(
-            VERSION, 1, 0, source.gpu, source.worker, source.rank, n_steps, n_reads, dropped, mono_ns, wall_ns
+            VERSION, len(strings), 0, source.gpu, source.worker, source.rank, n_steps, n_reads, dropped, mono_ns,
+            wall_ns,
         ),
-        STRING_LENGTH.pack(len(job)),
-        job,
     ]
+    for string in strings:
+        parts += (STRING_LENGTH.pack(len(string)), string)
     # starmap keeps the per-record loop in C: ~90 ns a record here, against ~150 ns for pack_into.
     parts.extend(starmap(STEP.pack, steps))
     parts.extend(starmap(READ.pack, reads))

@@ -10,7 +10,7 @@ import argparse
 from dataclasses import dataclass, field
 
 from stallwatch.correlator.warmup import WarmupSettings
-from stallwatch.flags import non_negative_float, positive_float, positive_int
+from stallwatch.flags import bounded_float, byte_size, non_negative_float, positive_float, positive_int
 
 
 @dataclass(frozen=True)
@@ -35,20 +35,6 @@ def seconds_to_ns(seconds: float) -> int:
     return round(seconds * 1e9)
 
 
-def _sample_rate(text: str) -> float:
-    value = float(text)
-    if not 0 < value <= 1:
-        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
-    return value
-
-
-def _bytes(text: str) -> int:
-    value = int(float(text))
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive number of bytes, got {text}")
-    return value
-
-
 def add_arguments(group: argparse._ArgumentGroup, prefix: str) -> None:
     """The flags both commands share; `prefix` is `correlator.` for the agent, empty for `stallwatch correlate`."""
     defaults = CorrelatorSettings()
@@ -67,9 +53,10 @@ def add_arguments(group: argparse._ArgumentGroup, prefix: str) -> None:
                        default=defaults.max_buffered_events, metavar="EVENTS",
                        help="events of each kind the windows hold; past it the oldest used context goes, then "
                        "incoming batches are dropped and counted (default: %(default)s)")
-    group.add_argument(f"--{prefix}cache-capacity", dest="correlator_cache_capacity", type=_bytes, default=None,
+    group.add_argument(f"--{prefix}cache-capacity", dest="correlator_cache_capacity", type=byte_size, default=None,
                        metavar="BYTES", help="the spoke's capacity, for the cache what-if (default: none, no what-if)")
-    group.add_argument(f"--{prefix}whatif-sample-rate", dest="correlator_whatif_sample_rate", type=_sample_rate,
+    group.add_argument(f"--{prefix}whatif-sample-rate", dest="correlator_whatif_sample_rate",
+                       type=bounded_float(0, 1, above=True),
                        default=defaults.whatif_sample_rate, metavar="RATIO",
                        help="initial share of keys the what-if samples; it lowers itself to bound memory "
                        "(default: %(default)s)")

@@ -3,16 +3,10 @@
 from __future__ import annotations
 
 import contextlib
-import re
-import subprocess
-import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from stallwatch.demo.processes import stop_process
-
-LISTENING = re.compile(r"listening on (http://\S+?)'")
+from stallwatch.harness import AgentProcess, start_agent, stop_agent
 
 
 @dataclass(frozen=True)
@@ -40,10 +34,9 @@ class AgentSetup:
     def windows(self) -> Path:
         return self.workdir / "windows.jsonl"
 
-    def command(self) -> list[str]:
+    def flags(self) -> list[str]:
         lateness = [] if self.lateness_seconds is None else ["--correlator.lateness", str(self.lateness_seconds)]
         return [
-            sys.executable, "-m", "stallwatch", "agent", "--web.listen-address", "127.0.0.1:0",
             "--gpu.fake-devices", str(self.gpus), "--gpu.fake-trace", str(self.trace), "--gpu.interval", "0.5",
             "--events.socket", str(self.socket),
             "--collector.spoke_nginx", "--spoke_nginx.log", str(self.spoke_log), "--spoke_nginx.name", self.spoke_name,
@@ -55,19 +48,9 @@ class AgentSetup:
         ]
 
 
-def start_agent(stack: contextlib.ExitStack, setup: AgentSetup) -> str:
-    """Start the agent (stopped when `stack` closes); its metrics URL once it listens."""
+def start_node_agent(stack: contextlib.ExitStack, setup: AgentSetup) -> AgentProcess:
+    """Start the node's agent (stopped when `stack` closes), once it listens."""
     setup.workdir.mkdir(parents=True, exist_ok=True)
-    log_path = setup.workdir / "agent.log"
-    with log_path.open("w") as log:
-        agent = subprocess.Popen(setup.command(), stdout=log, stderr=subprocess.STDOUT, text=True)
-    stack.callback(stop_process, agent)
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        match = LISTENING.search(log_path.read_text())
-        if match:
-            return match.group(1)
-        if agent.poll() is not None:
-            break
-        time.sleep(0.1)
-    raise RuntimeError(f"the agent did not start:\n{log_path.read_text()[-2000:]}")
+    agent = start_agent(setup.flags(), setup.workdir / "agent.log", timeout=30)
+    stack.callback(stop_agent, agent)
+    return agent

@@ -29,11 +29,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from stallwatch import catalogue as c
-from stallwatch.demo.agent import AgentSetup, start_agent
+from stallwatch.demo.agent import AgentSetup, start_node_agent
 from stallwatch.demo.hub import Hub, make_dataset, shard_name
-from stallwatch.demo.processes import free_port, stop_process
 from stallwatch.demo.spoke import Nginx, spoke_server_block
-from stallwatch.demo.stack import Server, find_binary, query, start_prometheus, wait_for
+from stallwatch.demo.stack import Server, query, start_prometheus
+from stallwatch.harness import find_binary, free_port, stop_process, wait_for
 from stallwatch.mixin import rules
 from stallwatch.mixin.alerts import render_alerting_rules
 from stallwatch.mixin.config import Thresholds
@@ -159,9 +159,9 @@ class ClusterDemo:
             with ThreadPoolExecutor(4) as pool:  # warm the spoke: every shard once
                 list(pool.map(lambda i: urllib.request.urlopen(spoke.url(f"/{shard_name(i)}"), timeout=120).read(),
                               range(s.shards)))
-        agent = start_agent(self._stack, AgentSetup(
+        agent = start_node_agent(self._stack, AgentSetup(
             work / name, spoke.access_log, f"spoke-{name.removeprefix('node-')}", hub.url, cache, s.window_seconds,
-            gpus=s.ranks_per_node, lateness_seconds=s.lateness_seconds))
+            gpus=s.ranks_per_node, lateness_seconds=s.lateness_seconds)).url
         self.say(f"  {name}       agent {agent}, spoke {spoke.url()} ({cache / 2**20:.0f} MiB, "
                  f"{'cold, keeps a shard 1 s' if cold else 'warm'})")
         return spoke, agent

@@ -21,33 +21,34 @@ import sys
 import tempfile
 import threading
 import time
-import urllib.request
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from prometheus_client.parser import text_string_to_metric_families
-
 from stallwatch import catalogue as c
-from stallwatch import report
-from stallwatch.demo.agent import AgentSetup, start_agent
+from stallwatch.demo.agent import AgentSetup, start_node_agent
 from stallwatch.demo.cluster import ClusterDemo, ClusterSettings
 from stallwatch.demo.hub import Hub, make_dataset
-from stallwatch.demo.processes import stop_process
 from stallwatch.demo.spoke import Nginx, spoke_server_block
-from stallwatch.demo.stack import (
-    Server,
-    Webhook,
+from stallwatch.demo.stack import Server, Webhook, query, start_alertmanager, start_prometheus
+from stallwatch.harness import (
+    AgentProcess,
+    Samples,
     find_binary,
-    query,
-    start_alertmanager,
-    start_prometheus,
+    scrape,
+    start_agent,
+    stop_agent,
+    stop_process,
+    total,
     wait_for,
 )
 from stallwatch.mixin.alerts import render_alerting_rules
 from stallwatch.mixin.config import Thresholds
 from stallwatch.mixin.rules import render_recording_rules
+from stallwatch.report.prometheus import run_from_prometheus
+from stallwatch.report.render import render_html
+from stallwatch.report.windows import run_from_windows
 
 PROGRESS = re.compile(r"epoch (\d+) step (\d+)/(\d+)")
 SPOKE_NAME = "demo-spoke"
@@ -93,37 +94,23 @@ class Settings:
         return int(self.dataset_bytes * (0.85 if self.outage else 2.0))
 
 
-Metrics = dict[tuple[str, tuple[tuple[str, str], ...]], float]
-
-
 @dataclass
 class Outcome:
     report: Path
     windows: Path
     alerts: list[dict[str, Any]]
-    metrics: Metrics
+    metrics: Samples
     prometheus: str | None
     started: float
     ended: float
 
 
-def scrape(url: str) -> Metrics:
-    with urllib.request.urlopen(url, timeout=5) as reply:
-        text = reply.read().decode()
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
-
-
-def _sum(metrics: Metrics, name: str, **labels: str) -> float:
-    return sum(v for (n, ls), v in metrics.items() if n == name and all((k, x) in ls for k, x in labels.items()))
-
-
-def status_line(metrics: Metrics, before: Metrics | None = None) -> str:
+def status_line(metrics: Samples, before: Samples | None = None) -> str:
     """Hit ratio since `before` (else since the start), the rank's input-bound ratio and the job's phase."""
     requests = c.SPOKE_REQUESTS.name
-    total = _sum(metrics, requests) - (_sum(before, requests) if before else 0)
-    hits = _sum(metrics, requests, result="hit") - (_sum(before, requests, result="hit") if before else 0)
-    hit = f"{hits / total:4.0%}" if total else "  - "
+    served = total(metrics, requests) - (total(before, requests) if before else 0)
+    hits = total(metrics, requests, result="hit") - (total(before, requests, result="hit") if before else 0)
+    hit = f"{hits / served:4.0%}" if served else "  - "
     bound = [v for (n, _), v in metrics.items() if n == c.INPUT_BOUND_RATIO.name]
     phase = next((dict(ls)["phase"] for (n, ls), v in metrics.items() if n == c.WARMUP_PHASE.name and v == 1), "-")
     return f"hit {hit}  input-bound {max(bound):4.0%}  phase {phase:10}" if bound else f"hit {hit}  phase {phase}"
@@ -146,6 +133,10 @@ class Demo:
             labels = alert.get("labels", {})
             self.say(f"\n  ALERT received by the webhook: {labels.get('alertname')} ({alert.get('status')}) "
                      f"{alert.get('annotations', {}).get('description', '')}")
+
+    def _start_agent(self, work: Path, spoke: Nginx, hub_url: str) -> AgentProcess:
+        return start_node_agent(self._stack, AgentSetup(work, spoke.access_log, SPOKE_NAME, hub_url,
+                                                        self.s.cache_bytes, self.s.window_seconds))
 
     def _start_monitoring(self, work: Path, agent_url: str) -> Server | None:
         prometheus_bin, alertmanager_bin = find_binary("prometheus"), find_binary("prometheus-alertmanager")
@@ -192,8 +183,7 @@ class Demo:
             spoke = Nginx(work / "spoke", spoke_server_block(hub.url), f"{max(1, s.cache_bytes // 2**20)}m")
             self._stack.callback(spoke.close)
             self.say(f"  spoke        {spoke.url()}  (nginx proxy_cache, {s.cache_bytes / 2**20:.0f} MiB)")
-            agent_url = start_agent(self._stack, AgentSetup(work, spoke.access_log, SPOKE_NAME, hub.url,
-                                                            s.cache_bytes, s.window_seconds))
+            agent_url = self._start_agent(work, spoke, hub.url).url
             self.say(f"  agent        {agent_url}")
             prometheus = self._start_monitoring(work, agent_url)
             started = time.time()
@@ -219,9 +209,9 @@ class Demo:
             if while_running is not None:
                 while_running(prometheus.url if prometheus else None, agent_url)
             report_path = work / "report.html"
-            run = (report.run_from_prometheus(prometheus.url, started, ended) if prometheus
-                   else report.run_from_windows(work / "windows.jsonl"))
-            report_path.write_text(report.render_html(run, s.price_per_gb))
+            run = (run_from_prometheus(prometheus.url, started, ended) if prometheus
+                   else run_from_windows(work / "windows.jsonl"))
+            report_path.write_text(render_html(run, s.price_per_gb))
             self.say(f"alerts received: {sorted({a['labels']['alertname'] for a in self.alerts}) or 'none'}")
             self.say(f"report: {report_path}")
             return Outcome(report_path, work / "windows.jsonl", list(self.alerts), metrics,
@@ -235,7 +225,7 @@ class Demo:
         stop = threading.Event()
 
         def refresh() -> None:
-            recent: list[Metrics] = []  # the last few scrapes: the hit ratio shown is over ~5 s
+            recent: list[Samples] = []  # the last few scrapes: the hit ratio shown is over ~5 s
             while not stop.wait(1.0):
                 with contextlib.suppress(OSError, ValueError):
                     recent = [*recent[-4:], scrape(agent_url)]

@@ -9,19 +9,18 @@ puts in front of its hub.
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import socket
 import subprocess
 import time
 from pathlib import Path
 
-from stallwatch.demo.processes import free_port, stop_process
 from stallwatch.exporters.spoke_nginx import LOG_FORMAT
+from stallwatch.harness import find_binary, free_port, stop_process
 
 
 def nginx_binary() -> str:
-    return shutil.which("nginx") or "/usr/sbin/nginx"
+    return find_binary("nginx") or "/usr/sbin/nginx"
 
 
 def spoke_server_block(hub_url: str, timeout_seconds: int = 120, valid: str | None = None) -> str:

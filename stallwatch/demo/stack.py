@@ -8,10 +8,8 @@ from __future__ import annotations
 
 import json
 import queue
-import shutil
 import subprocess
 import threading
-import time
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -22,34 +20,7 @@ from typing import Any
 
 import yaml
 
-from stallwatch.demo.processes import free_port, stop_process
-
-
-def find_binary(name: str) -> str | None:
-    return shutil.which(name) or next(
-        (str(p) for p in (Path("/usr/sbin") / name, Path("/usr/bin") / name) if p.exists()), None
-    )
-
-
-def wait_for(what: str, check: Callable[[], bool], timeout: float, process: subprocess.Popen[bytes] | None = None,
-             log: Path | None = None) -> None:
-    """Poll `check` until it holds; fail with the process's log when it does not in time or the process dies."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            if check():
-                return
-        except (OSError, urllib.error.URLError, ValueError):
-            pass
-        if process is not None and process.poll() is not None:
-            break
-        time.sleep(0.2)
-    raise RuntimeError(f"timed out waiting for {what}" + (f":\n{log.read_text()[-3000:]}" if log else ""))
-
-
-def http_ok(url: str) -> bool:
-    with urllib.request.urlopen(url, timeout=2) as reply:
-        return bool(reply.status == 200)
+from stallwatch.harness import free_port, http_ok, stop_process, wait_for
 
 
 class Webhook:
@@ -128,7 +99,7 @@ def start_prometheus(binary: str, workdir: Path, targets: Sequence[str], rule_fi
                      alertmanager: str | None = None, interval_seconds: int = 1,
                      job: str = "stallwatch", node_names: Mapping[str, str] | None = None,
                      extra: Mapping[str, Any] | None = None, flags: Sequence[str] = ()) -> Server:
-    """Scrape `targets` as `job` (honouring the agents' own `job` label: the training job's name).
+    """Scrape `targets` as `job` (the agents carry the training job as `training_job`: no collision).
 
     `node_names` maps a target to the node name it is labelled with (else its host); `extra` adds top-level
     configuration (remote_write), `flags` command-line flags (the remote-write receiver)."""
@@ -139,7 +110,7 @@ def start_prometheus(binary: str, workdir: Path, targets: Sequence[str], rule_fi
     config: dict[str, Any] = {
         "global": {"scrape_interval": f"{interval_seconds}s", "evaluation_interval": f"{interval_seconds}s"},
         "rule_files": [str(p) for p in rule_files],
-        "scrape_configs": [{"job_name": job, "honor_labels": True, "relabel_configs": RELABELS,
+        "scrape_configs": [{"job_name": job, "relabel_configs": RELABELS,
                             "static_configs": static}] if targets else [],
         **(extra or {}),
     }

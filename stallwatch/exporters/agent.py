@@ -13,6 +13,7 @@ from prometheus_client.core import Metric
 from prometheus_client.registry import CollectorRegistry
 
 from stallwatch import __version__, catalogue
+from stallwatch.build import revision
 from stallwatch.eventbatch import EventSink, discard
 
 # Importing a collector module registers it by name.
@@ -22,6 +23,7 @@ from stallwatch.exporters import (  # noqa: F401
     gpu,
     host,
     hub_probe,
+    pods,
     spoke_nfs,
     spoke_nginx,
     spoke_openmetrics,
@@ -37,6 +39,7 @@ from stallwatch.exporters.collector import (
     registered,
 )
 from stallwatch.exporters.config import ConfigError, log_level, parse, parse_listen_address
+from stallwatch.exporters.logformat import configure as configure_logging
 from stallwatch.exporters.web import MetricsServer
 from stallwatch.exporters.web_config import WebConfig, load_web_config
 
@@ -46,7 +49,7 @@ log = logging.getLogger("stallwatch.agent")
 class _BuildInfo:
     def collect(self) -> Iterator[Metric]:
         family = catalogue.BUILD_INFO.family()
-        family.add_metric([__version__], 1)
+        family.add_metric([__version__, revision()], 1)
         yield family
 
 
@@ -81,12 +84,9 @@ def main(argv: Sequence[str]) -> int:
     except ConfigError as error:
         print(f"stallwatch agent: error: {error}", file=sys.stderr)
         return 2
-    logging.basicConfig(
-        level=log_level(options.log_level),
-        format="ts=%(asctime)s level=%(levelname)s logger=%(name)s msg=%(message)r",
-        stream=sys.stderr,
-    )
-    registry = CollectorRegistry()
+    configure_logging(log_level(options.log_level), options.log_format)
+    # Our collectors name their metrics only when collected: `name[]` must still reach them.
+    registry = CollectorRegistry(support_collectors_without_names=True)
     host_name, port = parse_listen_address(options.web_listen_address)
     try:  # bind first: a taken port fails before any collector starts a thread
         server = MetricsServer(registry, host_name, port, options.web_telemetry_path, web_config)

@@ -22,6 +22,7 @@ from prometheus_client.registry import Collector as PromCollector
 
 from stallwatch import catalogue
 from stallwatch.eventbatch import EventBatch, EventSink, Interner, discard
+from stallwatch.exporters.gpu_directory import GpuDirectory
 
 log = logging.getLogger(__name__)
 
@@ -44,13 +45,15 @@ class CollectorContext:
 
     `jobs` and `spokes` turn training-job and spoke names into the small ids batches carry; the agent
     hands every collector the same two, so the correlator reads names back from what the receiver and
-    the spoke collectors interned.
+    the spoke collectors interned. `gpus` is what the gpu collector learns of the node's GPU UUIDs,
+    for the receiver to map clients' GPUs to NVML indices.
     """
 
     options: argparse.Namespace
     sink: EventSink
     jobs: Interner = field(default_factory=Interner)
     spokes: Interner = field(default_factory=Interner)
+    gpus: GpuDirectory = field(default_factory=GpuDirectory)
 
 
 Factory = Callable[[CollectorContext], Collector]

@@ -4,6 +4,11 @@ The file is a flat mapping of flag names without their dashes (`web.listen-addre
 `collector.gpu: false`, `gpu.interval: 0.25`); a repeatable flag takes a list or one value
 (`spoke_nfs.mount: [a=/mnt/a, b=/mnt/b]`). Flags on the command line win over the file. Every
 mistake, in a flag or in the file, is a `ConfigError` with a one-line message.
+
+Every number is range-checked by its flag type (`stallwatch.flags`), and every YAML file the agent
+reads (this one, `--web.config.file`, mapping files) goes through `load_yaml`, which bounds the time
+and memory any content can cost: at most 1 MiB, no aliases (the "billion laughs"), nesting at most 32
+deep, and messages that quote at most a few dozen characters of a value.
 """
 
 from __future__ import annotations
@@ -11,15 +16,20 @@ from __future__ import annotations
 import argparse
 import logging
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 from typing import Any, NoReturn
 
 import yaml
+from yaml.composer import ComposerError
 
+from stallwatch.build import version_text
 from stallwatch.exporters.collector import CollectorSpec
+from stallwatch.exporters.logformat import FORMATS
+from stallwatch.flags import cut, shown
 
 DEFAULT_PORT = 9842
 DEFAULT_LISTEN_ADDRESS = f":{DEFAULT_PORT}"
+MAX_YAML_BYTES = 1 << 20
+MAX_YAML_DEPTH = 32
 
 
 class ConfigError(Exception):
@@ -33,6 +43,7 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser(collectors: Mapping[str, CollectorSpec]) -> argparse.ArgumentParser:
     parser = _Parser(prog="stallwatch agent", description="Serve GPU, host, loader and spoke metrics.")
+    parser.add_argument("--version", action="version", version=version_text("stallwatch agent"))
     parser.add_argument("--config.file", dest="config_file", metavar="PATH",
                         help="YAML file presetting any of these flags (names without the dashes)")
     parser.add_argument("--web.listen-address", dest="web_listen_address", default=DEFAULT_LISTEN_ADDRESS,
@@ -43,6 +54,8 @@ def build_parser(collectors: Mapping[str, CollectorSpec]) -> argparse.ArgumentPa
                         help="TLS and basic auth for every path, in the Prometheus exporter toolkit's format")
     parser.add_argument("--log.level", dest="log_level", default="info",
                         choices=["debug", "info", "warning", "error"], help="(default: %(default)s)")
+    parser.add_argument("--log.format", dest="log_format", default="logfmt", choices=FORMATS,
+                        help="how each log line is written (default: %(default)s)")
     enable = parser.add_argument_group("collectors")
     for name, spec in collectors.items():
         state = "on" if spec.default_enabled else "off"
@@ -55,18 +68,62 @@ def build_parser(collectors: Mapping[str, CollectorSpec]) -> argparse.ArgumentPa
     return parser
 
 
-def _load_file(parser: argparse.ArgumentParser, path: str) -> dict[str, Any]:
+class _BoundedLoader(yaml.SafeLoader):
+    """safe_load without aliases and with bounded nesting, so no content costs unbounded time, memory
+    or stack: through aliases a few hundred bytes can stand for billions of values."""
+
+    _depth = 0
+
+    def compose_node(self, parent: Any, index: Any) -> Any:
+        if self.check_event(yaml.AliasEvent):
+            self._refuse("aliases (*name) are not allowed")
+        if self._depth >= MAX_YAML_DEPTH:
+            self._refuse(f"nested deeper than {MAX_YAML_DEPTH} levels")
+        self._depth += 1
+        try:
+            return super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
+
+    def _refuse(self, problem: str) -> NoReturn:
+        event = self.peek_event()  # type: ignore[no-untyped-call]
+        raise ComposerError(None, None, problem, event.start_mark)
+
+
+def read_bounded(path: str) -> str:
+    """The text of a configuration file of at most MAX_YAML_BYTES (so /dev/zero is an error, not a hang)."""
     try:
-        document = yaml.safe_load(Path(path).read_text())
+        with open(path, "rb") as file:
+            data = file.read(MAX_YAML_BYTES + 1)
     except OSError as error:
         raise ConfigError(f"{path}: cannot read: {error.strerror}") from error
+    if len(data) > MAX_YAML_BYTES:
+        raise ConfigError(f"{path}: larger than {MAX_YAML_BYTES >> 10} KiB, not a configuration file")
+    try:
+        return data.decode()
     except UnicodeDecodeError as error:
         raise ConfigError(f"{path}: not UTF-8 text (byte {error.start})") from error
+
+
+def parse_yaml(text: str, origin: str) -> Any:
+    """A YAML document, bounded as `_BoundedLoader` is; every problem is a one-line `ConfigError`."""
+    try:
+        return yaml.load(text, Loader=_BoundedLoader)
     except yaml.YAMLError as error:
         where = getattr(error, "problem_mark", None)
         line = f" at line {where.line + 1}" if where is not None else ""
         problem = getattr(error, "problem", None) or "not valid YAML"
-        raise ConfigError(f"{path}: not valid YAML{line}: {problem}") from error
+        raise ConfigError(f"{origin}: not valid YAML{line}: {shown(problem, 80)}") from error
+    except ValueError as error:  # a scalar int() refuses, such as an integer of more than 4,300 digits
+        raise ConfigError(f"{origin}: not valid YAML: {shown(str(error), 80)}") from error
+
+
+def load_yaml(path: str) -> Any:
+    return parse_yaml(read_bounded(path), path)
+
+
+def _load_file(parser: argparse.ArgumentParser, path: str) -> dict[str, Any]:
+    document = load_yaml(path)
     if document is None:
         return {}
     if not isinstance(document, dict):
@@ -76,7 +133,7 @@ def _load_file(parser: argparse.ArgumentParser, path: str) -> dict[str, Any]:
     for key, raw in document.items():
         action = actions.get(str(key))
         if action is None or key in ("config.file", "help"):
-            raise ConfigError(f"{path}: unknown option {key!r}")
+            raise ConfigError(f"{path}: unknown option {shown(key)}")
         if isinstance(action, argparse._AppendAction):
             # A repeatable flag: a list of values, or one value, as if the flag were given that often.
             items = raw if isinstance(raw, list) else [raw]
@@ -90,16 +147,16 @@ def _file_value(path: str, key: str, action: argparse.Action, value: Any) -> Any
     """One value of the file, converted and checked as the flag would be on the command line."""
     if isinstance(action, argparse.BooleanOptionalAction):
         if not isinstance(value, bool):
-            raise ConfigError(f"{path}: {key} must be true or false, got {value!r}")
+            raise ConfigError(f"{path}: {key} must be true or false, got {shown(value)}")
     elif value is None or isinstance(value, list | dict):
-        raise ConfigError(f"{path}: {key} needs one value, got {value!r}")
+        raise ConfigError(f"{path}: {key} needs one value, got {shown(value)}")
     elif action.type is None:
         value = str(value)
     else:
         try:
             value = action.type(str(value))  # type: ignore[operator]
         except (ValueError, argparse.ArgumentTypeError) as error:
-            raise ConfigError(f"{path}: {key}: {error}") from error
+            raise ConfigError(f"{path}: {key}: {cut(str(error), 120)}") from error
     if action.choices is not None and value not in action.choices:
         raise ConfigError(f"{path}: {key} must be one of {', '.join(map(str, action.choices))}")
     return value

@@ -33,6 +33,7 @@ from stallwatch.client import wire
 from stallwatch.eventbatch import OVERFLOW, SCHEMAS, EventBatch, EventSink, Interner, discard
 from stallwatch.exporters.collector import CollectorContext, register_collector
 from stallwatch.exporters.events_decode import Decoded, Records, RejectedBatchError, decode, peek_events
+from stallwatch.exporters.gpu_directory import GpuDirectory
 from stallwatch.exporters.receiver import EventReceiver
 from stallwatch.flags import positive_int
 
@@ -84,8 +85,10 @@ class EventsCollector:
         socket_group: int | None = None,
         clock_ns: Callable[[], int] = time.monotonic_ns,
         wall_clock_ns: Callable[[], int] = time.time_ns,
+        gpus: GpuDirectory | None = None,
     ) -> None:
         self._jobs = jobs if jobs is not None else Interner()
+        self._gpus = gpus if gpus is not None else GpuDirectory()
         self._rank_limit = rank_limit
         self._ranks_folded = 0
         self._sink = sink
@@ -95,12 +98,13 @@ class EventsCollector:
         self._batches: Counter[str] = Counter()
         self._events: Counter[str] = Counter({"step": 0, "read": 0})
         self._dropped: Counter[str] = Counter()
-        self._receiver = EventReceiver(socket_path, queue_limit, self.process, self._queue_full, socket_group)
+        self._receiver = EventReceiver(socket_path, queue_limit, self.process, self._refused, socket_group)
 
-    def _queue_full(self, events: int) -> None:
+    def _refused(self, result: str, events: int) -> None:
+        """A batch the receiver dropped before decoding: its queue was full, or the datagram was cut."""
         with self._lock:
-            self._batches["queue_full"] += 1
-            self._dropped["queue_full"] += events
+            self._batches[result] += 1
+            self._dropped["queue_full" if result == "queue_full" else "rejected"] += events
 
     # --- processing -------------------------------------------------------------------------------
     def process(self, datagrams: list[bytes]) -> None:
@@ -153,8 +157,8 @@ class EventsCollector:
         return found
 
     def _forward(self, accepted: list[tuple[int, Decoded]]) -> None:
-        sources = [{"job": job, "rank": d.source.rank, "gpu": d.source.gpu, "worker": d.source.worker}
-                   for job, d in accepted]
+        sources = [{"job": job, "rank": d.source.rank, "gpu": self._gpus.index_of(d.source.gpu_uuid, d.source.gpu),
+                    "worker": d.source.worker} for job, d in accepted]
         for kind, records in (("step", [d.steps for _, d in accepted]), ("read", [d.reads for _, d in accepted])):
             if not any(len(part) for part in records):
                 continue
@@ -190,7 +194,7 @@ class EventsCollector:
                 events.add_metric([kind], count)
             for reason, count in sorted(self._dropped.items()):
                 dropped.add_metric([reason], count)
-            folded.add_metric(["job"], self._jobs.folded)
+            folded.add_metric([catalogue.JOB_LABEL], self._jobs.folded)
             folded.add_metric(["rank"], self._ranks_folded)
         up.add_metric([], 1.0 if self._receiver.bound else 0.0)
         yield from (wait, compute, read_duration, reads, read_bytes, client_dropped, batches, events, dropped,
@@ -244,7 +248,7 @@ def _from_context(context: CollectorContext) -> EventsCollector:
     options = context.options
     context.jobs.limit = options.events_job_limit
     return EventsCollector(options.events_socket, options.events_queue_limit, context.jobs,
-                           options.events_rank_limit, context.sink, options.events_socket_group)
+                           options.events_rank_limit, context.sink, options.events_socket_group, gpus=context.gpus)
 
 
 register_collector("events", True, "loader waits, steps and dataset reads sent by training clients",

@@ -33,6 +33,10 @@ FUTURE_SLACK_NS = 10**9
 MAX_EVENT_AGE_NS = 3600 * 10**9
 CLOCK_TOLERANCE_NS = 2 * 10**9
 _SANE_NS = 2**62
+# Past these a value is a forgery or a bug, and summing a batch of them could wrap int64: a read of
+# more than 1 TiB; more events dropped since the last delivered batch than a flood of a year holds.
+MAX_READ_BYTES = 2**40
+MAX_DROPPED = 2**48
 
 
 def _dtype(fields: Sequence[tuple[str, str]]) -> np.dtype[np.void]:
@@ -64,12 +68,15 @@ class Decoded:
         return len(self.steps) + len(self.reads)
 
 
-def peek_events(data: bytes) -> int:
-    """The event count a batch claims, for queue accounting before it is validated (0 if unreadable)."""
+def peek_events(data: bytes, size: int | None = None) -> int:
+    """The events a batch of `size` bytes (default: all of `data`) claims, for queue accounting before
+    it is validated, but never more than its bytes could hold: a forged header must neither fill the
+    queue nor inflate a counter (0 if unreadable)."""
     if len(data) < wire.HEADER.size:
         return 0
     header = wire.HEADER.unpack_from(data)
-    return int(header[6]) + int(header[7])
+    room = (len(data) if size is None else size) - wire.HEADER.size
+    return min(int(header[6]) + int(header[7]), room // min(wire.STEP.size, wire.READ.size))
 
 
 def _strings(data: bytes, count: int) -> tuple[list[str], int]:
@@ -87,6 +94,8 @@ def _strings(data: bytes, count: int) -> tuple[list[str], int]:
             raise RejectedBatchError("bad_string", "not UTF-8") from error
         if not 0 < len(text) <= wire.MAX_JOB_NAME or not text.isprintable():
             raise RejectedBatchError("bad_string", "empty, too long or not printable")
+        if text == wire.OVERFLOW_NAME:
+            raise RejectedBatchError("bad_string", f"{wire.OVERFLOW_NAME} is reserved for folded jobs")
         strings.append(text)
         offset += length
     return strings, offset
@@ -97,8 +106,8 @@ def _check_values(rank: int, gpu: int, worker: int, steps: Records, reads: Recor
         raise RejectedBatchError("bad_value", "source out of range")
     if (steps["batch"] < -1).any() or (reads["batch"] < -1).any():
         raise RejectedBatchError("bad_value", "batch below -1")
-    if (reads["bytes"] < 0).any():
-        raise RejectedBatchError("bad_value", "negative bytes")
+    if ((reads["bytes"] < 0) | (reads["bytes"] > MAX_READ_BYTES)).any():
+        raise RejectedBatchError("bad_value", "read bytes out of range")
     if ((reads["verdict"] < wire.VERDICT_UNKNOWN) | (reads["verdict"] > wire.VERDICT_MISS)).any():
         raise RejectedBatchError("bad_value", "unknown verdict")
 
@@ -143,6 +152,8 @@ def decode(data: bytes, now_ns: int, wall_now_ns: int) -> Decoded:
     steps: Records = np.frombuffer(data, STEP_DTYPE, n_steps, offset)
     reads: Records = np.frombuffer(data, READ_DTYPE, n_reads, offset + n_steps * wire.STEP.size)
     _check_values(rank, gpu, worker, steps, reads)
+    if dropped > MAX_DROPPED:
+        raise RejectedBatchError("bad_value", "dropped count out of range")
     clock_offset = (wall_ns - mono_ns) - (wall_now_ns - now_ns)  # add to a client time to get ours
     if not 0 < mono_ns < _SANE_NS or abs(clock_offset) > _SANE_NS // 2:
         raise RejectedBatchError("bad_timestamp", "client clock out of range")  # and int64 arithmetic stays exact
@@ -154,4 +165,17 @@ def decode(data: bytes, now_ns: int, wall_now_ns: int) -> Decoded:
     if clock_offset:
         steps = _shift(steps, ("wait_start_ns", "wait_end_ns", "compute_end_ns"), clock_offset)
         reads = _shift(reads, ("start_ns", "end_ns"), clock_offset)
-    return Decoded(wire.Source(strings[job], rank, gpu, worker), dropped, steps, reads)
+    return Decoded(wire.Source(strings[job], rank, gpu, worker, _attributes(strings, job).get(wire.GPU_UUID, "")),
+                   dropped, steps, reads)
+
+
+def _attributes(strings: list[str], job: int) -> dict[str, str]:
+    """The source's `name=value` strings (every string but the job's); names it does not know are ignored."""
+    found = {}
+    for index, text in enumerate(strings):
+        if index != job:
+            name, equals, value = text.partition("=")
+            if not equals or not value:
+                raise RejectedBatchError("bad_string", "a source attribute is not name=value")
+            found[name] = value
+    return found

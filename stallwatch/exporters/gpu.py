@@ -32,7 +32,8 @@ from prometheus_client.core import Metric
 from stallwatch import catalogue
 from stallwatch.eventbatch import EventBatch, EventSink, discard
 from stallwatch.exporters.collector import CollectorContext, register_collector
-from stallwatch.flags import positive_float
+from stallwatch.exporters.gpu_directory import GpuDirectory
+from stallwatch.flags import bounded_float, bounded_int, non_negative_float, ratio
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +86,7 @@ class _Device:
     handle: Any
     uuid: str = ""
     name: str = ""
+    mig_uuids: list[str] = field(default_factory=list)
     up: bool = True
     unsupported: set[str] = field(default_factory=set)
     last_sample_us: int = 0
@@ -98,6 +100,21 @@ class _Device:
         return str(self.index)
 
 
+def _mig_uuids(nvml: Any, handle: Any) -> list[str]:
+    """The MIG devices carved out of a GPU, read once at init: none when MIG is off or unsupported."""
+    try:
+        slots = int(nvml.nvmlDeviceGetMaxMigDeviceCount(handle))
+    except nvml.NVMLError:
+        return []
+    found = []
+    for slot in range(slots):
+        try:
+            found.append(str(nvml.nvmlDeviceGetUUID(nvml.nvmlDeviceGetMigDeviceHandleByIndex(handle, slot))))
+        except nvml.NVMLError:  # an empty slot
+            continue
+    return found
+
+
 class GpuCollector:
     def __init__(
         self,
@@ -109,8 +126,10 @@ class GpuCollector:
         sink: EventSink = discard,
         clock: Callable[[], float] = time.monotonic,
         start: bool = True,
+        directory: GpuDirectory | None = None,
     ) -> None:
         self._nvml = nvml
+        self._directory = directory if directory is not None else GpuDirectory()
         self._interval = interval
         self._pcie_interval = pcie_interval
         self._idle_threshold = idle_threshold
@@ -170,6 +189,7 @@ class GpuCollector:
             for device in devices:
                 device.uuid = str(nvml.nvmlDeviceGetUUID(device.handle))
                 device.name = str(nvml.nvmlDeviceGetName(device.handle))
+                device.mig_uuids = _mig_uuids(nvml, device.handle)
         except nvml.NVMLError as error:
             self._count_error("", "nvmlInit", error)
             if not self._said_no_gpu:
@@ -182,6 +202,8 @@ class GpuCollector:
             log.warning("gpu collector: NVML found no GPU; GPU metrics are off, the agent runs on")
             self._said_no_gpu = True
         log.info("gpu collector: %d GPU(s): %s", len(devices), ", ".join(d.name for d in devices))
+        # Before the devices show in a scrape; a MIG device's steps count on the GPU it is carved from.
+        self._directory.learn({uuid: d.index for d in devices for uuid in (d.uuid, *d.mig_uuids)})
         with self._lock:
             self._devices = devices
         self._initialised = True
@@ -419,16 +441,17 @@ _READING_GAUGES = (
 
 
 def _add_arguments(group: argparse._ArgumentGroup) -> None:
-    group.add_argument("--gpu.interval", dest="gpu_interval", type=positive_float, default=0.5,
-                       metavar="SECONDS", help="how often NVML is polled (default: %(default)s)")
-    group.add_argument("--gpu.pcie-interval", dest="gpu_pcie_interval", type=float, default=10.0,
+    group.add_argument("--gpu.interval", dest="gpu_interval", type=bounded_float(0, 60, above=True), default=0.5,
+                       metavar="SECONDS", help="how often NVML is polled, at most 60 (default: %(default)s)")
+    group.add_argument("--gpu.pcie-interval", dest="gpu_pcie_interval", type=non_negative_float, default=10.0,
                        metavar="SECONDS", help="how often PCIe throughput is read, 0 to never; each read "
                        "blocks ~20 ms per GPU (default: %(default)s)")
-    group.add_argument("--gpu.idle-threshold", dest="gpu_idle_threshold", type=float, default=0.05,
+    group.add_argument("--gpu.idle-threshold", dest="gpu_idle_threshold", type=ratio, default=0.05,
                        metavar="RATIO", help="a utilization sample at or below this counts as idle "
                        "(default: %(default)s)")
-    group.add_argument("--gpu.fake-devices", dest="gpu_fake_devices", type=int, default=0, metavar="N",
-                       help="emulate N GPUs with stallwatch's fake NVML instead of the real one (demos, tests)")
+    group.add_argument("--gpu.fake-devices", dest="gpu_fake_devices", type=bounded_int(0, 64), default=0,
+                       metavar="N", help="emulate N GPUs with stallwatch's fake NVML instead of the real one "
+                       "(demos, tests)")
     group.add_argument("--gpu.fake-trace", dest="gpu_fake_trace", type=Path, default=None, metavar="FILE",
                        help="the emulated GPUs are busy exactly in the compute spans a training job appends "
                        "to FILE (the demo's emulated job does)")
@@ -455,6 +478,7 @@ def _from_context(context: CollectorContext) -> GpuCollector:
         pcie_interval=options.gpu_pcie_interval,
         idle_threshold=options.gpu_idle_threshold,
         sink=context.sink,
+        directory=context.gpus,
     )
 
 

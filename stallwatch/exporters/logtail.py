@@ -3,14 +3,21 @@
 The file is tracked by (device, inode) and byte offset, the way tail -F and log shippers do:
 - rename rotation (`mv access.log access.log.1`, then `nginx -s reopen`): the old file stays open and
   is read to its end; it is kept for `rotate_wait` seconds more, because a writer may still append to
-  it until it reopens, and only then closed. The new file is read from its start.
+  it until it reopens. It is closed only once that time has passed, it has stopped growing, and its
+  successor has been written to (or it was deleted): a writer that never reopens keeps being followed.
+- several rename rotations between two polls: the files rotated in between are found among the
+  numbered copies `PATH.1` … `PATH.9` (logrotate's default naming, newer first) and read from their
+  start, oldest first.
 - copytruncate (the file is copied to `PATH.1`, then truncated in place): a truncation is seen when the
   file is shorter than the offset or the bytes just before the offset changed. Lines appended between
-  the last read and the copy are recovered from `PATH.1` when its bytes up to the offset match what
-  was read; otherwise the gap is reported, since nothing can recover it.
-- a partial last line is held back until its newline arrives; a file that does not exist yet is
-  waited for and, once it appears, read from its start.
-Problems are reported through `on_problem(reason)` so the caller can count them.
+  the last read and the copy are recovered from the numbered copy whose bytes up to the offset match
+  what was read, then every newer copy is read whole; without such a copy the gap is reported, since
+  nothing can recover it.
+- a partial last line is held back until its newline arrives, up to `max_line_bytes`: a longer line is
+  skipped to its newline and reported, so memory stays bounded whatever is written. A file that does
+  not exist yet is waited for and, once it appears, read from its start.
+Problems are reported through `on_problem(reason)` so the caller can count them: `partial_line` (cut
+off for ever), `oversize_line`, `rotation_gap`.
 """
 
 from __future__ import annotations
@@ -22,6 +29,10 @@ from dataclasses import dataclass, field
 
 # Enough bytes before the offset to recognise the same file after a truncation or in its copy.
 _FINGERPRINT_BYTES = 256
+# Numbered copies looked at after a rotation: PATH.1 to PATH.9.
+_NUMBERED_COPIES = 9
+# An nginx log line is a few hundred bytes plus the URI, itself bounded by nginx's header buffers (8 KiB).
+DEFAULT_MAX_LINE_BYTES = 64 << 10
 
 
 @dataclass
@@ -32,6 +43,11 @@ class _Followed:
     offset: int = 0
     partial: bytearray = field(default_factory=bytearray)
     fingerprint: bytes = b""  # the bytes just before `offset`
+    oversize: bool = False  # within a line already over the limit: skipped up to its newline
+
+    @property
+    def identity(self) -> tuple[int, int]:
+        return self.device, self.inode
 
     def remember(self, data: bytes) -> None:
         self.offset += len(data)
@@ -46,6 +62,7 @@ class LogTailer:
         from_start: bool = False,
         rotate_wait: float = 5.0,
         max_read_bytes: int = 8 << 20,
+        max_line_bytes: int = DEFAULT_MAX_LINE_BYTES,
         on_problem: Callable[[str], None] = lambda reason: None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -53,6 +70,7 @@ class LogTailer:
         self._skip_existing = not from_start
         self._rotate_wait = rotate_wait
         self._max_read = max_read_bytes
+        self._max_line = max_line_bytes
         self._on_problem = on_problem
         self._clock = clock
         self._draining: list[tuple[_Followed, float]] = []
@@ -74,8 +92,9 @@ class LogTailer:
             on_disk = os.stat(self.path)
         except FileNotFoundError:
             return lines  # renamed away, its successor not created yet: keep reading the old one
-        if (on_disk.st_dev, on_disk.st_ino) != (current.device, current.inode):
+        if (on_disk.st_dev, on_disk.st_ino) != current.identity:
             self._draining.append((current, self._clock() + self._rotate_wait))
+            self._read_rotated_between(current, lines)
             self._current = self._open_path()
             if self._current is not None:
                 self._read_available(self._current, lines)
@@ -116,54 +135,131 @@ class LogTailer:
             followed.remember(data)
             self._split(followed, data, lines)
 
-    @staticmethod
-    def _split(followed: _Followed, data: bytes, lines: list[bytes]) -> None:
-        pieces = data.split(b"\n")
-        if len(pieces) > 1:
-            pieces[0] = bytes(followed.partial) + pieces[0]
+    def _split(self, followed: _Followed, data: bytes, lines: list[bytes]) -> None:
+        first, *complete = data.split(b"\n")
+        if not complete:  # no newline: the held line only grows
+            self._hold(followed, first)
+            return
+        rest = complete.pop()
+        if followed.oversize or len(followed.partial) + len(first) > self._max_line:
+            self._on_problem("oversize_line")
+        else:
+            lines.append(bytes(followed.partial) + first)
+        followed.partial.clear()
+        followed.oversize = False
+        for line in complete:
+            if len(line) > self._max_line:
+                self._on_problem("oversize_line")
+            else:
+                lines.append(line)
+        self._hold(followed, rest)
+
+    def _hold(self, followed: _Followed, piece: bytes) -> None:
+        """Keep the start of a line until its newline arrives, unless it is already over the limit."""
+        if followed.oversize or len(followed.partial) + len(piece) > self._max_line:
+            followed.oversize = True
             followed.partial.clear()
-            lines.extend(pieces[:-1])
-        followed.partial += pieces[-1]
+        else:
+            followed.partial += piece
+
+    def _abandon_partial(self, followed: _Followed) -> None:
+        """The line being assembled will never end (the file was cut or is closed): count it."""
+        if followed.oversize:
+            self._on_problem("oversize_line")
+        elif followed.partial:
+            self._on_problem("partial_line")
+        followed.partial.clear()
+        followed.oversize = False
+
+    def _numbered_copies(self) -> list[str]:
+        """The paths of the numbered copies that exist, newest (PATH.1) first."""
+        found = []
+        for number in range(1, _NUMBERED_COPIES + 1):
+            path = f"{self.path}.{number}"
+            if not os.path.lexists(path):
+                break
+            found.append(path)
+        return found
+
+    def _read_rotated_between(self, rotated: _Followed, lines: list[bytes]) -> None:
+        """After `rotated` left the path: read the files that held the path after it and have already
+        been rotated too (newer numbered copies than `rotated`'s, unknown to this tailer), oldest first."""
+        known = {followed.identity for followed, _ in self._draining}
+        newer: list[_Followed] = []
+        found = False
+        for path in self._numbered_copies():
+            try:
+                descriptor = os.open(path, os.O_RDONLY)
+            except FileNotFoundError:
+                break
+            info = os.fstat(descriptor)
+            if (info.st_dev, info.st_ino) in known:
+                os.close(descriptor)
+                found = (info.st_dev, info.st_ino) == rotated.identity
+                if found:
+                    break
+                continue
+            newer.append(_Followed(descriptor, info.st_dev, info.st_ino))
+        if not found:  # `rotated` is not among the numbered copies: another naming scheme, nothing to tell
+            for followed in newer:
+                os.close(followed.file)
+            return
+        deadline = self._clock() + self._rotate_wait
+        for followed in reversed(newer):
+            self._read_available(followed, lines)
+            self._draining.append((followed, deadline))
 
     def _check_truncation(self, followed: _Followed, lines: list[bytes]) -> None:
         size = os.fstat(followed.file).st_size
         before = followed.fingerprint
         if size >= followed.offset and os.pread(followed.file, len(before), followed.offset - len(before)) == before:
             return
-        self._recover_from_copy(followed, lines)
-        if followed.partial:
-            self._on_problem("partial_line")
-            followed.partial.clear()
+        self._recover_from_copies(followed, lines)
+        self._abandon_partial(followed)
         followed.offset, followed.fingerprint = 0, b""
 
-    def _recover_from_copy(self, followed: _Followed, lines: list[bytes]) -> None:
-        copy_path = self.path + ".1"
-        try:
-            descriptor = os.open(copy_path, os.O_RDONLY)
-        except FileNotFoundError:
-            self._on_problem("rotation_gap")
+    def _recover_from_copies(self, followed: _Followed, lines: list[bytes]) -> None:
+        """The rest of `followed` from its copy, then every newer copy whole (one per truncation since)."""
+        copies = self._numbered_copies()
+        before = followed.fingerprint
+        for index, path in enumerate(copies):
+            try:
+                descriptor = os.open(path, os.O_RDONLY)
+            except FileNotFoundError:
+                break
+            try:
+                if os.pread(descriptor, len(before), followed.offset - len(before)) != before:
+                    continue
+                copy = _Followed(descriptor, 0, 0, followed.offset, followed.partial, before, followed.oversize)
+                self._read_available(copy, lines, budget=1 << 62)
+            finally:
+                os.close(descriptor)
+            for newer in reversed(copies[:index]):
+                copy = _Followed(os.open(newer, os.O_RDONLY), 0, 0, 0, copy.partial, b"", copy.oversize)
+                try:
+                    self._read_available(copy, lines, budget=1 << 62)
+                finally:
+                    os.close(copy.file)
+            followed.partial, followed.oversize = copy.partial, copy.oversize
             return
-        try:
-            before = followed.fingerprint
-            if os.pread(descriptor, len(before), followed.offset - len(before)) != before:
-                self._on_problem("rotation_gap")
-                return
-            copy = _Followed(descriptor, 0, 0, followed.offset, followed.partial, before)
-            self._read_available(copy, lines)
-            followed.partial = copy.partial
-        finally:
-            os.close(descriptor)
+        self._on_problem("rotation_gap")
 
     def _drain_rotated(self, lines: list[bytes]) -> None:
         still: list[tuple[_Followed, float]] = []
         now = self._clock()
+        successor_used = self._current is not None and (self._current.offset > 0 or bool(self._current.partial))
         for followed, deadline in self._draining:
             if now < deadline:
                 self._read_available(followed, lines)
                 still.append((followed, deadline))
                 continue
-            self._read_available(followed, lines, budget=1 << 62)  # the last look: all of it
-            if followed.partial:
-                self._on_problem("partial_line")
+            offset = followed.offset
+            self._read_available(followed, lines, budget=1 << 62)  # a last look: all of it
+            deleted = os.fstat(followed.file).st_nlink == 0
+            if followed.offset > offset or not (successor_used or deleted):
+                # Still written to, or its writer has not reopened the log yet: keep following it.
+                still.append((followed, now + self._rotate_wait))
+                continue
+            self._abandon_partial(followed)
             os.close(followed.file)
         self._draining = still

@@ -105,11 +105,22 @@ class FakeGpu:
     idle_power_mw: int = 90_000
     max_power_mw: int = 700_000
     trace: ComputeTrace | None = None  # when set, utilization follows it instead of the timeline
+    mig_uuids: tuple[str, ...] = ()  # with MIG mode on: the MIG devices carved out of it (`MIG-<uuid>`)
 
 
 @dataclass
 class _Handle:
     index: int
+
+
+@dataclass
+class _MigHandle:
+    parent: int
+    slot: int
+
+
+# MIG slots per GPU (an A100/H100/H200 splits into at most seven); unused slots answer NOT_FOUND.
+MAX_MIG_DEVICES = 7
 
 
 @dataclass
@@ -254,8 +265,23 @@ class FakeNVML:
         self._device(handle, "nvmlDeviceGetIndex")
         return handle.index
 
-    def nvmlDeviceGetUUID(self, handle: _Handle) -> str:  # noqa: N802
+    def nvmlDeviceGetUUID(self, handle: _Handle | _MigHandle) -> str:  # noqa: N802
+        if isinstance(handle, _MigHandle):
+            return self._device(_Handle(handle.parent), "nvmlDeviceGetUUID").mig_uuids[handle.slot]
         return self._device(handle, "nvmlDeviceGetUUID").uuid
+
+    def nvmlDeviceGetMaxMigDeviceCount(self, device: _Handle) -> int:  # noqa: N802
+        if not self._device(device, "nvmlDeviceGetMaxMigDeviceCount").mig_uuids:
+            _raise(pynvml.NVML_ERROR_NOT_SUPPORTED)  # as a GPU without MIG mode answers
+        return MAX_MIG_DEVICES
+
+    def nvmlDeviceGetMigDeviceHandleByIndex(self, device: _Handle, index: int) -> _MigHandle:  # noqa: N802
+        gpu = self._device(device, "nvmlDeviceGetMigDeviceHandleByIndex")
+        if not 0 <= index < MAX_MIG_DEVICES:
+            _raise(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        if index >= len(gpu.mig_uuids):
+            _raise(pynvml.NVML_ERROR_NOT_FOUND)
+        return _MigHandle(device.index, index)
 
     def nvmlDeviceGetName(self, handle: _Handle) -> str:  # noqa: N802
         return self._device(handle, "nvmlDeviceGetName").name

@@ -2,13 +2,18 @@
 
 Two threads keep the socket drained, which matters where the kernel queues only ten datagrams
 (`net.unix.max_dgram_qlen`): the receive thread only receives and queues raw batches, bounded by
-`queue_limit` events (past it a whole batch is dropped and reported to `on_queue_full`); the
-processing thread hands everything queued to `handle` in one call, which decodes and counts it.
+`queue_limit` events (past it a whole batch is dropped and reported to `on_refused` as `queue_full`,
+as is a datagram longer than the receive buffer, as `truncated`: never a cut batch that might pass);
+the processing thread hands everything queued to `handle` in one call, which decodes and counts it.
 
 Permissions: the socket is the only way in (no network listener); it is created with mode 0660 and,
 with a socket group, owned by that group, so only the agent's user and that group's training
 processes can send. A missing directory is created 0750 with the same group: group members can
 reach the socket, nobody else can, and only the agent can create files there.
+
+One socket, one agent: a socket file that still answers belongs to a running agent and is left alone
+(this agent reports `stallwatch_receiver_up` 0); only a stale one, which refuses connections, is
+replaced. `bound` also turns false when the path stops naming this agent's socket.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 
+from stallwatch.client import wire
 from stallwatch.exporters.events_decode import peek_events
 
 log = logging.getLogger(__name__)
@@ -40,12 +46,12 @@ class EventReceiver:
         path: str,
         queue_limit: int,
         handle: Callable[[list[bytes]], None],
-        on_queue_full: Callable[[int], None],
+        on_refused: Callable[[str, int], None],
         socket_group: int | None = None,
     ) -> None:
         self._path = path
         self._queue_limit = queue_limit
-        self._handle, self._on_queue_full = handle, on_queue_full
+        self._handle, self._on_refused = handle, on_refused
         self._group = socket_group
         self._queue: deque[bytes] = deque()
         self._queued_events = 0
@@ -62,7 +68,14 @@ class EventReceiver:
 
     @property
     def bound(self) -> bool:
-        return self._socket is not None
+        """Bound, and the path still names this agent's socket (it may have been deleted or taken)."""
+        if self._socket is None:
+            return False
+        try:
+            info = os.stat(self._path)
+        except OSError:
+            return False
+        return stat.S_ISSOCK(info.st_mode) and (info.st_dev, info.st_ino) == self._identity
 
     def _bind(self) -> socket.socket | None:
         path = Path(self._path)
@@ -70,8 +83,11 @@ class EventReceiver:
             if not path.parent.is_dir():
                 path.parent.mkdir(parents=True)
                 self._restrict(path.parent, 0o750)
-            if path.is_socket():  # left by an agent that did not exit cleanly
-                path.unlink()
+            if path.is_socket():
+                if _answers(path):
+                    log.error("events: %s belongs to another running agent; not taking it over", self._path)
+                    return None
+                path.unlink()  # left by an agent that did not exit cleanly
             sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SOCKET_RCVBUF)
             sock.bind(str(path))
@@ -81,7 +97,8 @@ class EventReceiver:
                       self._path, error)
             return None
         sock.settimeout(POLL_SECONDS)
-        self._inode = os.stat(path).st_ino
+        info = os.stat(path)
+        self._identity = (info.st_dev, info.st_ino)
         log.info("events: receiving on %s", self._path)
         return sock
 
@@ -96,13 +113,16 @@ class EventReceiver:
         buffer = bytearray(RECEIVE_BUFFER)
         while not self._stop.is_set():
             try:
-                size = self._socket.recv_into(buffer)
+                size = self._socket.recv_into(buffer, 0, socket.MSG_TRUNC)  # MSG_TRUNC: the real length
             except TimeoutError:
                 continue
             except OSError as error:
                 if not self._stop.is_set():
                     log.error("events: receive failed: %s", error)
                     self._stop.wait(POLL_SECONDS)
+                continue
+            if size > len(buffer):
+                self._on_refused("truncated", peek_events(bytes(buffer[:wire.HEADER.size]) , size))
                 continue
             self.enqueue(bytes(buffer[:size]))
 
@@ -111,7 +131,7 @@ class EventReceiver:
         events = peek_events(data)
         with self._ready:
             if self._queue and self._queued_events + events > self._queue_limit:
-                self._on_queue_full(events)
+                self._on_refused("queue_full", events)
                 return
             self._queue.append(data)
             self._queued_events += events
@@ -143,5 +163,17 @@ class EventReceiver:
             self._socket.close()
             with contextlib.suppress(OSError):  # remove the path only if it is still our socket
                 info = os.stat(self._path)
-                if stat.S_ISSOCK(info.st_mode) and info.st_ino == self._inode:
+                if stat.S_ISSOCK(info.st_mode) and (info.st_dev, info.st_ino) == self._identity:
                     os.unlink(self._path)
+
+
+def _answers(path: Path) -> bool:
+    """Whether a process is bound to the socket file at `path` (a stale file refuses connections)."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.connect(str(path))
+        except ConnectionRefusedError:
+            return False
+        except OSError:  # not ours to connect to (permissions): not ours to replace either
+            return True
+    return True

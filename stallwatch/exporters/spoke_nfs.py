@@ -6,7 +6,10 @@ has no per-read verdict the node can see; the NFS client's per-operation statist
 `rate(rtt) / rate(operations)` is the spoke's read latency, which jumps when reads miss to the hub.
 
 Mount points are not labels (they are paths); each mount to watch is named by the operator:
-`--spoke_nfs.mount spoke-a=/mnt/dataset`. The file is small and read on each scrape.
+`--spoke_nfs.mount spoke-a=/mnt/dataset`. The file is small and read on each scrape. mountstats lists
+the mounts of the reading process's mount namespace: in a container that has its own, the node's
+mounts are those of the node's init, `--spoke_nfs.pid 1` (with the node's /proc as `--spoke_nfs.proc`,
+or `hostPID`), which the Helm chart sets with `hostProc.enabled`.
 
 Formats handled (kernel `nfs_show_stats` / `rpc_clnt_show_stats`): `statvers=1.0` and `1.1`, per-op
 lines of 8 fields (queue/RTT/execute in ms) or 9 (plus errors, newer kernels), NFSv3 and NFSv4,
@@ -109,10 +112,10 @@ def parse_mountstats(text: str) -> list[NfsMount]:
 
 
 class NfsSpokeCollector:
-    def __init__(self, mounts: Mapping[str, str], proc_root: str | Path = "/proc") -> None:
-        """`mounts`: spoke name -> mount point."""
+    def __init__(self, mounts: Mapping[str, str], proc_root: str | Path = "/proc", pid: str = "self") -> None:
+        """`mounts`: spoke name -> mount point; `pid`: whose mount namespace is read (see --spoke_nfs.pid)."""
         self._mounts = dict(mounts)
-        self._path = Path(proc_root) / "self" / "mountstats"
+        self._path = Path(proc_root) / pid / "mountstats"
         self._errors: Counter[tuple[str, str]] = Counter()
 
     def collect(self) -> Iterator[Metric]:
@@ -170,12 +173,23 @@ def parse_mount_option(text: str) -> tuple[str, str]:
     return name, mount_point
 
 
+def parse_pid(text: str) -> str:
+    """`self` or a process id."""
+    if text != "self" and not (text.isdigit() and int(text) > 0):
+        raise argparse.ArgumentTypeError(f"must be self or a process id, got {text!r}")
+    return text
+
+
 def _add_arguments(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--spoke_nfs.mount", dest="spoke_nfs_mount", type=parse_mount_option, action="append",
                        default=[], metavar="NAME=MOUNTPOINT",
                        help="an NFS mount of a spoke and the spoke label for it (repeat for several)")
     group.add_argument("--spoke_nfs.proc", dest="spoke_nfs_proc", default="/proc", metavar="PATH",
                        help="procfs root, e.g. the host's /proc mounted into a container (default: %(default)s)")
+    group.add_argument("--spoke_nfs.pid", dest="spoke_nfs_pid", type=parse_pid, default="self", metavar="self|PID",
+                       help="the process whose mounts are read, PROC/PID/mountstats: self on a node; 1 (the node's "
+                       "init) in a container with its own mount namespace, where self lists only the container's "
+                       "mounts (default: %(default)s)")
 
 
 def _from_context(context: CollectorContext) -> NfsSpokeCollector:
@@ -183,7 +197,7 @@ def _from_context(context: CollectorContext) -> NfsSpokeCollector:
     mounts = dict(options.spoke_nfs_mount)
     if not mounts:
         log.warning("spoke_nfs: no --spoke_nfs.mount NAME=MOUNTPOINT given; nothing to report")
-    return NfsSpokeCollector(mounts, options.spoke_nfs_proc)
+    return NfsSpokeCollector(mounts, options.spoke_nfs_proc, options.spoke_nfs_pid)
 
 
 register_collector("spoke_nfs", False, "spokes mounted over NFS, from the NFS client's mountstats",

@@ -10,7 +10,8 @@ The log is tailed by a background thread every `--spoke_nginx.interval` seconds,
 receives `spoke_request` batches while nobody scrapes; each scrape also reads what was appended since
 the last poll, so /metrics is never behind the log. Rotation, partial lines and a log that does not
 exist yet are handled by `LogTailer`; every line is counted once, and every line that cannot be used
-is counted in `stallwatch_spoke_collector_errors_total`.
+(malformed, over `--spoke_nginx.max-line-bytes`, cut off or lost by a rotation) is counted in
+`stallwatch_spoke_collector_errors_total`.
 """
 
 from __future__ import annotations
@@ -29,9 +30,9 @@ from prometheus_client.core import Metric
 from stallwatch import catalogue
 from stallwatch.eventbatch import EventBatch, EventSink, Verdict, discard
 from stallwatch.exporters.collector import CollectorContext, register_collector
-from stallwatch.exporters.logtail import LogTailer
+from stallwatch.exporters.logtail import DEFAULT_MAX_LINE_BYTES, LogTailer
 from stallwatch.exporters.spokes import collector_errors
-from stallwatch.flags import non_negative_float
+from stallwatch.flags import non_negative_float, positive_int
 from stallwatch.keys import read_key
 
 log = logging.getLogger(__name__)
@@ -169,6 +170,7 @@ class NginxSpokeCollector:
         sink: EventSink = discard,
         from_start: bool = False,
         rotate_wait: float = 5.0,
+        max_line_bytes: int = DEFAULT_MAX_LINE_BYTES,
         interval: float = 1.0,
         wall_ns: Callable[[], int] = time.time_ns,
         monotonic_ns: Callable[[], int] = time.monotonic_ns,
@@ -181,7 +183,8 @@ class NginxSpokeCollector:
         self._hub_fetch = _Histogram(catalogue.SPOKE_HUB_FETCH_DURATION.buckets)
         self._hub_errors = 0
         self._errors: Counter[str] = Counter()
-        self._tailer = LogTailer(path, from_start=from_start, rotate_wait=rotate_wait, on_problem=self._problem)
+        self._tailer = LogTailer(path, from_start=from_start, rotate_wait=rotate_wait, max_line_bytes=max_line_bytes,
+                                 on_problem=self._problem)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         if interval > 0:
@@ -281,6 +284,9 @@ def _add_arguments(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--spoke_nginx.rotate-wait", dest="spoke_nginx_rotate_wait", type=non_negative_float,
                        default=5.0, metavar="SECONDS", help="how long a renamed log is still read after its successor "
                        "appears (default: %(default)s)")
+    group.add_argument("--spoke_nginx.max-line-bytes", dest="spoke_nginx_max_line_bytes", type=positive_int,
+                       default=DEFAULT_MAX_LINE_BYTES, metavar="BYTES", help="a longer line is skipped and counted "
+                       "as oversize_line; bounds the memory of a line without its end (default: %(default)s)")
     group.add_argument("--spoke_nginx.from-start", dest="spoke_nginx_from_start", default=False,
                        action=argparse.BooleanOptionalAction,
                        help="count the lines already in the log at startup (default: start at its end)")
@@ -295,6 +301,7 @@ def _from_context(context: CollectorContext) -> NginxSpokeCollector:
         sink=context.sink,
         from_start=options.spoke_nginx_from_start,
         rotate_wait=options.spoke_nginx_rotate_wait,
+        max_line_bytes=options.spoke_nginx_max_line_bytes,
         interval=options.spoke_nginx_interval,
     )
 

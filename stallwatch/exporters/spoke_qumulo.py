@@ -27,16 +27,8 @@ from prometheus_client.core import Metric
 
 from stallwatch.exporters.collector import CollectorContext, register_collector
 from stallwatch.exporters.config import ConfigError
-from stallwatch.exporters.spoke_openmetrics import (
-    HttpGet,
-    Rule,
-    ScrapeError,
-    apply_mapping,
-    http_get,
-    load_mapping,
-    mapping_text,
-    parse_exposition,
-)
+from stallwatch.exporters.openmetrics_mapping import Rule, apply_mapping, load_mapping, mapping_text
+from stallwatch.exporters.openmetrics_scrape import HttpGet, ScrapeError, http_get, parse_exposition
 from stallwatch.exporters.spokes import collector_errors
 from stallwatch.flags import positive_float
 

@@ -42,6 +42,8 @@ def counter_values(text: str) -> dict[str, float]:
     if not isinstance(document, dict):
         raise ValueError("not a JSON object")
     counters: Mapping[str, Any] = document.get("counters", document)
+    if not isinstance(counters, dict):
+        raise ValueError("'counters' is not a JSON object")
     values = {name: float(entry["value"]) for name, entry in counters.items()
               if isinstance(entry, dict) and "value" in entry}
     if "MAIN.cache_hit" not in values:

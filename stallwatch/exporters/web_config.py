@@ -10,31 +10,43 @@
       prometheus: $2b$12$...                         # bcrypt hashes, as `htpasswd -B` writes them
 
 Relative paths are relative to the file. The file is read and checked once at start: every mistake
-(unknown key, unreadable certificate, malformed hash) is a one-line `ConfigError`. Of the toolkit's
-client_auth_type values, RequestClientCert and RequireAnyClientCert (ask for a certificate without
-verifying it) have no equivalent in Python's ssl module and are refused rather than weakened.
+(unknown key, unreadable certificate, malformed hash) is a one-line `ConfigError`. The certificate, key
+and client CA files are read again when they change (checked at each new connection), so a rotated
+certificate (cert-manager, a renewed Secret) is served without a restart; a new set that does not load
+(a key not yet written beside its certificate) is logged once and the previous one stays in use.
+
+Of the toolkit's client_auth_type values, RequestClientCert and RequireAnyClientCert (ask for a
+certificate without verifying it) have no equivalent in Python's ssl module and are refused rather
+than weakened.
 
 bcrypt is slow by design (~0.2 s a check at cost 12), so a successful (user, password) pair is kept,
-as a SHA-256 digest, in a small cache: Prometheus repeats the same credentials every scrape.
+as a SHA-256 digest, in a small cache: Prometheus repeats the same credentials every scrape. Everything
+else costs a bcrypt check, unknown users included (against the costliest configured hash, so timing
+does not tell which users exist); those checks run one at a time and a failed one holds the slot as
+long again, so guessing threads cost the agent at most half a core and cannot starve scrapes.
 """
 
 from __future__ import annotations
 
 import base64
-import binascii
 import hashlib
 import hmac
+import logging
+import os
 import ssl
 import threading
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import bcrypt
-import yaml
 
-from stallwatch.exporters.config import ConfigError
+from stallwatch.exporters.config import ConfigError, load_yaml
+from stallwatch.flags import shown
+
+log = logging.getLogger(__name__)
 
 _CLIENT_AUTH = {
     "NoClientCert": ssl.CERT_NONE,
@@ -51,6 +63,8 @@ _VERSIONS = {
 _TLS_KEYS = {"cert_file", "key_file", "client_auth_type", "client_ca_file", "min_version"}
 _TOP_KEYS = {"tls_server_config", "basic_auth_users"}
 _CACHE_SIZE = 64
+# How long a check waits for the bcrypt slot before it is refused (scrapes time out after 10 s).
+_CHECK_QUEUE_SECONDS = 5.0
 
 
 @dataclass
@@ -58,6 +72,9 @@ class BasicAuth:
     users: Mapping[str, bytes]
     _verified: set[bytes] = field(default_factory=set)
     _lock: threading.Lock = field(default_factory=threading.Lock)
+    # bcrypt checks that did not hit the cache run one at a time, so guessing costs at most one core
+    # (half of one: a failed check holds the slot as long again), never every core the scrapes need.
+    _checking: threading.Semaphore = field(default_factory=lambda: threading.Semaphore(1))
 
     def allows(self, authorization: str | None) -> bool:
         """Whether an `Authorization` header carries a known user and the password of its hash."""
@@ -65,62 +82,112 @@ class BasicAuth:
             return False
         try:
             user, sep, password = base64.b64decode(authorization[6:], validate=True).decode().partition(":")
-        except (binascii.Error, UnicodeDecodeError):
+        except ValueError:  # not base64 (binascii.Error), not UTF-8, or a non-ASCII header
+            return False
+        if not sep:
             return False
         hashed = self.users.get(user)
-        if not sep or hashed is None:
+        # An unknown user is checked against the costliest hash, so timing does not tell who exists.
+        against = hashed if hashed is not None else max(self.users.values(), key=_cost)
+        digest = hashlib.sha256(against + b"\0" + password.encode()).digest()
+        if hashed is not None:
+            with self._lock:
+                if any(hmac.compare_digest(digest, known) for known in self._verified):
+                    return True
+        if not self._checking.acquire(timeout=_CHECK_QUEUE_SECONDS):
             return False
-        digest = hashlib.sha256(hashed + b"\0" + password.encode()).digest()
+        try:
+            started = time.monotonic()
+            matches = bcrypt.checkpw(password.encode(), against) and hashed is not None
+            if not matches:
+                time.sleep(time.monotonic() - started)
+        finally:
+            self._checking.release()
+        if matches:
+            with self._lock:
+                if len(self._verified) >= _CACHE_SIZE:
+                    self._verified.clear()
+                self._verified.add(digest)
+        return matches
+
+
+def _cost(hashed: bytes) -> int:
+    return int(hashed[4:6])  # $2b$12$...: the log2 of bcrypt's rounds
+
+
+class ReloadingTLS:
+    """The TLS context of a `tls_server_config`, rebuilt when one of its files changes."""
+
+    def __init__(self, section: Mapping[str, Any], file: Path):
+        self._section, self._file = section, file
+        self._lock = threading.Lock()
+        self._stamp = self._stamps()
+        self._context = _tls_context(section, file)
+
+    def context(self) -> ssl.SSLContext:
+        stamp = self._stamps()
         with self._lock:
-            if any(hmac.compare_digest(digest, known) for known in self._verified):
-                return True
-        if not bcrypt.checkpw(password.encode(), hashed):
-            return False
-        with self._lock:
-            if len(self._verified) >= _CACHE_SIZE:
-                self._verified.clear()
-            self._verified.add(digest)
-        return True
+            if stamp != self._stamp:
+                self._stamp = stamp  # a set that fails is tried again only once a file changes again
+                try:
+                    self._context = _tls_context(self._section, self._file)
+                    log.info("web config: TLS certificate files changed; reloaded")
+                except ConfigError as error:
+                    log.warning("web config: %s; serving the previous certificate", error)
+            return self._context
+
+    def _stamps(self) -> tuple[tuple[int, int, int] | None, ...]:
+        """What tells a changed file: inode (Kubernetes swaps a symlink), size and mtime, per file."""
+        stamps: list[tuple[int, int, int] | None] = []
+        for key in ("cert_file", "key_file", "client_ca_file"):
+            try:
+                info = os.stat(_resolve(self._section, self._file, key)) if self._section.get(key) else None
+            except OSError:
+                info = None
+            stamps.append((info.st_ino, info.st_size, info.st_mtime_ns) if info else None)
+        return tuple(stamps)
 
 
 @dataclass(frozen=True)
 class WebConfig:
-    tls: ssl.SSLContext | None = None
+    tls: ReloadingTLS | None = None
     auth: BasicAuth | None = None
 
 
 def load_web_config(path: str) -> WebConfig:
     file = Path(path)
-    try:
-        document = yaml.safe_load(file.read_text())
-    except OSError as error:
-        raise ConfigError(f"{path}: cannot read: {error.strerror}") from error
-    except UnicodeDecodeError as error:
-        raise ConfigError(f"{path}: not UTF-8 text (byte {error.start})") from error
-    except yaml.YAMLError as error:
-        raise ConfigError(f"{path}: not valid YAML") from error
+    document = load_yaml(path)
     if document is None:
         return WebConfig()
     if not isinstance(document, dict):
         raise ConfigError(f"{path}: expected a mapping with tls_server_config and/or basic_auth_users")
     unknown = set(map(str, document)) - _TOP_KEYS
     if unknown:
-        raise ConfigError(f"{path}: unknown key {sorted(unknown)[0]!r} (known: {', '.join(sorted(_TOP_KEYS))})")
+        raise ConfigError(f"{path}: unknown key {shown(sorted(unknown)[0])} (known: {', '.join(sorted(_TOP_KEYS))})")
     tls = document.get("tls_server_config")
     users = document.get("basic_auth_users")
     return WebConfig(
-        tls=_tls_context(tls, file) if tls is not None else None,
+        tls=ReloadingTLS(_checked_tls_section(tls, file), file) if tls is not None else None,
         auth=_basic_auth(users, path) if users else None,
     )
 
 
-def _tls_context(section: Any, file: Path) -> ssl.SSLContext:
+def _checked_tls_section(section: Any, file: Path) -> Mapping[str, Any]:
     where = f"{file}: tls_server_config"
     if not isinstance(section, dict):
         raise ConfigError(f"{where}: expected a mapping")
     unknown = set(map(str, section)) - _TLS_KEYS
     if unknown:
-        raise ConfigError(f"{where}: unknown key {sorted(unknown)[0]!r}")
+        raise ConfigError(f"{where}: unknown key {shown(sorted(unknown)[0])}")
+    return section
+
+
+def _resolve(section: Mapping[str, Any], file: Path, key: str) -> str:
+    return str(file.parent / str(section[key]))
+
+
+def _tls_context(section: Mapping[str, Any], file: Path) -> ssl.SSLContext:
+    where = f"{file}: tls_server_config"
     if not section.get("cert_file") or not section.get("key_file"):
         raise ConfigError(f"{where}: cert_file and key_file are both required")
     client_auth = str(section.get("client_auth_type") or "NoClientCert")
@@ -133,13 +200,10 @@ def _tls_context(section: Any, file: Path) -> ssl.SSLContext:
     if min_version not in _VERSIONS:
         raise ConfigError(f"{where}: min_version must be one of {', '.join(_VERSIONS)}")
 
-    def resolve(key: str) -> str:
-        return str(file.parent / str(section[key]))
-
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     context.minimum_version = _VERSIONS[min_version]
     try:
-        context.load_cert_chain(resolve("cert_file"), resolve("key_file"))
+        context.load_cert_chain(_resolve(section, file, "cert_file"), _resolve(section, file, "key_file"))
     except (OSError, ssl.SSLError) as error:
         raise ConfigError(f"{where}: cannot load cert_file/key_file: {_reason(error)}") from error
     context.verify_mode = _CLIENT_AUTH[client_auth]
@@ -147,7 +211,7 @@ def _tls_context(section: Any, file: Path) -> ssl.SSLContext:
         if not section.get("client_ca_file"):
             raise ConfigError(f"{where}: client_auth_type {client_auth} needs client_ca_file")
         try:
-            context.load_verify_locations(resolve("client_ca_file"))
+            context.load_verify_locations(_resolve(section, file, "client_ca_file"))
         except (OSError, ssl.SSLError) as error:
             raise ConfigError(f"{where}: cannot load client_ca_file: {_reason(error)}") from error
     return context
@@ -158,10 +222,9 @@ def _basic_auth(section: Any, path: str) -> BasicAuth:
         raise ConfigError(f"{path}: basic_auth_users: expected a mapping of user names to bcrypt hashes")
     users: dict[str, bytes] = {}
     for user, hashed in section.items():
-        text = str(hashed)
-        if not text.startswith(("$2a$", "$2b$", "$2y$")) or len(text) != 60:
-            raise ConfigError(f"{path}: basic_auth_users: the hash of {str(user)!r} is not a bcrypt hash")
-        users[str(user)] = text.encode()
+        if not isinstance(hashed, str) or not hashed.startswith(("$2a$", "$2b$", "$2y$")) or len(hashed) != 60:
+            raise ConfigError(f"{path}: basic_auth_users: the hash of {shown(user)} is not a bcrypt hash")
+        users[str(user)] = hashed.encode()
     return BasicAuth(users)
 
 

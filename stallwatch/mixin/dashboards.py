@@ -329,6 +329,12 @@ def gpu_node() -> Dashboard:
                     Query(by(PER_GPU, "max", selector(c.GPU_MEMORY_TOTAL, NODE, GPU)), "{{gpu}} total ({{node}})"),
                 )),
             )),
+            Row("Pods", (
+                Panel("GPUs by pod", "Which namespace, pod and container hold each GPU or MIG device (the "
+                      "kubelet's allocation; empty without the pods collector)?", Viz.TABLE, "none",
+                      (Query(by("node, gpu, device, namespace, pod, container", "max",
+                                selector(c.GPU_POD_INFO, NODE, GPU))),), width=24),
+            )),
             Row("Power, clocks, PCIe", (
                 Panel("Power", "How much power does each GPU draw (instantaneous and from the energy counter)?",
                       Viz.TIMESERIES, "watt", (

@@ -1,6 +1,6 @@
 """PromQL built from the metric catalogue, so dashboards and rules never spell a metric or label by hand.
 
-`selector(metric, 'job=~"$job"')` checks every matcher's label against the metric's own labels and the
+`selector(metric, 'training_job=~"$job"')` checks every matcher's label against the metric's own labels and the
 labels Prometheus adds to every scraped series, so a typo fails when the artifact is generated, not in
 front of a user. Histograms name their series by suffix (`_bucket`, `_sum`, `_count`).
 """
@@ -11,10 +11,10 @@ import re
 
 from stallwatch.catalogue import AnyMetricDef, Kind
 
-# Prometheus attaches these to every scraped series. The agent is scraped with `honor_labels: true`, so a
-# metric's own `job` (the training job) wins over the scrape job's name where both exist. `node` (the
-# node's name) and `cluster` are target labels the shipped scrape configs and the chart's ServiceMonitor
-# add; where a scrape lacks them, a `=~".*"` matcher still matches.
+# Prometheus attaches these to every scraped series (the training job is catalogue.JOB_LABEL, so nothing
+# collides with the scrape job). `node` (the node's name) and `cluster` are target labels the shipped
+# scrape configs and the chart's ServiceMonitor add; where a scrape lacks them, a `=~".*"` matcher still
+# matches.
 TARGET_LABELS = ("instance", "job", "node", "cluster")
 HISTOGRAM_SUFFIXES = ("_bucket", "_sum", "_count")
 _MATCHER = re.compile(r'^(?P<label>[a-zA-Z_]\w*)(=~|!~|!=|=)"(?:[^"\\]|\\.)*"$')
@@ -55,7 +55,7 @@ def increase(metric: AnyMetricDef, window: str, *matchers: str, suffix: str = ""
 
 
 def by(labels: str, aggregation: str, inner: str) -> str:
-    """`sum by (job) (inner)`; labels is a comma-separated list, empty for a total."""
+    """`sum by (training_job) (inner)`; labels is a comma-separated list, empty for a total."""
     return f"{aggregation} by ({labels}) ({inner})" if labels else f"{aggregation}({inner})"
 
 

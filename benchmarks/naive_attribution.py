@@ -1,7 +1,7 @@
 """The same stall attribution written the plain way: one Python call per event through streamz.
 
-It is the baseline the throughput benchmark measures the vectorised pipeline against, and a second
-opinion the tests compare it with. Its input is the same as the real pipeline's, batches, which it
+It is the baseline `correlator_throughput.py` measures the vectorised pipeline against (and checks its
+attribution equal to); nothing in the product uses it. Its input is the same as the real pipeline's, batches, which it
 explodes into single events (`flatten`): each then takes its own trip through streamz. Batches must
 come in event-time order (a read before the step that waited on it); reads carry their verdicts.
 """
