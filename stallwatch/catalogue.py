@@ -337,7 +337,7 @@ STALL_SECONDS = counter(
     "Loader-wait seconds above the stall threshold, each attributed to exactly one cause.",
 )
 JOB_STALL_SECONDS = counter(
-    "correlator", "job_stall_seconds_total", "seconds", ["job"],
+    "correlator", "job_stall_seconds_total", "seconds", [JOB_LABEL],
     "Seconds in which at least one of the job's ranks on this node waited for input above the stall threshold "
     "(the union of their stalls in time): what a synchronous job loses per GPU to this node's input stalls.",
 )

@@ -69,21 +69,21 @@ CASES = (
     }, "35m"),
     Case("StallwatchNodeStallsCostJob", {
         # Node b's rank 2 waits for remote fetches 30 % of its time; every GPU of the job waits with it.
-        s(c.STALL_SECONDS, 'job="train"', NODE_A, 'rank="0"', 'cause="preprocess"'): "0+0.3x30",
-        s(c.STALL_SECONDS, 'job="train"', NODE_A, 'rank="1"', 'cause="preprocess"'): "0+0.6x30",
-        s(c.STALL_SECONDS, 'job="train"', NODE_B, 'rank="2"', 'cause="remote_fetch"'): "0+15x30",
-        s(c.STALL_SECONDS, 'job="train"', NODE_B, 'rank="2"', 'cause="other"'): "0+3x30",
-        s(c.STALL_SECONDS, 'job="train"', NODE_B, 'rank="3"', 'cause="remote_fetch"'): "0+3x30",
-        s(c.JOB_STALL_SECONDS, 'job="train"', NODE_A): "0+0.6x30",
-        s(c.JOB_STALL_SECONDS, 'job="train"', NODE_B): "0+18x30",
-    }, "20m", (({"job": "train", "instance": "b:9842", "node": "b"},
+        s(c.STALL_SECONDS, 'training_job="train"', NODE_A, 'rank="0"', 'cause="preprocess"'): "0+0.3x30",
+        s(c.STALL_SECONDS, 'training_job="train"', NODE_A, 'rank="1"', 'cause="preprocess"'): "0+0.6x30",
+        s(c.STALL_SECONDS, 'training_job="train"', NODE_B, 'rank="2"', 'cause="remote_fetch"'): "0+15x30",
+        s(c.STALL_SECONDS, 'training_job="train"', NODE_B, 'rank="2"', 'cause="other"'): "0+3x30",
+        s(c.STALL_SECONDS, 'training_job="train"', NODE_B, 'rank="3"', 'cause="remote_fetch"'): "0+3x30",
+        s(c.JOB_STALL_SECONDS, 'training_job="train"', NODE_A): "0+0.6x30",
+        s(c.JOB_STALL_SECONDS, 'training_job="train"', NODE_B): "0+18x30",
+    }, "20m", (({"training_job": "train", "instance": "b:9842", "node": "b"},
                 "Input stalls on node b cost job train 30% of its GPU time: all of its GPUs wait for that node's "
                 "slowest rank."),)),
     Case("StallwatchNodeStallsCostJob", {
         # Each node's ranks stall 6 % of the time: under the threshold, though the two nodes' sum is over it;
         # node b's 30 % lasted 5 minutes, shorter than the alert's `for`.
-        s(c.JOB_STALL_SECONDS, 'job="train"', NODE_A): "0+3.6x30",
-        s(c.JOB_STALL_SECONDS, 'job="train"', NODE_B): "0+3.6x14 50.4+18x5 140.4+3.6x10",
+        s(c.JOB_STALL_SECONDS, 'training_job="train"', NODE_A): "0+3.6x30",
+        s(c.JOB_STALL_SECONDS, 'training_job="train"', NODE_B): "0+3.6x14 50.4+18x5 140.4+3.6x10",
     }, "20m"),
     Case("StallwatchSpokeHitRatioRegressed", {  # 90 % for an hour, then 50 %
         s(c.SPOKE_REQUESTS, 'spoke="s1"', N1, 'result="hit"'): "0+90x60 5450+50x60",

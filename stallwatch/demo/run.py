@@ -37,8 +37,6 @@ from stallwatch.harness import (
     Samples,
     find_binary,
     scrape,
-    start_agent,
-    stop_agent,
     stop_process,
     total,
     wait_for,
