@@ -18,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import shutil
 import subprocess
 import sys
 import time
@@ -30,7 +29,7 @@ from pathlib import Path
 
 from stallwatch import catalogue as c
 from stallwatch.demo.agent import AgentSetup, start_node_agent
-from stallwatch.demo.hub import Hub, make_dataset, shard_name
+from stallwatch.demo.hub import Hub, shard_name, start_hub
 from stallwatch.demo.spoke import Nginx, spoke_server_block
 from stallwatch.demo.stack import Server, query, start_prometheus
 from stallwatch.harness import find_binary, free_port, stop_process, wait_for
@@ -252,13 +251,8 @@ class ClusterDemo:
         s = self.s
         with self._stack:
             work = s.workdir.resolve()
-            if work.exists():
-                shutil.rmtree(work)
-            work.mkdir(parents=True)
+            hub = start_hub(self._stack, work, s.shards, int(s.shard_mib * 2**20), s.rtt_seconds, s.bandwidth_mbit)
             self.say(f"stallwatch demo, {s.nodes} nodes x {s.ranks_per_node} ranks, in {work}")
-            make_dataset(work / "dataset", s.shards, int(s.shard_mib * 2**20))
-            hub = Hub(work / "dataset", s.rtt_seconds, s.bandwidth_mbit * 1e6 / 8).start()
-            self._stack.callback(hub.close)
             self.say(f"  hub          {hub.url}  ({s.shards} shards, {s.dataset_bytes / 2**20:.0f} MiB)")
             spokes, agents = zip(*(self._start_node(work, i, hub) for i in range(s.nodes)), strict=True)
             prometheus = self._start_prometheus(work, agents)

@@ -15,7 +15,6 @@ import argparse
 import contextlib
 import os
 import re
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -29,7 +28,7 @@ from typing import Any
 from stallwatch import catalogue as c
 from stallwatch.demo.agent import AgentSetup, start_node_agent
 from stallwatch.demo.cluster import ClusterDemo, ClusterSettings
-from stallwatch.demo.hub import Hub, make_dataset
+from stallwatch.demo.hub import Hub, start_hub
 from stallwatch.demo.spoke import Nginx, spoke_server_block
 from stallwatch.demo.stack import Server, Webhook, query, start_alertmanager, start_prometheus
 from stallwatch.harness import (
@@ -169,13 +168,8 @@ class Demo:
         s = self.s
         with self._stack:
             work = s.workdir.resolve()
-            if work.exists():
-                shutil.rmtree(work)
-            work.mkdir(parents=True)
+            hub = start_hub(self._stack, work, s.shards, int(s.shard_mib * 2**20), s.rtt_seconds, s.bandwidth_mbit)
             self.say(f"stallwatch demo in {work}")
-            make_dataset(work / "dataset", s.shards, int(s.shard_mib * 2**20))
-            hub = Hub(work / "dataset", s.rtt_seconds, s.bandwidth_mbit * 1e6 / 8).start()
-            self._stack.callback(hub.close)
             self.say(f"  hub          {hub.url}  ({s.shards} shards, {s.dataset_bytes / 2**20:.0f} MiB, "
                      f"RTT {s.rtt_seconds * 1000:.0f} ms, {s.bandwidth_mbit:.0f} Mbit/s)")
             spoke = Nginx(work / "spoke", spoke_server_block(hub.url), f"{max(1, s.cache_bytes // 2**20)}m")
