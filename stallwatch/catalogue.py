@@ -336,6 +336,11 @@ STALL_SECONDS = counter(
     "correlator", "stall_seconds_total", "seconds", [JOB_LABEL, "rank", "cause"],
     "Loader-wait seconds above the stall threshold, each attributed to exactly one cause.",
 )
+JOB_STALL_SECONDS = counter(
+    "correlator", "job_stall_seconds_total", "seconds", [JOB_LABEL],
+    "Seconds in which at least one of the job's ranks on this node waited for input above the stall threshold "
+    "(the union of their stalls in time): what a synchronous job loses per GPU to this node's input stalls.",
+)
 COMPUTE_SECONDS = counter(
     "correlator", "compute_seconds_total", "seconds", [JOB_LABEL, "rank"], "Seconds the rank spent computing."
 )

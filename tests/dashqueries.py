@@ -11,7 +11,7 @@ from stallwatch.mixin.dashboards import ARTIFACTS
 from tests.conftest import ROOT
 
 # Grafana's values for a 1 s scrape interval; `All` of a variable is its allValue, `.*`.
-GRAFANA_RANGES = {"__rate_interval": "5s", "__interval": "1s", "__range": "30s"}
+GRAFANA_RANGES = {"__rate_interval": "5s", "__interval": "1s", "__range": "30s", "__range_s": "30"}
 # stallwatch's metrics, and dcgm-exporter's the dashboards offer beside them
 METRIC = re.compile(r"(?<![\w:])(?:stallwatch_\w+|DCGM_\w+)")
 

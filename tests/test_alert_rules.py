@@ -23,6 +23,7 @@ from tests.conftest import ROOT
 RULE_FILES = sorted(ROOT / path for path in ARTIFACTS if path.startswith("alerts/"))
 ALERTS = {alert.name: alert for alert in all_alerts(Thresholds())}
 N1 = 'instance="n1"'
+NODE_A, NODE_B = 'instance="a:9842", node="a"', 'instance="b:9842", node="b"'
 
 
 @dataclass(frozen=True)
@@ -66,6 +67,24 @@ CASES = (
         s(c.WARMUP_PHASE, 'training_job="train"', N1, 'phase="transition"'): "0x10 1x10 0x20",
         s(c.WARMUP_PHASE, 'training_job="train"', N1, 'phase="steady"'): "0x20 1x20",
     }, "35m"),
+    Case("StallwatchNodeStallsCostJob", {
+        # Node b's rank 2 waits for remote fetches 30 % of its time; every GPU of the job waits with it.
+        s(c.STALL_SECONDS, 'training_job="train"', NODE_A, 'rank="0"', 'cause="preprocess"'): "0+0.3x30",
+        s(c.STALL_SECONDS, 'training_job="train"', NODE_A, 'rank="1"', 'cause="preprocess"'): "0+0.6x30",
+        s(c.STALL_SECONDS, 'training_job="train"', NODE_B, 'rank="2"', 'cause="remote_fetch"'): "0+15x30",
+        s(c.STALL_SECONDS, 'training_job="train"', NODE_B, 'rank="2"', 'cause="other"'): "0+3x30",
+        s(c.STALL_SECONDS, 'training_job="train"', NODE_B, 'rank="3"', 'cause="remote_fetch"'): "0+3x30",
+        s(c.JOB_STALL_SECONDS, 'training_job="train"', NODE_A): "0+0.6x30",
+        s(c.JOB_STALL_SECONDS, 'training_job="train"', NODE_B): "0+18x30",
+    }, "20m", (({"training_job": "train", "instance": "b:9842", "node": "b"},
+                "Input stalls on node b cost job train 30% of its GPU time: all of its GPUs wait for that node's "
+                "slowest rank."),)),
+    Case("StallwatchNodeStallsCostJob", {
+        # Each node's ranks stall 6 % of the time: under the threshold, though the two nodes' sum is over it;
+        # node b's 30 % lasted 5 minutes, shorter than the alert's `for`.
+        s(c.JOB_STALL_SECONDS, 'training_job="train"', NODE_A): "0+3.6x30",
+        s(c.JOB_STALL_SECONDS, 'training_job="train"', NODE_B): "0+3.6x14 50.4+18x5 140.4+3.6x10",
+    }, "20m"),
     Case("StallwatchSpokeHitRatioRegressed", {  # 90 % for an hour, then 50 %
         s(c.SPOKE_REQUESTS, 'spoke="s1"', N1, 'result="hit"'): "0+90x60 5450+50x60",
         s(c.SPOKE_REQUESTS, 'spoke="s1"', N1, 'result="miss"'): "0+10x60 610+50x60",

@@ -19,7 +19,7 @@ from tests.conftest import ROOT
 SCHEMAS = ROOT / "tests/data/grafana"  # from grafana-foundation-sdk's jsonschema/ (see SOURCE there)
 PANEL_SCHEMAS = {"timeseries": "timeseries", "stat": "stat", "heatmap": "heatmap", "table": "table",
                  "state-timeline": "statetimeline"}
-GRAFANA_BUILTINS = {"__rate_interval", "__range", "__interval"}
+GRAFANA_BUILTINS = {"__rate_interval", "__range", "__range_s", "__interval"}
 VARIABLE_USE = re.compile(r"\$\{?([A-Za-z_]\w*)")  # not label_replace's $1
 
 

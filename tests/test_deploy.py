@@ -45,7 +45,8 @@ def test_systemd_unit_verifies_clean(tmp_path: Path) -> None:
         assert hardening in unit
 
 
-@pytest.mark.parametrize("config", ["scrape-static.yml", "scrape-file-sd.yml"])
+@pytest.mark.parametrize("config", ["scrape-static.yml", "scrape-file-sd.yml", "remote-write-thanos.yml",
+                                    "remote-write-mimir.yml", "remote-write-victoriametrics.yml"])
 def test_prometheus_examples_are_valid(config: str) -> None:
     promtool = require_binary("promtool", "prometheus")
     result = subprocess.run([promtool, "check", "config", str(DEPLOY / "prometheus" / config)],

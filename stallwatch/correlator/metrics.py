@@ -52,6 +52,7 @@ class CorrelatorMetrics:
         self._warmup_idle: dict[str, float] = {}
         self._warmup_bytes: dict[str, float] = {}
         self._regressions: dict[str, float] = {}
+        self._job_stall: dict[str, float] = defaultdict(float)
         self._whatif: dict[float, float] = {}
         self._whatif_curve: WhatIfCurve | None = None
         self._windows = 0
@@ -83,6 +84,7 @@ class CorrelatorMetrics:
                 self._warmup_idle[job] = j.warmup_idle_gpu_s
                 self._warmup_bytes[job] = j.warmup_hub_bytes
                 self._regressions[job] = j.regressions
+                self._job_stall[job] += j.stalled_s
             self._whatif.update(result.whatif)
             self._whatif_curve = result.whatif_curve or self._whatif_curve
             for retired in result.retired_jobs:
@@ -111,7 +113,7 @@ class CorrelatorMetrics:
             for labels in [labels for labels in table if labels[0] == job]:
                 del table[labels]
         for per_job in (self._phase, self._time_to_steady, self._warmup_idle, self._warmup_bytes,
-                        self._regressions):
+                        self._regressions, self._job_stall):
             per_job.pop(job, None)
 
     def set_losses(self, late: Mapping[str, int], dropped: Mapping[tuple[str, str], int],
@@ -133,6 +135,7 @@ class CorrelatorMetrics:
                 (c.WARMUP_IDLE_GPU_SECONDS.family(), {(j,): v for j, v in self._warmup_idle.items()}),
                 (c.WARMUP_HUB_BYTES.family(), {(j,): v for j, v in self._warmup_bytes.items()}),
                 (c.WARMUP_REGRESSIONS.family(), {(j,): v for j, v in self._regressions.items()}),
+                (c.JOB_STALL_SECONDS.family(), {(j,): v for j, v in self._job_stall.items()}),
                 (c.CACHE_WHATIF_HIT_RATIO.family(), {(spoke, f"{f:g}"): v for f, v in self._whatif.items()}),
                 (c.CACHE_WHATIF_SAMPLING.family(), {(spoke,): curve.sample_rate} if curve else {}),
                 (c.CACHE_WHATIF_KEYS.family(), {(spoke,): curve.keys} if curve else {}),

@@ -44,6 +44,10 @@ class JobRow:
     warmup_idle_gpu_s: float
     warmup_hub_bytes: int
     regressions: int
+    # Seconds in which at least one of the job's ranks here stalled (the union of their stalls in time). In a
+    # synchronous job the ranks' waits of one step start together, so this is the sum over steps of the
+    # longest local wait: what the job loses per GPU to this node's stalls.
+    stalled_s: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -84,7 +88,7 @@ class WindowResult:
                 {"job": job_names(j.job), "phase": j.phase, "hit_ratio": j.hit_ratio, "reads": j.reads,
                  "hub_bytes": j.hub_bytes, "time_to_steady_s": j.time_to_steady_s,
                  "warmup_idle_gpu_s": j.warmup_idle_gpu_s, "warmup_hub_bytes": j.warmup_hub_bytes,
-                 "regressions": j.regressions}
+                 "regressions": j.regressions, "stalled_s": j.stalled_s}
                 for j in self.jobs
             ],
             "whatif_hit_ratio": {str(factor): ratio for factor, ratio in self.whatif.items()},

@@ -10,7 +10,7 @@ import numpy as np
 
 from stallwatch.catalogue import CAUSES
 from stallwatch.correlator.attribution import Reads, Steps, attribute, gpu_idle_in_stalls
-from stallwatch.correlator.intervals import composite_key
+from stallwatch.correlator.intervals import composite_key, union_length
 from stallwatch.correlator.results import GpuRow, JobRow, RankRow, WhatIfCurve, WindowResult
 from stallwatch.correlator.settings import CorrelatorSettings, seconds_to_ns
 from stallwatch.correlator.verdicts import LatencySplit, join_spoke
@@ -139,8 +139,11 @@ class WindowAnalyser:
             )
             state = self.warmup.update(job, window.start_ns, window.end_ns, seen, self._first_seen[job],
                                        complete=not window.final)
+            stalled_ns = union_length(np.zeros(seen.stall_start_ns.size, dtype=np.int64), seen.stall_start_ns,
+                                      seen.stall_end_ns, 1)[0]
             rows.append(JobRow(job, state.phase, state.hit_ratio, seen.reads, seen.hub_bytes,
-                               state.time_to_steady_s, state.idle_gpu_seconds, state.hub_bytes, state.regressions))
+                               state.time_to_steady_s, state.idle_gpu_seconds, state.hub_bytes, state.regressions,
+                               stalled_ns / 1e9))
         return tuple(rows)
 
     def _known_ranks(self, job: int) -> int:

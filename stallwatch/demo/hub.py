@@ -8,7 +8,9 @@ to a cache in front of it.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import shutil
 import threading
 import time
 from collections.abc import Callable
@@ -36,6 +38,18 @@ def make_dataset(directory: Path, shards: int, shard_bytes: int) -> list[str]:
             path.write_bytes((seed * (shard_bytes // len(seed) + 1))[:shard_bytes])
         names.append(name)
     return names
+
+
+def start_hub(stack: contextlib.ExitStack, work: Path, shards: int, shard_bytes: int, rtt_seconds: float,
+              bandwidth_mbit: float) -> Hub:
+    """A fresh `work` folder holding the dataset, and the hub serving it until `stack` closes."""
+    if work.exists():
+        shutil.rmtree(work)
+    work.mkdir(parents=True)
+    make_dataset(work / "dataset", shards, shard_bytes)
+    hub = Hub(work / "dataset", rtt_seconds, bandwidth_mbit * 1e6 / 8).start()
+    stack.callback(hub.close)
+    return hub
 
 
 class Hub:

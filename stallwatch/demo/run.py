@@ -15,7 +15,6 @@ import argparse
 import contextlib
 import os
 import re
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -27,7 +26,9 @@ from pathlib import Path
 from typing import Any
 
 from stallwatch import catalogue as c
-from stallwatch.demo.hub import Hub, make_dataset
+from stallwatch.demo.agent import AgentSetup, start_node_agent
+from stallwatch.demo.cluster import ClusterDemo, ClusterSettings
+from stallwatch.demo.hub import Hub, start_hub
 from stallwatch.demo.spoke import Nginx, spoke_server_block
 from stallwatch.demo.stack import Server, Webhook, query, start_alertmanager, start_prometheus
 from stallwatch.harness import (
@@ -35,8 +36,6 @@ from stallwatch.harness import (
     Samples,
     find_binary,
     scrape,
-    start_agent,
-    stop_agent,
     stop_process,
     total,
     wait_for,
@@ -133,17 +132,8 @@ class Demo:
                      f"{alert.get('annotations', {}).get('description', '')}")
 
     def _start_agent(self, work: Path, spoke: Nginx, hub_url: str) -> AgentProcess:
-        agent = start_agent([
-            "--gpu.fake-devices", "1", "--gpu.fake-trace", str(work / "gpu.trace"), "--gpu.interval", "0.5",
-            "--events.socket", str(work / "events.sock"),
-            "--collector.spoke_nginx", "--spoke_nginx.log", str(spoke.access_log), "--spoke_nginx.name", SPOKE_NAME,
-            "--collector.hub_probe", "--hub_probe.target", f"{SPOKE_NAME}={hub_url}/", "--hub_probe.interval", "2",
-            "--correlator.cache-capacity", str(self.s.cache_bytes),
-            "--correlator.window", str(self.s.window_seconds),
-            "--correlator.record-windows", str(work / "windows.jsonl"),
-        ], work / "agent.log", timeout=30)
-        self._stack.callback(stop_agent, agent)
-        return agent
+        return start_node_agent(self._stack, AgentSetup(work, spoke.access_log, SPOKE_NAME, hub_url,
+                                                        self.s.cache_bytes, self.s.window_seconds))
 
     def _start_monitoring(self, work: Path, agent_url: str) -> Server | None:
         prometheus_bin, alertmanager_bin = find_binary("prometheus"), find_binary("prometheus-alertmanager")
@@ -178,13 +168,8 @@ class Demo:
         s = self.s
         with self._stack:
             work = s.workdir.resolve()
-            if work.exists():
-                shutil.rmtree(work)
-            work.mkdir(parents=True)
+            hub = start_hub(self._stack, work, s.shards, int(s.shard_mib * 2**20), s.rtt_seconds, s.bandwidth_mbit)
             self.say(f"stallwatch demo in {work}")
-            make_dataset(work / "dataset", s.shards, int(s.shard_mib * 2**20))
-            hub = Hub(work / "dataset", s.rtt_seconds, s.bandwidth_mbit * 1e6 / 8).start()
-            self._stack.callback(hub.close)
             self.say(f"  hub          {hub.url}  ({s.shards} shards, {s.dataset_bytes / 2**20:.0f} MiB, "
                      f"RTT {s.rtt_seconds * 1000:.0f} ms, {s.bandwidth_mbit:.0f} Mbit/s)")
             spoke = Nginx(work / "spoke", spoke_server_block(hub.url), f"{max(1, s.cache_bytes // 2**20)}m")
@@ -291,16 +276,26 @@ def main(argv: Sequence[str]) -> int:
                         help="spoke capacity, e.g. 150MiB (default: the whole dataset; 85%% of it with --outage)")
     parser.add_argument("--outage", action="store_true", help="cut the hub mid-run so a stall alert fires")
     parser.add_argument("--workdir", type=Path, default=None, help="(default: a new temporary folder)")
+    parser.add_argument("--nodes", type=int, default=1,
+                        help="2 or more: a multi-node data-parallel job, one agent and spoke per node, the last "
+                             "node's spoke cold (its own scenario; the flags above do not apply)")
     options = parser.parse_args(argv)
+    workdir = options.workdir or Path(tempfile.mkdtemp(prefix="stallwatch-demo-"))
+    if options.nodes > 1:
+        return _report_errors(lambda: ClusterDemo(ClusterSettings(nodes=options.nodes, workdir=workdir)).run())
     settings = Settings(
         duration=options.duration, cache_size=options.cache_size, outage=options.outage,
         outage_seconds=options.outage_seconds, rtt_seconds=options.rtt_ms / 1000, bandwidth_mbit=options.bandwidth_mbit,
         shards=options.shards, shard_mib=options.shard_mib, step_seconds=options.step_seconds, workers=options.workers,
         price_per_gb=options.price_per_gb,
-        workdir=options.workdir or Path(tempfile.mkdtemp(prefix="stallwatch-demo-")),
+        workdir=workdir,
     )
+    return _report_errors(lambda: Demo(settings).run())
+
+
+def _report_errors(demo: Callable[[], object]) -> int:
     try:
-        Demo(settings).run()
+        demo()
     except KeyboardInterrupt:
         print("\ninterrupted; everything the demo started is stopped", file=sys.stderr)
         return 130

@@ -23,12 +23,16 @@ def nginx_binary() -> str:
     return find_binary("nginx") or "/usr/sbin/nginx"
 
 
-def spoke_server_block(hub_url: str, timeout_seconds: int = 120) -> str:
-    """A read-through cache of whole shards in front of `hub_url`, telling clients its verdict."""
+def spoke_server_block(hub_url: str, timeout_seconds: int = 120, valid: str | None = None) -> str:
+    """A read-through cache of whole shards in front of `hub_url`, telling clients its verdict. A shard stays
+    fresh as long as the hub says; with `valid`, that long whatever the hub says (1s: nearly every read goes
+    back to the hub)."""
+    freshness = ("proxy_cache_valid 200 30d;" if valid is None
+                 else f"proxy_cache_valid 200 {valid}; proxy_ignore_headers Cache-Control Expires;")
     return f"""
         location / {{
             proxy_cache spoke;
-            proxy_cache_valid 200 30d;
+            {freshness}
             proxy_cache_lock on;
             proxy_cache_lock_timeout {timeout_seconds}s;
             proxy_read_timeout {timeout_seconds}s;

@@ -13,7 +13,7 @@ import threading
 import urllib.error
 import urllib.parse
 import urllib.request
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
@@ -88,28 +88,44 @@ def start_alertmanager(binary: str, workdir: Path, webhook_url: str, group_wait:
 NODE_RELABEL: dict[str, Any] = {"source_labels": ["__address__"], "regex": "(.+):\\d+", "target_label": "node"}
 
 
+# Several emulated nodes on one host: a target's hidden `__node_name` label, where given, names its node.
+NAMED_NODE_RELABEL: dict[str, Any] = {"source_labels": ["__node_name"], "regex": "(.+)", "target_label": "node"}
+
+
+RELABELS = [NODE_RELABEL, NAMED_NODE_RELABEL]
+
+
 def start_prometheus(binary: str, workdir: Path, targets: Sequence[str], rule_files: Sequence[Path],
                      alertmanager: str | None = None, interval_seconds: int = 1,
-                     job: str = "stallwatch") -> Server:
-    """Scrape `targets` as `job` (the agents carry the training job as `training_job`: no collision)."""
+                     job: str = "stallwatch", node_names: Mapping[str, str] | None = None,
+                     extra: Mapping[str, Any] | None = None, flags: Sequence[str] = ()) -> Server:
+    """Scrape `targets` as `job` (the agents carry the training job as `training_job`: no collision).
+
+    `node_names` maps a target to the node name it is labelled with (else its host); `extra` adds top-level
+    configuration (remote_write), `flags` command-line flags (the remote-write receiver)."""
     workdir.mkdir(parents=True, exist_ok=True)
+    names = node_names or {}
+    static = ([{"targets": [target], "labels": {"__node_name": names[target]}} for target in targets] if names
+              else [{"targets": list(targets)}])
     config: dict[str, Any] = {
         "global": {"scrape_interval": f"{interval_seconds}s", "evaluation_interval": f"{interval_seconds}s"},
         "rule_files": [str(p) for p in rule_files],
-        "scrape_configs": [{"job_name": job, "relabel_configs": [NODE_RELABEL],
-                            "static_configs": [{"targets": list(targets)}]}],
+        "scrape_configs": [{"job_name": job, "relabel_configs": RELABELS,
+                            "static_configs": static}] if targets else [],
+        **(extra or {}),
     }
     if alertmanager is not None:
         config["alerting"] = {"alertmanagers": [{"static_configs": [{"targets": [alertmanager.split("//")[1]]}]}]}
     (workdir / "prometheus.yml").write_text(yaml.safe_dump(config))
     port = free_port()
     return Server([binary, f"--config.file={workdir / 'prometheus.yml'}", f"--storage.tsdb.path={workdir / 'tsdb'}",
-                   f"--web.listen-address=127.0.0.1:{port}"], f"http://127.0.0.1:{port}", workdir / "prometheus.log",
-                  "/-/ready")
+                   f"--web.listen-address=127.0.0.1:{port}", *flags], f"http://127.0.0.1:{port}",
+                  workdir / "prometheus.log", "/-/ready")
 
 
-def query(prometheus: str, expr: str) -> dict[str, Any]:
-    url = f"{prometheus}/api/v1/query?" + urllib.parse.urlencode({"query": expr})
+def query(prometheus: str, expr: str, at: float | None = None) -> dict[str, Any]:
+    """An instant query, now or at the Unix time `at`."""
+    url = f"{prometheus}/api/v1/query?" + urllib.parse.urlencode({"query": expr, **({"time": at} if at else {})})
     try:
         with urllib.request.urlopen(url, timeout=10) as reply:
             result: dict[str, Any] = json.loads(reply.read())

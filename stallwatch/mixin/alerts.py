@@ -11,7 +11,7 @@ from stallwatch import catalogue as c
 from stallwatch.mixin.config import ALERT_PREFIX, Thresholds
 from stallwatch.mixin.prometheus import AlertRule, RuleGroup, render_rules
 from stallwatch.mixin.promql import by, increase, rate, selector
-from stallwatch.mixin.rules import gpu_stall_idle_rule, hit_ratio_rule, input_bound_rule
+from stallwatch.mixin.rules import gpu_stall_idle_rule, hit_ratio_rule, input_bound_rule, node_stall_rule
 
 JOB = c.JOB_LABEL
 JOB_NAME = f"{{{{ $labels.{JOB} }}}}"  # the training job's name in a description
@@ -90,6 +90,25 @@ def training_alerts(t: Thresholds) -> tuple[AlertRule, ...]:
                     "warms up (it thrashes: evictions stay high).\n\n"
                     "Act: pre-warm the spoke, grow it to the working set, or raise the budget if the dataset is "
                     "read once per epoch and the first epoch is long.",
+        ),
+        AlertRule(
+            name=f"{ALERT_PREFIX}NodeStallsCostJob",
+            expr=f"avg_over_time({node_stall_rule(t).record}[{t.rate_window}]) > {t.node_stall_cost_ratio}",
+            for_=t.node_stall_cost_for, severity="warning",
+            summary="Input stalls on one node idle every GPU of a multi-node job.",
+            description=f"Input stalls on node {{{{ $labels.node }}}} cost job {JOB_NAME} "
+                        "{{ $value | humanizePercentage }} of its GPU time: all of its GPUs wait for that node's "
+                        "slowest rank.",
+            runbook="In synchronous data-parallel training every rank waits in the step's collective for the "
+                    "slowest one, so one node's input stall idles every GPU of the job, on every node. The value "
+                    "is the share of time in which some rank of the job on this node stalled for input (its agent "
+                    "counts the union of their stalls): what the node alone costs the job's GPU time.\n\n"
+                    "Check: the *Job across nodes* row of *Training input stalls*: the gating node and rank and the "
+                    "cause of their stalls. `remote_fetch` there points at that node's spoke (cold, smaller than "
+                    "the working set, a slow hub link: the *Spoke cache* dashboard for that spoke); `preprocess` "
+                    "at that node's CPUs or loader workers; `cache_read` at its local cache disk.\n\n"
+                    "Act: warm or grow that node's spoke, give the node's ranks more loader workers, or move the "
+                    "job off the node; the other nodes are waiting, not at fault.",
         ),
     )
 

@@ -68,6 +68,15 @@ class Thresholds:
         "answers with a GPU reset or node reboot. Every other XID is a warning."))
     xid_window: str = field(default="10m", metadata=_doc("Window in which an XID event alerts."))
     xid_for: str = field(default="1m", metadata=_doc("How long the XID alert is pending before it fires."))
+    job_stall_window: str = field(default="1m", metadata=_doc(
+        "Sub-window over which a synchronous job's input-stall loss is taken as its slowest rank's stall (the "
+        "job-level recording rules): shorter is closer to the per-step maximum (docs/attribution.md), but it "
+        "must span at least four scrapes of the agents."))
+    node_stall_cost_ratio: float = field(default=0.10, metadata=_doc(
+        "Share of a job's GPU time that the input stalls of one of its nodes may cost it (every GPU of the job "
+        "waits for that node's slowest rank) before the alert fires."))
+    node_stall_cost_for: str = field(default="10m", metadata=_doc(
+        "How long one node's input stalls cost the job that share before the alert."))
     rate_window: str = field(default="5m", metadata=_doc("Window of the recording rules' rates."))
     runbook_base_url: str = field(default="docs/runbooks.md", metadata=_doc(
         "Where docs/runbooks.md is served; each alert's runbook_url is this plus the alert's anchor."))

@@ -39,9 +39,68 @@ def spoke_bytes_rule(t: Thresholds) -> RecordingRule:
                          by("spoke, source", "sum", rate(c.SPOKE_BYTES, t.rate_window)))
 
 
+# The job-level view. In synchronous data-parallel training every rank waits in the step's collective
+# for the slowest one, so a stall on one rank idles every GPU of the job. Each agent counts the time in
+# which any of the job's ranks on its node stalled (the union in time: per step, the longest local wait).
+# Per sub-window of `job_stall_window` the job's loss per GPU is taken as the largest of its nodes' shares
+# (Prometheus evaluates every node's counters at the same wall-clock instants, so the windows line up
+# across nodes); times the job's GPUs it is the GPU-seconds the job lost. The sum over nodes bounds it
+# from above. docs/attribution.md gives the error bound.
+JOB_KEY = f"cluster, {J}"  # a job's name is unique within its cluster
+RANK_KEY = f"{JOB_KEY}, instance, node, rank"
+STALL = c.STALL_SECONDS.name.removesuffix("_total")
+JOB_STALL = c.JOB_STALL_SECONDS.name.removesuffix("_total")
+
+
+def rank_cause_stall_rule(t: Thresholds) -> RecordingRule:
+    return RecordingRule(f"{J}_node_rank_cause:{STALL}:rate{t.job_stall_window}",
+                         by(f"{RANK_KEY}, cause", "sum", rate(c.STALL_SECONDS, t.job_stall_window)))
+
+
+def rank_stall_rule(t: Thresholds) -> RecordingRule:
+    return RecordingRule(f"{J}_node_rank:{STALL}:rate{t.job_stall_window}",
+                         by(RANK_KEY, "sum", rank_cause_stall_rule(t).record))
+
+
+def node_stall_rule(t: Thresholds) -> RecordingRule:
+    """Per node, the share of time some local rank of the job stalled: what that node's stalls cost each GPU
+    of the job."""
+    return RecordingRule(f"{J}_node:{JOB_STALL}:rate{t.job_stall_window}",
+                         by(f"{JOB_KEY}, instance, node", "sum", rate(c.JOB_STALL_SECONDS, t.job_stall_window)))
+
+
+def job_stall_rule(t: Thresholds) -> RecordingRule:
+    """The share of every GPU's time the job lost to input stalls: its worst node's (a lower bound)."""
+    return RecordingRule(f"{J}:{JOB_STALL}:max_rate{t.job_stall_window}",
+                         by(JOB_KEY, "max", node_stall_rule(t).record))
+
+
+def job_stall_bound_rule(t: Thresholds) -> RecordingRule:
+    """The upper bound of that share: the nodes' shares added up, as if their stalls never overlapped."""
+    return RecordingRule(f"{J}:{JOB_STALL}:sum_rate{t.job_stall_window}",
+                         f"clamp_max({by(JOB_KEY, 'sum', node_stall_rule(t).record)}, 1)")
+
+
+def job_gpus_rule(t: Thresholds) -> RecordingRule:
+    """The job's GPUs, one per rank reporting to an agent."""
+    return RecordingRule(f"{J}:{c.PREFIX}ranks:count", by(JOB_KEY, "count", rank_stall_rule(t).record))
+
+
+def job_stall_gpu_seconds_rule(t: Thresholds) -> RecordingRule:
+    """GPU-seconds per second the job lost to input stalls, all its GPUs together."""
+    return RecordingRule(f"{J}:{c.PREFIX}input_stall_gpu_seconds:rate{t.job_stall_window}",
+                         f"{job_stall_rule(t).record} * on ({JOB_KEY}) {job_gpus_rule(t).record}")
+
+
+def job_rules(t: Thresholds) -> tuple[RecordingRule, ...]:
+    return (rank_cause_stall_rule(t), rank_stall_rule(t), node_stall_rule(t), job_stall_rule(t),
+            job_stall_bound_rule(t), job_gpus_rule(t), job_stall_gpu_seconds_rule(t))
+
+
 def recording_groups(t: Thresholds) -> tuple[RuleGroup, ...]:
     return (
         RuleGroup("stallwatch-training.recording", (stall_rate_rule(t), gpu_stall_idle_rule(t), input_bound_rule(t))),
+        RuleGroup("stallwatch-job.recording", job_rules(t)),
         RuleGroup("stallwatch-spoke.recording", (hit_ratio_rule(t), spoke_bytes_rule(t))),
     )
 
