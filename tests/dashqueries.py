@@ -14,6 +14,14 @@ from tests.conftest import ROOT
 GRAFANA_RANGES = {"__rate_interval": "5s", "__interval": "1s", "__range": "30s", "__range_s": "30"}
 # stallwatch's metrics, and dcgm-exporter's the dashboards offer beside them
 METRIC = re.compile(r"(?<![\w:])(?:stallwatch_\w+|DCGM_\w+)")
+# A recorded series, `level:metric:operation`: what it needs is its metric.
+RECORDED = re.compile(r"(?<![\w:])[a-z_]+:(stallwatch_\w+?):\w+")
+
+
+def needs_served(expr: str, served: set[str]) -> bool:
+    """Whether every metric `expr` reads, directly or through a recording rule, is among `served`."""
+    return all(name in served for name in METRIC.findall(expr)) and all(
+        any(s == base or s.startswith(base + "_") for s in served) for base in RECORDED.findall(expr))
 
 
 def grafana_expand(expr: str, dashboard: dict[str, Any]) -> str:

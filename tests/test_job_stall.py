@@ -19,7 +19,8 @@ def steps(rank: int, waits: list[tuple[float, float]], compute_end_s: list[float
     return EventBatch("step", {"job": np.zeros(n, np.int32), "rank": np.full(n, rank, np.int32),
                                "gpu": np.full(n, rank, np.int16), "batch": np.arange(n, dtype=np.int64),
                                "wait_start_ns": start, "wait_end_ns": end,
-                               "compute_end_ns": (np.array(compute_end_s) * 1e9).astype(np.int64) + BASE_NS})
+                               "compute_end_ns": (np.array(compute_end_s) * 1e9).astype(np.int64) + BASE_NS,
+                               "ready_ns": np.full(n, -1, np.int64)})
 
 
 def test_the_job_stall_is_the_union_of_its_ranks_stalls_not_their_sum_or_largest_sum() -> None:

@@ -33,10 +33,10 @@ def feed(service: LiveCorrelator, stop: threading.Event) -> None:
     while not stop.wait(0.5):
         now = time.monotonic_ns()
         start = np.array([now - 500_000_000] * 2, np.int64)
-        service.submit(EventBatch("step", {
+        service.submit(EventBatch.of("step", {
             "job": np.zeros(2, np.int32), "rank": np.arange(2, dtype=np.int32), "gpu": np.arange(2, dtype=np.int16),
             "batch": np.full(2, batch, np.int64), "wait_start_ns": start, "wait_end_ns": start + 100_000_000,
-            "compute_end_ns": start + 490_000_000}))
+            "compute_end_ns": start + 490_000_000, "ready_ns": np.full(2, -1, np.int64)}))
         batch += 1
 
 
