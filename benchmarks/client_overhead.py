@@ -5,13 +5,16 @@
    call alone (append + amortised pack + send), one prometheus_client `Histogram.observe`, and
    `keys.read_key` (paid once per dataset read). Batches go to a real receiving socket drained by
    another process, as the agent would.
-2. Throughput of a real DataLoader pipeline (workers, collation, a small matmul per step), plain
-   and through `stallwatch.client.torch.instrument` with every sample read recorded, run
-   alternately: the median of the rounds' changes in throughput and in CPU time a sample (the
-   trainer's and its workers'), and their spread. CPU time is what the client adds; throughput is
-   what training sees, and what other tenants of a shared machine disturb most.
+2. Throughput of a real DataLoader pipeline (2 persistent workers, a fixed CPU cost a sample and
+   a batch, one recorded read a sample), plain and through `stallwatch.client.torch.instrument`,
+   in one process: many short rounds of four epochs (ABBA / BAAB, `round_order`) after discarded
+   warm-up rounds; the median of the rounds' changes in throughput (samples/s) and in CPU time a
+   sample (the trainer's and its workers'), a bootstrap 95 % confidence interval of each median,
+   and the rounds' spread. Throughput is what training sees; CPU time is what the client adds, and
+   is less disturbed by the other tenants of a shared machine. `--control` compares the plain
+   loader with a second plain one: the noise of the method itself, which should centre on 0.
 
-    PYTHONPATH=. python benchmarks/client_overhead.py [--events N] [--rounds R]
+    PYTHONPATH=. python benchmarks/client_overhead.py [--events N] [--rounds R] [--samples S] [--control]
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from __future__ import annotations
 import argparse
 import os
 import pickle
+import random
 import statistics
 import subprocess
 import sys
@@ -28,6 +32,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import NamedTuple
 
+import numpy
 import psutil
 from prometheus_client import CollectorRegistry, Histogram
 
@@ -79,7 +84,7 @@ def per_event(events: int) -> dict[str, float]:
     def recorded(items: list[int]) -> None:
         step = channel.step
         for index in items:
-            step((index, 1, 2, 3))
+            step((index, 1, 2, 3, 4))
         channel.flush()
 
     histogram = Histogram("bench_seconds", "benchmark", registry=CollectorRegistry())
@@ -154,67 +159,155 @@ def pickling_cost(size: int = 64) -> float:
 
 
 class Epoch(NamedTuple):
-    samples_per_second: float  # wall clock: what training sees, and what other tenants of the CPU disturb most
-    cpu_per_sample: float  # seconds of CPU, the trainer's and its workers': what the client adds to it
+    seconds: float  # wall clock: what training sees, and what other tenants of the CPU disturb most
+    cpu_seconds: float  # the trainer's and its workers': what the client adds to
 
 
-def pipeline_throughput(rounds: int) -> tuple[list[Epoch], list[Epoch]]:
+class Round(NamedTuple):
+    """The change, in %, from plain to instrumented across one round of four epochs (`round_order`)."""
+
+    throughput: float  # samples/s: the plain epochs' time over the instrumented epochs'
+    cpu_per_sample: float  # the instrumented epochs' CPU time over the plain epochs'
+
+
+PLAIN, INSTRUMENTED = 0, 1
+
+
+def round_order(round_number: int) -> tuple[int, ...]:
+    """The sides of one round's four epochs: ABBA, then BAAB, alternately.
+
+    Within a round each side runs one epoch early and one late, so a drift of the machine's speed
+    that is linear over the round cancels out of each side's sum. Flipping the order every round
+    puts each side in the outer and the inner places equally often, and after an epoch of the other
+    side as often (three times in four): with ABBA alone the inner pair measured 0.5 % less CPU than
+    the outer one when both sides were the same plain loader (`--control`).
+    """
+    return (PLAIN, INSTRUMENTED, INSTRUMENTED, PLAIN) if round_number % 2 == 0 else (
+        INSTRUMENTED, PLAIN, PLAIN, INSTRUMENTED)
+
+
+def round_change(epochs: list[tuple[int, Epoch]]) -> Round:
+    """The change across one round's epochs, each tagged PLAIN or INSTRUMENTED (equal samples each)."""
+    def total(side: int, field: int) -> float:
+        return sum(epoch[field] for tag, epoch in epochs if tag == side)
+
+    return Round(100 * (total(PLAIN, 0) / total(INSTRUMENTED, 0) - 1),
+                 100 * (total(INSTRUMENTED, 1) / total(PLAIN, 1) - 1))
+
+
+class Spread(NamedTuple):
+    median: float
+    low: float  # bootstrap 95 % confidence interval of the median
+    high: float
+    first_quartile: float
+    third_quartile: float
+    smallest: float
+    largest: float
+
+
+def spread(values: list[float], resamples: int = 2000) -> Spread:
+    """Median, its bootstrap 95 % confidence interval (percentiles of the medians of `resamples`
+    resamplings of the rounds, seeded: the same rounds give the same interval), quartiles and range."""
+    rng = random.Random(0)
+    medians = sorted(statistics.median(rng.choices(values, k=len(values))) for _ in range(resamples))
+    quartiles = statistics.quantiles(values, n=4)
+    return Spread(statistics.median(values), medians[round(0.025 * (resamples - 1))],
+                  medians[round(0.975 * (resamples - 1))], quartiles[0], quartiles[2], min(values), max(values))
+
+
+def stack(samples: list[numpy.ndarray]) -> numpy.ndarray:
+    """The loaders' collate function: an array, which travels to the trainer pickled, by value. A
+    tensor batch would travel in shared memory whose file descriptor each batch hands over in a
+    socket handshake with its worker: a wait on thread scheduling that scattered the rounds."""
+    return numpy.stack(samples)
+
+
+def cpu_seconds(pid: int) -> float:
+    """CPU time of a process's threads from the scheduler's own count (nanoseconds, where the kernel
+    shows it), else from its clock-tick count (10 ms steps: coarse beside an epoch of tens of ms)."""
+    try:
+        total = 0.0
+        for task in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{task}/sched") as sched:
+                line = next(line for line in sched if line.startswith("se.sum_exec_runtime"))
+            total += float(line.split(":")[1]) / 1000  # milliseconds
+        return total
+    except (OSError, StopIteration):
+        return sum(psutil.Process(pid).cpu_times()[:2])
+
+
+def pipeline_rounds(
+    rounds: int, warmup: int, samples: int, control: bool = False
+) -> tuple[list[Round], list[Epoch], list[Epoch]]:
+    """`rounds` measured rounds (`round_order`) of a plain and an instrumented loader (with `control`,
+    a second plain one: the method's own noise), after `warmup` rounds that are discarded; returns the
+    rounds' changes and every measured epoch of each side."""
     import torch
     from torch.utils.data import DataLoader, Dataset
 
     from stallwatch.client.torch import instrument
 
-    class Samples(Dataset[torch.Tensor]):
-        """In-memory samples with a recorded 'read' each, so the client's worker side is exercised."""
+    class Samples(Dataset[numpy.ndarray]):
+        """In-memory samples with a recorded 'read' each (in both loaders: what is compared is what
+        `instrument` adds) and the same fixed CPU work for every sample, its "decoding"."""
 
         def __init__(self) -> None:
-            self.data = torch.randn(16384, 64)  # an epoch of ~0.5 s: long beside a scheduler hiccup
+            generator = numpy.random.default_rng(0)
+            self.data = generator.standard_normal((samples, 64), dtype=numpy.float32)
+            self.mix = generator.standard_normal((64, 64), dtype=numpy.float32) / 8
 
         def __len__(self) -> int:
             return len(self.data)
 
-        def __getitem__(self, index: int) -> torch.Tensor:
+        def __getitem__(self, index: int) -> numpy.ndarray:
             with ReadSpan("/datasets/bench.bin", index * 256) as span:
-                sample = self.data[index]
+                sample: numpy.ndarray = self.data[index]
                 span.bytes = 256
-            return sample * 2.0
+            for _ in range(12):  # its "decoding": with the step, ~30 µs of CPU a sample, light beside real decoding
+                sample = numpy.tanh(sample @ self.mix)
+            return sample
 
-    weights = torch.randn(64, 64)
+    weights = torch.randn(64, 64, generator=torch.Generator().manual_seed(1))
 
-    def cpu_seconds(loader: DataLoader[torch.Tensor]) -> float:
+    def used(loader: DataLoader[numpy.ndarray]) -> float:
         """This process's CPU time and its loader workers' (persistent, so alive across epochs)."""
         workers = loader._iterator._workers if loader._iterator is not None else []  # type: ignore[attr-defined]
-        return time.process_time() + sum(sum(psutil.Process(w.pid).cpu_times()[:2]) for w in workers)
+        return time.process_time() + sum(cpu_seconds(worker.pid) for worker in workers)
 
-    def epoch(loader: DataLoader[torch.Tensor]) -> Epoch:
-        start, cpu_start, samples = time.perf_counter(), cpu_seconds(loader), 0
+    def epoch(loader: DataLoader[numpy.ndarray]) -> Epoch:
+        cpu_start = used(loader)  # outside the timed span
+        start = time.perf_counter()
         for batch in loader:
-            activations = batch
+            activations = torch.from_numpy(batch)
             for _ in range(40):  # the "training step"
                 activations = torch.tanh(activations @ weights)
-            samples += len(batch)
-        return Epoch(samples / (time.perf_counter() - start), (cpu_seconds(loader) - cpu_start) / samples)
+        elapsed = time.perf_counter() - start
+        return Epoch(elapsed, used(loader) - cpu_start)
+
+    def built() -> DataLoader[numpy.ndarray]:  # both alike; persistent: no worker start-up per epoch
+        return DataLoader(Samples(), batch_size=64, collate_fn=stack, num_workers=2, persistent_workers=True)
 
     torch.set_num_threads(1)
-    plain_loader = DataLoader(Samples(), batch_size=64, num_workers=2, persistent_workers=True)
-    instrumented = instrument(DataLoader(Samples(), batch_size=64, num_workers=2, persistent_workers=True),
-                              job="bench", rank=0)
-    epoch(plain_loader), epoch(instrumented)  # warm up: start the workers
-    plain, with_client = [], []
-    for round_number in range(rounds):  # the order flips every round, so neither side always goes first
-        if round_number % 2:
-            with_client.append(epoch(instrumented))
-            plain.append(epoch(plain_loader))
-        else:
-            plain.append(epoch(plain_loader))
-            with_client.append(epoch(instrumented))
-    return plain, with_client
+    loaders = {PLAIN: built(), INSTRUMENTED: built() if control else instrument(built(), job="bench", rank=0)}
+    measured: list[Round] = []
+    epochs: dict[int, list[Epoch]] = {PLAIN: [], INSTRUMENTED: []}
+    for round_number in range(warmup + rounds):  # the first warm-up epochs start the workers
+        this_round = [(side, epoch(loaders[side])) for side in round_order(round_number)]
+        if round_number >= warmup:
+            measured.append(round_change(this_round))
+            for side, result in this_round:
+                epochs[side].append(result)
+    return measured, epochs[PLAIN], epochs[INSTRUMENTED]
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--events", type=int, default=8 * wire.MAX_EVENTS * 50)
-    parser.add_argument("--rounds", type=int, default=9)
+    parser.add_argument("--rounds", type=int, default=1000, help="measured rounds of the DataLoader pipeline")
+    parser.add_argument("--warmup", type=int, default=5, help="rounds run first and discarded")
+    parser.add_argument("--samples", type=int, default=1024, help="samples an epoch")
+    parser.add_argument("--control", action="store_true",
+                        help="compare the plain loader with a second plain one instead: the method's own noise")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as directory:
         path = str(Path(directory) / "events.sock")
@@ -225,7 +318,7 @@ def main() -> int:
             costs = per_event(args.events)
             batch_plain, batch_instrumented = per_batch()
             pickling = pickling_cost()
-            plain_rounds, client_rounds = pipeline_throughput(args.rounds)
+            rounds, plain_epochs, client_epochs = pipeline_rounds(args.rounds, args.warmup, args.samples, args.control)
         finally:
             drain.kill()
             drain.wait()
@@ -242,18 +335,18 @@ def main() -> int:
     print(f"  plain {batch_plain:6.2f} µs, instrumented {batch_instrumented:6.2f} µs: instrument() adds "
           f"{batch_instrumented - batch_plain:.2f} µs a batch, and {pickling:.2f} µs pickling its numbered indices "
           "to a worker")
-    print(f"DataLoader pipeline (2 workers, batch 64, {args.rounds} rounds of a plain and an instrumented epoch):")
-    print(f"  plain          {statistics.median(e.samples_per_second for e in plain_rounds):10.0f} samples/s, "
-          f"{1e6 * statistics.median(e.cpu_per_sample for e in plain_rounds):6.2f} µs CPU a sample (medians)")
-    print(f"  with client    {statistics.median(e.samples_per_second for e in client_rounds):10.0f} samples/s, "
-          f"{1e6 * statistics.median(e.cpu_per_sample for e in client_rounds):6.2f} µs CPU a sample (medians)")
-    # Each round is a plain and an instrumented epoch side by side: its change pairs two neighbours in time.
+    side = "a second plain loader (--control)" if args.control else "instrumented"
+    print(f"DataLoader pipeline (2 persistent workers, batch 64, {args.samples} samples an epoch), plain against "
+          f"{side}: {args.rounds} rounds of four epochs (ABBA, BAAB), after {args.warmup} discarded")
+    for name, epochs in (("plain", plain_epochs), ("with client", client_epochs)):
+        print(f"  {name:12s} {statistics.median(args.samples / e.seconds for e in epochs):10.0f} samples/s, "
+              f"{1e6 * statistics.median(e.cpu_seconds / args.samples for e in epochs):6.2f} µs CPU a sample "
+              "(medians of the epochs)")
     for name, field in (("throughput", 0), ("CPU a sample", 1)):
-        changes = sorted(100 * (client[field] / plain[field] - 1)
-                         for plain, client in zip(plain_rounds, client_rounds, strict=True))
-        quartiles = statistics.quantiles(changes, n=4)
-        print(f"  {name} change, median of the rounds {statistics.median(changes):+.2f} %; spread: quartiles "
-              f"{quartiles[0]:+.2f} .. {quartiles[2]:+.2f} %, range {changes[0]:+.2f} .. {changes[-1]:+.2f} %")
+        change = spread([measured[field] for measured in rounds])
+        print(f"  {name} change, median of the rounds {change.median:+.2f} % (95 % CI {change.low:+.2f} .. "
+              f"{change.high:+.2f} %); spread of the rounds: quartiles {change.first_quartile:+.2f} .. "
+              f"{change.third_quartile:+.2f} %, range {change.smallest:+.2f} .. {change.largest:+.2f} %")
     return 0
 
 
