@@ -1,0 +1,82 @@
+"""The client overhead benchmark's method: its round order, drift cancelling, confidence interval, CPU
+clock, and one short run of its real DataLoader pipeline (benchmarks/client_overhead.py)."""
+
+from __future__ import annotations
+
+import math
+import os
+import random
+import time
+
+import pytest
+
+from benchmarks.client_overhead import (
+    INSTRUMENTED,
+    PLAIN,
+    Epoch,
+    cpu_seconds,
+    pipeline_rounds,
+    round_change,
+    round_order,
+    spread,
+)
+
+
+def test_rounds_balance_places_and_predecessors() -> None:
+    cycle = [side for number in range(2) for side in round_order(number)]  # the order repeats every 2 rounds
+    for number in range(4):
+        assert sorted(round_order(number)) == [PLAIN, PLAIN, INSTRUMENTED, INSTRUMENTED]
+        assert round_order(number) == round_order(number + 2)
+    for side in (PLAIN, INSTRUMENTED):
+        places = [place for number in range(2) for place, tag in enumerate(round_order(number)) if tag == side]
+        assert sorted(places) == [0, 1, 2, 3]  # outer and inner places alike
+        after_other = sum(1 for place, this in enumerate(cycle) if this == side and cycle[place - 1] != side)
+        assert after_other == 3  # of its 4 epochs in a cycle, for either side
+
+
+@pytest.mark.parametrize("number", [0, 1])
+def test_round_change_cancels_a_linear_drift(number: int) -> None:
+    """The machine slows by 10 % an epoch through the round; the instrumented side costs 1 % more."""
+    epochs = []
+    for place, side in enumerate(round_order(number)):
+        cost = 1.01 if side == INSTRUMENTED else 1.0
+        epochs.append((side, Epoch(0.05 * cost * (1 + 0.1 * place), 0.08 * cost, 0.03 * cost)))
+    change = round_change(epochs)
+    assert change.throughput == pytest.approx(100 * (1 / 1.01 - 1))
+    assert change.cpu_per_sample == pytest.approx(1.0)
+
+
+def test_round_change_without_difference_is_zero() -> None:
+    epochs = [(side, Epoch(0.04 + 0.001 * place, 0.07, 0.03)) for place, side in enumerate(round_order(0))]
+    assert round_change(epochs) == (pytest.approx(0.0), pytest.approx(0.0))
+
+
+def test_spread_interval_holds_the_median_and_narrows_with_more_rounds() -> None:
+    generator = random.Random(1)
+    few = [generator.gauss(0.3, 5) for _ in range(50)]
+    many = [generator.gauss(0.3, 5) for _ in range(2000)]
+    for values in (few, many):
+        result = spread(values)
+        assert result.low <= result.median <= result.high
+        assert result.smallest <= result.first_quartile <= result.median <= result.third_quartile <= result.largest
+        assert spread(values) == result  # seeded: the same rounds give the same interval
+    assert spread(many).high - spread(many).low < (spread(few).high - spread(few).low) / 3
+    assert spread(many).low < 0.3 < spread(many).high
+
+
+def test_cpu_seconds_counts_this_process_finely() -> None:
+    before = cpu_seconds(os.getpid())
+    deadline = time.process_time() + 0.05
+    while time.process_time() < deadline:
+        pass
+    used = cpu_seconds(os.getpid()) - before
+    assert 0.03 < used < 5
+
+
+@pytest.mark.parametrize("control", [False, True])
+def test_pipeline_runs_real_loaders_and_pairs_every_epoch(control: bool) -> None:
+    rounds, plain, compared = pipeline_rounds(rounds=3, warmup=1, samples=256, control=control)
+    assert len(rounds) == 3 and len(plain) == len(compared) == 6
+    for epoch in plain + compared:
+        assert epoch.seconds > 0 and epoch.cpu_seconds >= epoch.trainer_cpu_seconds > 0
+    assert all(math.isfinite(value) for change in rounds for value in change)
