@@ -180,6 +180,7 @@ class Epoch(NamedTuple):
     seconds: float  # wall clock: what training sees, and what other tenants of the CPU disturb most
     cpu_seconds: float  # the trainer's and its workers': what the client adds to
     trainer_cpu_seconds: float  # the trainer's part of it (this process's, its queue threads included)
+    step_seconds: float  # wall clock in the training steps; the rest of `seconds` is waiting in `next()`
 
 
 class Round(NamedTuple):
@@ -295,14 +296,18 @@ def pipeline_rounds(
 
     def epoch(loader: DataLoader[numpy.ndarray]) -> Epoch:
         trainer_start, workers_start = used(loader)  # outside the timed span
-        start = time.perf_counter()
+        start = step_start = time.perf_counter()
+        stepping = 0.0
         for batch in loader:
             activations = torch.from_numpy(batch)
             for _ in range(40):  # the "training step"
                 activations = torch.tanh(activations @ weights)
+            now = time.perf_counter()
+            stepping += now - step_start
+            step_start = time.perf_counter()  # the loader's `next()` runs from here
         elapsed = time.perf_counter() - start
         trainer, workers = used(loader)
-        return Epoch(elapsed, trainer - trainer_start + workers - workers_start, trainer - trainer_start)
+        return Epoch(elapsed, trainer - trainer_start + workers - workers_start, trainer - trainer_start, stepping)
 
     def built() -> DataLoader[numpy.ndarray]:  # both alike; persistent: no worker start-up per epoch
         return DataLoader(Samples(), batch_size=64, collate_fn=stack, num_workers=2, persistent_workers=True)
@@ -360,11 +365,13 @@ def main() -> int:
     side = "a second plain loader (--control)" if args.control else "instrumented"
     print(f"DataLoader pipeline (2 persistent workers, batch 64, {args.samples} samples an epoch), plain against "
           f"{side}: {args.rounds} rounds of four epochs (ABBA, BAAB), after {args.warmup} discarded")
-    for name, epochs in (("plain", plain_epochs), ("with client", client_epochs)):
+    for name, epochs in (("plain", plain_epochs), ("second plain" if args.control else "with client", client_epochs)):
         print(f"  {name:12s} {statistics.median(args.samples / e.seconds for e in epochs):10.0f} samples/s, "
               f"{1e6 * statistics.median(e.cpu_seconds / args.samples for e in epochs):6.2f} µs CPU a sample, of "
               f"which the trainer {1e6 * statistics.median(e.trainer_cpu_seconds / args.samples for e in epochs):6.2f}"
-              " (medians of the epochs)")
+              f"; steps {1e6 * statistics.median(e.step_seconds / args.samples for e in epochs):6.2f}, waits "
+              f"{1e6 * statistics.median((e.seconds - e.step_seconds) / args.samples for e in epochs):6.2f} µs a "
+              "sample (medians of the epochs)")
     for name, field in (("throughput", 0), ("CPU a sample", 1)):
         change = spread([measured[field] for measured in rounds])
         print(f"  {name} change, median of the rounds {change.median:+.2f} % (95 % CI {change.low:+.2f} .. "
