@@ -265,3 +265,18 @@ def test_http_get_records_the_spokes_cache_verdict(agent: tuple[EventsCollector,
     columns = received.batches[-1].columns
     assert list(columns["verdict"]) == [wire.VERDICT_HIT, wire.VERDICT_MISS]
     assert list(columns["key"]) == [read_key("/cached/a.bin", 0), read_key("/cold/b.bin", 100)]
+
+
+def test_a_batch_that_fails_to_pack_is_counted_as_dropped(agent: tuple[EventsCollector, Received]) -> None:
+    collector, received = agent
+    channel = transport.sender().channel(wire.Source("unpackable", 0))
+    now = time.monotonic_ns()
+    channel.step((0, now, now + 1, now + 2))  # a row one field short: its whole batch cannot be packed
+    channel.step((1, now, now + 1, now + 2, -1))
+    channel.flush()
+    channel.step((2, now, now + 1, now + 2, -1))  # the next batch gets through and reports the two lost events
+    channel.flush()
+    wait_for("the good step at the agent", lambda: received.rows("step") == 1, 5)
+    labels = (("rank", "0"), ("training_job", "unpackable"))
+    assert channel.dropped_total == 2
+    assert samples(collector)[("stallwatch_client_dropped_events_total", labels)] == 2

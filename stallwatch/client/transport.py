@@ -12,7 +12,8 @@ receive thread may wait a few milliseconds for a core while every loader worker 
 is kept, encoded, in a per-process buffer of at most `MAX_PENDING_EVENTS` events, behind which
 later batches queue in order, and the flush thread sends them as soon as `poll()` reports room.
 Only a batch that waited `RETRY_BUDGET_NS` (well inside the correlator's lateness), one pushed out
-of the full buffer (oldest first), or one meeting a missing agent (ENOENT, ECONNREFUSED) is dropped;
+of the full buffer (oldest first), one meeting a missing agent (ENOENT, ECONNREFUSED), or one that
+fails to pack (a malformed row; the first such failure is logged as a warning) is dropped;
 its events are counted and the count travels in the next batch that gets through, for
 `stallwatch_client_dropped_events_total`: a header is packed when its batch leaves, so it carries the
 count and clocks of that moment. While the agent is absent the client stops even packing for
@@ -121,6 +122,7 @@ class Sender:
         self._lock = threading.Lock()
         self._socket: socket.socket | None = None
         self._absent_until_ns = 0
+        self._warned_unpackable = False
         self._pending: deque[_Pending] = deque()
         self._pending_events = 0
         self._flusher: threading.Thread | None = None
@@ -183,11 +185,22 @@ class Sender:
             if now < self._absent_until_ns:
                 channel.drop(n_steps + n_reads)
                 continue
+            try:
+                body = wire.encode_body(channel.source, steps, reads)
+            except Exception:  # a malformed row (struct.error, mostly): the batch is lost, and counted
+                channel.drop(n_steps + n_reads)
+                self._report_unpackable()
+                continue
             while self._pending and self._pending_events + n_steps + n_reads > MAX_PENDING_EVENTS:
                 self._drop_pending(1)  # the oldest goes first: it is the likeliest to be late
-            self._pending.append(_Pending(channel, n_steps, n_reads, wire.encode_body(channel.source, steps, reads),
-                                          now))
+            self._pending.append(_Pending(channel, n_steps, n_reads, body, now))
             self._pending_events += n_steps + n_reads
+
+    def _report_unpackable(self) -> None:
+        """Say once per process, as a warning, that batches fail to pack (each is counted as dropped)."""
+        if not self._warned_unpackable:
+            self._warned_unpackable = True
+            log.warning("stallwatch: a batch failed to pack; its events are dropped and counted", exc_info=True)
 
     def _drop_pending(self, count: int) -> None:
         for _ in range(count):
