@@ -72,8 +72,8 @@ def best_per_item(run: Callable[[list[int]], None], events: int, repeats: int = 
 
 
 class FailedFlushes(logging.Handler):
-    """Counts the flushes the transport gave up on (it logs them at debug level and carries on): a
-    batch that fails to pack is never sent, and a cost measured with it would be the cost of failing."""
+    """Counts the flushes the transport logged as failed (it carries on; a batch that fails to pack is
+    also counted as dropped): a cost measured with such batches would be the cost of failing."""
 
     def __init__(self) -> None:
         super().__init__(logging.DEBUG)
