@@ -15,6 +15,7 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import NoReturn
 
 from stallwatch.report.api import Access
 from stallwatch.report.prometheus import run_from_prometheus
@@ -43,13 +44,18 @@ def _time_flag(now: float) -> Callable[[str], float]:
     return parse
 
 
+class _OneLineParser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:  # the message alone: the usage block buries it
+        self.exit(2, f"{self.prog}: error: {message} (--help lists the options)\n")
+
+
 def _iso(t: float) -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t))
 
 
 def build_parser(now: float) -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="stallwatch report", description=DESCRIPTION, epilog=EPILOG,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = _OneLineParser(prog="stallwatch report", description=DESCRIPTION, epilog=EPILOG, allow_abbrev=False,
+                            formatter_class=argparse.RawDescriptionHelpFormatter)
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--prometheus", metavar="URL", help="read the run from this Prometheus (http or https)")
     source.add_argument("--windows", type=Path, metavar="FILE", help="read the run from the correlator's "

@@ -14,9 +14,30 @@ import numpy as np
 from stallwatch import catalogue as c
 from stallwatch.report.run import FloatArray, Run, Series
 
+WINDOW_KEYS = {"start_s", "end_s", "ranks", "jobs", "whatif_hit_ratio"}
+
+
+def _parse(path: Path) -> list[dict[str, Any]]:
+    try:
+        lines = path.read_text().splitlines()
+    except OSError as error:
+        raise ValueError(f"cannot read {path}: {error.strerror}") from None
+    rows = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except ValueError:
+            raise ValueError(f"{path}:{number}: not a window row (not JSON)") from None
+        if not isinstance(row, dict) or not row.keys() >= WINDOW_KEYS:
+            raise ValueError(f"{path}:{number}: not a window row (a row has {', '.join(sorted(WINDOW_KEYS))})")
+        rows.append(row)
+    return rows
+
 
 def _read_rows(path: Path, start: float | None, end: float | None) -> list[dict[str, Any]]:
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    rows = _parse(path)
     if not rows:
         raise ValueError(f"{path}: no windows recorded")
     kept = [row for row in rows
