@@ -166,3 +166,23 @@ def test_the_header_prints_wall_clock_times_and_phase_spans() -> None:
     assert "Phases: cold 08:00:03&ndash;08:00:20, steady 08:00:20&ndash;08:15:00" in page
     overnight = render_html(Run(EIGHT - 9 * 3600, EIGHT), 0.02)
     assert "Run from 2026-12-02 23:00:00 to 2026-12-03 08:00:00 UTC (32,400 s)." in overnight
+
+
+def test_the_lines_of_one_window_are_merged_whatever_their_order(two_jobs: Path, tmp_path: Path) -> None:
+    """A job held back for a stall goes out on a line of its own, later: here every window's job 1 comes
+    after all of job 0, its what-if on that late line."""
+    rows = [json.loads(line) for line in two_jobs.read_text().splitlines()]
+
+    def part(row: dict[str, object], job: str, whatif: bool) -> str:
+        return json.dumps({**row, "ranks": [r for r in row["ranks"] if r["job"] == job],  # type: ignore[attr-defined]
+                           "jobs": [j for j in row["jobs"] if j["job"] == job],  # type: ignore[attr-defined]
+                           "whatif_hit_ratio": row["whatif_hit_ratio"] if whatif else {}})
+
+    split = tmp_path / "split.jsonl"
+    split.write_text("\n".join([part(row, "0", False) for row in rows] + [part(row, "1", True) for row in rows]))
+    for job in (None, "0", "1"):
+        whole, parts = run_from_windows(two_jobs, job), run_from_windows(split, job)
+        assert parts.phases == whole.phases and parts.whatif == whole.whatif
+        assert (parts.start, parts.end) == (whole.start, whole.end)
+        assert total_steps(parts, split) == total_steps(whole, two_jobs)
+        assert parts.gpu_utilization.v.tolist() == whole.gpu_utilization.v.tolist()

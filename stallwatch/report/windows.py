@@ -36,8 +36,20 @@ def _parse(path: Path) -> list[dict[str, Any]]:
     return rows
 
 
+def _by_window(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per window, in time order: a job held back for a long stall goes out on a line of its own,
+    later, so the lines of one window (the same `start_s`) are merged."""
+    merged: dict[float, dict[str, Any]] = {}
+    for row in rows:
+        into = merged.setdefault(row["start_s"], {**row, "ranks": [], "jobs": [], "whatif_hit_ratio": {}})
+        into["ranks"] = into["ranks"] + row["ranks"]
+        into["jobs"] = into["jobs"] + row["jobs"]
+        into["whatif_hit_ratio"] = into["whatif_hit_ratio"] or row["whatif_hit_ratio"]
+    return [merged[start] for start in sorted(merged)]
+
+
 def _read_rows(path: Path, start: float | None, end: float | None) -> list[dict[str, Any]]:
-    rows = _parse(path)
+    rows = _by_window(_parse(path))
     if not rows:
         raise ValueError(f"{path}: no windows recorded")
     kept = [row for row in rows
