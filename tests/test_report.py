@@ -9,15 +9,16 @@ import json
 from datetime import UTC, datetime
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from stallwatch import catalogue as c
 from stallwatch.correlator.windowfile import WindowFileWriter
 from stallwatch.report.api import Access
 from stallwatch.report.command import main
-from stallwatch.report.prometheus import gpu_utilization_query
+from stallwatch.report.prometheus import gpu_utilization_query, phase_spans
 from stallwatch.report.render import render_html
-from stallwatch.report.run import Run
+from stallwatch.report.run import Run, Series
 from stallwatch.report.scope import Scope
 from stallwatch.report.times import glue_relative_times, parse_time
 from stallwatch.report.windows import run_from_windows
@@ -114,6 +115,19 @@ def test_credentials_come_from_files(tmp_path: Path) -> None:
         Access("report", tmp_path / "empty").headers()
     with pytest.raises(RuntimeError, match=r"cannot read the bearer token file .*: No such file"):
         Access(bearer_token_file=tmp_path / "missing").headers()
+
+
+def test_phases_from_prometheus_span_the_windows_their_stamps_close() -> None:
+    """Windows [100, 105), [105, 110)... published with their ends as timestamps: a step sees the latest
+    stamp at or before it. Cold for two windows, then steady: the spans are the windows' own."""
+    grid = np.arange(100.0, 131.0)
+    stamps = np.where(grid >= 105, np.floor(grid / 5) * 5, np.nan)
+    stamps = stamps[~np.isnan(stamps)]
+    steps = grid[grid >= 105]
+    cold = np.where(steps < 115, 1.0, 0.0)
+    gauges = [({"phase": "cold"}, Series(steps, cold)), ({"phase": "steady"}, Series(steps, 1 - cold))]
+    assert phase_spans(gauges, Series(steps, stamps)) == [(100, 110, "cold"), (110, 130, "steady")]
+    assert phase_spans([], Series.empty()) == []
 
 
 @pytest.fixture(scope="module")

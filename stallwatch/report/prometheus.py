@@ -21,15 +21,26 @@ def _scalar(values: list[tuple[Labels, float]]) -> float | None:
     return max(v for _, v in values) if values else None
 
 
-def _phases_from(series: list[tuple[Labels, Series]]) -> list[tuple[float, float, str]]:
-    """Contiguous spans of the phase whose gauge is 1."""
-    samples = sorted((t, labels["phase"]) for labels, s in series for t, v in zip(s.t, s.v, strict=True) if v >= 1)
+def phase_spans(phases: list[tuple[Labels, Series]], stamps: Series) -> list[tuple[float, float, str]]:
+    """Spans of the job's phases from the phase gauges (`max by (phase)`) and, on the same grid, the
+    timestamp of the sample each step saw (`timestamp()`).
+
+    The correlator stamps a window's series with the window's end, so each distinct stamp is one window,
+    covering the time since the stamp before it (the first: one typical gap before its own)."""
+    seen = {t: labels["phase"] for labels, series in phases for t, v in zip(series.t, series.v, strict=True) if v >= 1}
+    windows = {stamp: seen[t] for t, stamp in zip(stamps.t, stamps.v, strict=True) if t in seen}
+    ends = sorted(windows)
+    if not ends:
+        return []
+    gaps = np.diff(ends)
+    previous = ends[0] - (float(np.median(gaps)) if gaps.size else 0.0)
     spans: list[tuple[float, float, str]] = []
-    for t, phase in samples:
-        if spans and spans[-1][2] == phase:
-            spans[-1] = (spans[-1][0], t, phase)
+    for end in ends:
+        if spans and spans[-1][2] == windows[end]:
+            spans[-1] = (spans[-1][0], end, windows[end])
         else:
-            spans.append((t, t, phase))
+            spans.append((previous, end, windows[end]))
+        previous = end
     return spans
 
 
@@ -89,7 +100,9 @@ def run_from_prometheus(url: str, start: float, end: float, scope: Scope = EVERY
         run.hit_ratio = Series(grid, np.divide(hits, total, out=np.full_like(total, np.nan), where=total > 0))
     run.hub_bytes_per_second = rates(scope.select(c.SPOKE_BYTES), "source").get("hub", Series.empty())
     run.stall_by_cause = rates(scope.select(c.STALL_SECONDS), "cause")
-    run.phases = _phases_from(prometheus.range(by("phase", "max", scope.select(c.WARMUP_PHASE)), start, end, step))
+    phase = scope.select(c.WARMUP_PHASE)
+    run.phases = phase_spans(prometheus.range(by("phase", "max", phase), start, end, step),
+                             _one(prometheus.range(by("", "max", f"timestamp({phase})"), start, end, step)))
     if run.phases and run.phases[0][2] == "cold":  # the first window is published only once it closes
         run.phases[0] = (start, *run.phases[0][1:])
     run.time_to_steady_seconds = latest(scope.select(c.WARMUP_TIME_TO_STEADY))
