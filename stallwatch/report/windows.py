@@ -14,7 +14,7 @@ import numpy as np
 from stallwatch import catalogue as c
 from stallwatch.report.run import FloatArray, Run, Series
 
-WINDOW_KEYS = {"start_s", "end_s", "ranks", "jobs", "whatif_hit_ratio"}
+WINDOW_KEYS = {"start_s", "end_s", "ranks", "gpus", "jobs", "whatif_hit_ratio"}
 
 
 def _parse(path: Path) -> list[dict[str, Any]]:
@@ -36,15 +36,15 @@ def _parse(path: Path) -> list[dict[str, Any]]:
     return rows
 
 
-def _by_window(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """One row per window, in time order: a job held back for a long stall goes out on a line of its own,
-    later, so the lines of one window (the same `start_s`) are merged."""
+def _by_window(lines: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per window, in time order: a job held for a stall is published in a line of its own."""
     merged: dict[float, dict[str, Any]] = {}
-    for row in rows:
-        into = merged.setdefault(row["start_s"], {**row, "ranks": [], "jobs": [], "whatif_hit_ratio": {}})
-        into["ranks"] = into["ranks"] + row["ranks"]
-        into["jobs"] = into["jobs"] + row["jobs"]
-        into["whatif_hit_ratio"] = into["whatif_hit_ratio"] or row["whatif_hit_ratio"]
+    for line in lines:
+        # The wall-clock offset is read at each publication: one window's lines may differ by microseconds.
+        row = merged.setdefault(round(line["start_s"], 3), {**line, "ranks": [], "gpus": [], "jobs": []})
+        for key in ("ranks", "gpus", "jobs"):
+            row[key] += line[key]
+        row["whatif_hit_ratio"] = line["whatif_hit_ratio"] or row["whatif_hit_ratio"]
     return [merged[start] for start in sorted(merged)]
 
 
