@@ -84,6 +84,7 @@ def one_line_error(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
     (["--windows", "w.jsonl", "--node", "n1"], "a window file is one node's record"),
     (["--windows", "w.jsonl", "--ca-file", "ca"], "for --prometheus"),
     (["--job", "j"], "one of the arguments --prometheus --windows is required"),
+    (["--prometheus", "prometheus:9090"], "'prometheus:9090' is not a URL: give http://HOST:PORT"),
 ])
 def test_bad_flags_are_one_line_and_exit_2(argv: list[str], said: str, capsys: pytest.CaptureFixture[str],
                                            tmp_path: Path) -> None:

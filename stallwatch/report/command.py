@@ -53,11 +53,18 @@ def _iso(t: float) -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(t))
 
 
+def _prometheus_url(text: str) -> str:
+    if not text.startswith(("http://", "https://")):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a URL: give http://HOST:PORT or https://HOST:PORT")
+    return text
+
+
 def build_parser(now: float) -> argparse.ArgumentParser:
     parser = _OneLineParser(prog="stallwatch report", description=DESCRIPTION, epilog=EPILOG, allow_abbrev=False,
                             formatter_class=argparse.RawDescriptionHelpFormatter)
     source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument("--prometheus", metavar="URL", help="read the run from this Prometheus (http or https)")
+    source.add_argument("--prometheus", type=_prometheus_url, metavar="URL",
+                        help="read the run from this Prometheus (http or https)")
     source.add_argument("--windows", type=Path, metavar="FILE", help="read the run from the correlator's "
                         "recorded windows (the agent's --correlator.record-windows FILE)")
     scope = parser.add_argument_group("what the report covers")
