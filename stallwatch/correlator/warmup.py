@@ -158,11 +158,13 @@ class WarmupTracker:
             ratio = ratio if longer is None else longer
         if ratio < s.steady_hit_ratio - (margin if steady else 0.0):
             return TRANSITION, HIT_RATIO
-        if state.steady_pace is not None and complete:  # entering as well: a span may end in a stall
-            if state.span.pace(state.ranks) < s.min_pace * state.steady_pace:
-                return TRANSITION, PACE
+        # Entering as well as staying: a span may end in a stall.
+        if state.steady_pace is not None and complete and state.span.pace(state.ranks) < s.min_pace * state.steady_pace:
+            return TRANSITION, PACE
         if not state.span.steps():
             return state.phase, None
+        if filling:  # its first steps waited for the pipeline to start: step time is judged on a full span
+            return STEADY, None
         allowed = s.max_dispersion * (s.dispersion_hysteresis if steady else 1.0)
         return (STEADY, None) if state.span.dispersion() <= allowed else (TRANSITION, DISPERSION)
 

@@ -31,7 +31,7 @@ def summarise(start_ns: int, end_ns: int, reads: int, hits: int, step_seconds: n
               step_quarter: npt.NDArray[np.int64]) -> WindowSummary:
     counts = np.bincount(step_quarter, minlength=4).astype(np.float64)
     seconds = np.bincount(step_quarter, weights=step_seconds, minlength=4)
-    return WindowSummary(start_ns, end_ns, int(step_seconds.size), reads, hits, counts, seconds)
+    return WindowSummary(start_ns, end_ns, int(step_seconds.size), reads, hits, counts, np.asarray(seconds, np.float64))
 
 
 class Span:
@@ -79,11 +79,15 @@ class Span:
     def dispersion(self) -> float:
         """How far the mean step time of the span's quarters spreads, relative to the span's mean.
 
-        The span's windows' quarters are taken in order and grouped into four runs of equal length, so a
-        span of one window is judged on that window's quarters and one of five on quarters of 1.25 windows.
-        Quarters without a step are left out."""
+        The quarters are of the span's event time (`span_s`, or the windows held if they are longer); each
+        window's quarters fall into the span's quarter that holds their middle. So a young job's first
+        window lies in the span's last quarter and is not judged against itself, and one window as long as
+        the span is judged on its own quarters. Quarters without a step are left out."""
         recent = self.recent()
-        quarter = np.arange(4 * len(recent)) // len(recent)
+        end = recent[-1].end_ns
+        start = min(end - self._span_ns, recent[0].start_ns)
+        middles = np.concatenate([w.start_ns + (np.arange(4) + 0.5) * (w.end_ns - w.start_ns) / 4 for w in recent])
+        quarter = np.clip((middles - start) * 4 // (end - start), 0, 3).astype(np.int64)
         counts = np.bincount(quarter, weights=np.concatenate([w.quarter_steps for w in recent]), minlength=4)
         seconds = np.bincount(quarter, weights=np.concatenate([w.quarter_seconds for w in recent]), minlength=4)
         if not counts.sum():
