@@ -20,11 +20,11 @@ class Outcome:
     correlator: CorrelatorPipeline | None = None
 
     def stall_by_rank(self) -> dict[tuple[int, int], np.ndarray]:
+        """Per rank, its stall seconds by cause over every window, the pieces of long stalls included."""
         totals: dict[tuple[int, int], np.ndarray] = {}
-        for window in self.windows:
-            for row in window.ranks:
-                totals.setdefault((row.job, row.rank), np.zeros(len(CAUSES)))
-                totals[(row.job, row.rank)] += row.stall_s
+        for row in (row for window in self.windows for part in (window, *window.earlier) for row in part.ranks):
+            totals.setdefault((row.job, row.rank), np.zeros(len(CAUSES)))
+            totals[(row.job, row.rank)] += row.stall_s
         return totals
 
     def phases(self, job: int) -> list[tuple[float, str]]:
