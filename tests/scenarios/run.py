@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -19,10 +20,15 @@ class Outcome:
     windows: list[WindowResult] = field(default_factory=list)
     correlator: CorrelatorPipeline | None = None
 
+    def parts(self) -> Iterator[WindowResult]:
+        """Every window's result and the pieces of its long stalls that lie in earlier windows."""
+        for window in self.windows:
+            yield window
+            yield from window.earlier
+
     def stall_by_rank(self) -> dict[tuple[int, int], np.ndarray]:
-        """Per rank, its stall seconds by cause over every window, the pieces of long stalls included."""
         totals: dict[tuple[int, int], np.ndarray] = {}
-        for row in (row for window in self.windows for part in (window, *window.earlier) for row in part.ranks):
+        for row in (row for part in self.parts() for row in part.ranks):
             totals.setdefault((row.job, row.rank), np.zeros(len(CAUSES)))
             totals[(row.job, row.rank)] += row.stall_s
         return totals
