@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import threading
 from collections import defaultdict
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from prometheus_client.core import Metric
 
 from stallwatch import catalogue
 from stallwatch.catalogue import CAUSES, PHASES
-from stallwatch.correlator.results import NameLookup, WhatIfCurve, WindowResult
+from stallwatch.correlator.hold import Publication
+from stallwatch.correlator.results import NameLookup, WhatIfCurve, WindowResult, stalled_seconds
+from stallwatch.correlator.wallclock import unix_seconds, wall_offset_ns
 from stallwatch.eventbatch import DEFAULT_EXPIRE_AFTER_S, Interner, SeriesCap
 
 NO_SPOKE = "default"
@@ -25,7 +27,14 @@ def whatif_spoke_label(spokes: Interner) -> str:
 
 
 class CorrelatorMetrics:
-    """Thread-safe: `observe` runs on the pipeline's thread, `collect` on the scrape's.
+    """Thread-safe: `observe` and `publish` run on the pipeline's thread, `collect` on the scrape's.
+
+    Two inputs: `observe` takes every closed window (the node-wide what-if, windows_total, retired jobs),
+    `publish` each job's windows as the window hold (hold.py) releases them. A published series carries
+    an explicit sample timestamp, the end on the wall clock of the job's latest published window, so
+    Prometheus stores it at event time, where the GPU dip it explains is (docs/attribution.md); a job's
+    timestamps only rise. The what-if carries the latest closed window's end; the operational series
+    (windows, late and dropped events, folded labels, record errors) are stamped at scrape as usual.
 
     The receiver's caps hold here too (`SeriesCap`, by window end time): at most `rank_limit` live
     (job, rank) pairs, and as many (job, gpu) pairs, past which a rank or GPU folds into `__other__`
@@ -36,9 +45,11 @@ class CorrelatorMetrics:
     """
 
     def __init__(self, job_names: NameLookup = str, spokes: Interner | None = None, rank_limit: int = 64,
-                 expire_after_s: float | None = DEFAULT_EXPIRE_AFTER_S) -> None:
+                 expire_after_s: float | None = DEFAULT_EXPIRE_AFTER_S,
+                 wall_offset: Callable[[], int] = wall_offset_ns) -> None:
         self._job_names = job_names
         self._spokes = spokes if spokes is not None else Interner()
+        self._wall_offset = wall_offset
         self._job_labels: dict[int, str] = {}  # ids of the jobs with series, until the warm-up retires them
         self._ranks: SeriesCap[str] = SeriesCap(rank_limit, expire_after_s)
         self._gpus: SeriesCap[str] = SeriesCap(rank_limit, expire_after_s)
@@ -53,19 +64,35 @@ class CorrelatorMetrics:
         self._warmup_bytes: dict[str, float] = {}
         self._regressions: dict[str, float] = {}
         self._job_stall: dict[str, float] = defaultdict(float)
+        self._stamp: dict[str, float] = {}  # job -> unix time its series are published at
         self._whatif: dict[float, float] = {}
         self._whatif_curve: WhatIfCurve | None = None
+        self._whatif_stamp: float | None = None
         self._windows = 0
         self._late: dict[str, int] = {}
         self._dropped: dict[tuple[str, str], int] = {}
         self._record_errors: dict[tuple[str, str], int] = {}
 
     def observe(self, result: WindowResult) -> None:
-        name = self._job_label
-        now = result.end_ns
+        """Every closed window, after the hold took it: node-wide results, and jobs the warm-up retired."""
         with self._lock:
             self._windows += 1
-            self._expire(now)
+            self._expire(result.end_ns)
+            self._whatif.update(result.whatif)
+            self._whatif_curve = result.whatif_curve or self._whatif_curve
+            self._whatif_stamp = _later(unix_seconds(result.end_ns, self._wall_offset()), self._whatif_stamp)
+            for retired in result.retired_jobs:
+                self._forget(self._job_labels.pop(retired, "") or self._job_names(retired))
+
+    def publish(self, publication: Publication) -> None:
+        """One window of the jobs the hold released, into the counters and gauges, stamped with its end."""
+        result = publication.result
+        name = self._job_label
+        now = result.end_ns
+        stamp = unix_seconds(result.end_ns, publication.wall_offset_ns)
+        with self._lock:
+            for job_id in result.job_ids():
+                self._stamp[name(job_id)] = _later(stamp, self._stamp.get(name(job_id)))
             for r in result.ranks:
                 labels = self._ranks.admit(name(r.job), str(r.rank), now)
                 self._compute[labels] += r.compute_s
@@ -84,11 +111,8 @@ class CorrelatorMetrics:
                 self._warmup_idle[job] = j.warmup_idle_gpu_s
                 self._warmup_bytes[job] = j.warmup_hub_bytes
                 self._regressions[job] = j.regressions
-                self._job_stall[job] += j.stalled_s
-            self._whatif.update(result.whatif)
-            self._whatif_curve = result.whatif_curve or self._whatif_curve
-            for retired in result.retired_jobs:
-                self._forget(self._job_labels.pop(retired, "") or self._job_names(retired))
+            for job_id, spans in result.stall_spans.items():
+                self._job_stall[name(job_id)] += stalled_seconds(spans)
 
     def _job_label(self, job: int) -> str:
         """A job id's name, looked up once: windows close after the interner may have let the id go."""
@@ -113,7 +137,7 @@ class CorrelatorMetrics:
             for labels in [labels for labels in table if labels[0] == job]:
                 del table[labels]
         for per_job in (self._phase, self._time_to_steady, self._warmup_idle, self._warmup_bytes,
-                        self._regressions, self._job_stall):
+                        self._regressions, self._job_stall, self._stamp):
             per_job.pop(job, None)
 
     def set_losses(self, late: Mapping[str, int], dropped: Mapping[tuple[str, str], int],
@@ -126,29 +150,48 @@ class CorrelatorMetrics:
         spoke = whatif_spoke_label(self._spokes)  # read at scrape time: spoke collectors intern after this is built
         with self._lock:
             curve = self._whatif_curve
-            tables: list[tuple[Any, Mapping[tuple[str, ...], float]]] = [
-                (c.STALL_SECONDS.family(), self._stall),
-                (c.COMPUTE_SECONDS.family(), self._compute),
-                (c.INPUT_BOUND_RATIO.family(), self._ratio),
-                (c.GPU_STALL_IDLE_SECONDS.family(), self._gpu_idle),
-                (c.WARMUP_TIME_TO_STEADY.family(), {(j,): v for j, v in self._time_to_steady.items()}),
-                (c.WARMUP_IDLE_GPU_SECONDS.family(), {(j,): v for j, v in self._warmup_idle.items()}),
-                (c.WARMUP_HUB_BYTES.family(), {(j,): v for j, v in self._warmup_bytes.items()}),
-                (c.WARMUP_REGRESSIONS.family(), {(j,): v for j, v in self._regressions.items()}),
-                (c.JOB_STALL_SECONDS.family(), {(j,): v for j, v in self._job_stall.items()}),
-                (c.CACHE_WHATIF_HIT_RATIO.family(), {(spoke, f"{f:g}"): v for f, v in self._whatif.items()}),
-                (c.CACHE_WHATIF_SAMPLING.family(), {(spoke,): curve.sample_rate} if curve else {}),
-                (c.CACHE_WHATIF_KEYS.family(), {(spoke,): curve.keys} if curve else {}),
-                (c.CORRELATOR_WINDOWS.family(), {(): self._windows}),
-                (c.CORRELATOR_LATE_EVENTS.family(), {(k,): v for k, v in self._late.items()}),
-                (c.CORRELATOR_DROPPED_EVENTS.family(), {k: v for k, v in self._dropped.items()}),
-                (c.CORRELATOR_FOLDED_LABELS.family(), {("rank",): self._ranks.folded, ("gpu",): self._gpus.folded}),
-                (c.CORRELATOR_RECORD_ERRORS.family(), {k: v for k, v in self._record_errors.items()}),
+            by_job: Stamp = self._stamp.get
+            whatif_at = self._whatif_stamp
+
+            def whatif_stamp(_: str) -> float | None:
+                return whatif_at
+            tables: list[tuple[Any, Mapping[tuple[str, ...], float], Stamp]] = [
+                (c.STALL_SECONDS.family(), self._stall, by_job),
+                (c.COMPUTE_SECONDS.family(), self._compute, by_job),
+                (c.INPUT_BOUND_RATIO.family(), self._ratio, by_job),
+                (c.GPU_STALL_IDLE_SECONDS.family(), self._gpu_idle, by_job),
+                (c.WARMUP_TIME_TO_STEADY.family(), {(j,): v for j, v in self._time_to_steady.items()}, by_job),
+                (c.WARMUP_IDLE_GPU_SECONDS.family(), {(j,): v for j, v in self._warmup_idle.items()}, by_job),
+                (c.WARMUP_HUB_BYTES.family(), {(j,): v for j, v in self._warmup_bytes.items()}, by_job),
+                (c.WARMUP_REGRESSIONS.family(), {(j,): v for j, v in self._regressions.items()}, by_job),
+                (c.JOB_STALL_SECONDS.family(), {(j,): v for j, v in self._job_stall.items()}, by_job),
                 (c.WARMUP_PHASE.family(), {(j, p): float(p == phase) for j, phase in self._phase.items()
-                                           for p in PHASES}),
+                                           for p in PHASES}, by_job),
+                (c.CACHE_WHATIF_HIT_RATIO.family(), {(spoke, f"{f:g}"): v for f, v in self._whatif.items()},
+                 whatif_stamp),
+                (c.CACHE_WHATIF_SAMPLING.family(), {(spoke,): curve.sample_rate} if curve else {}, whatif_stamp),
+                (c.CACHE_WHATIF_KEYS.family(), {(spoke,): curve.keys} if curve else {}, whatif_stamp),
+                (c.CORRELATOR_WINDOWS.family(), {(): self._windows}, _unstamped),
+                (c.CORRELATOR_LATE_EVENTS.family(), {(k,): v for k, v in self._late.items()}, _unstamped),
+                (c.CORRELATOR_DROPPED_EVENTS.family(), {k: v for k, v in self._dropped.items()}, _unstamped),
+                (c.CORRELATOR_FOLDED_LABELS.family(), {("rank",): self._ranks.folded, ("gpu",): self._gpus.folded},
+                 _unstamped),
+                (c.CORRELATOR_RECORD_ERRORS.family(), {k: v for k, v in self._record_errors.items()}, _unstamped),
             ]
-            for family, values in tables:
+            for family, values, stamp in tables:
                 for labels, value in sorted(values.items()):
-                    family.add_metric(list(labels), float(value))
-        for family, _ in tables:
+                    family.add_metric(list(labels), float(value), timestamp=stamp(labels[0] if labels else ""))
+        for family, _, _ in tables:
             yield family
+
+
+Stamp = Callable[[str], float | None]  # a series' first label (its job, for per-job series) -> its sample time
+
+
+def _unstamped(_: str) -> None:
+    """Operational series: Prometheus stamps them at the scrape."""
+
+
+def _later(stamp: float, previous: float | None) -> float:
+    """`stamp`, or just after `previous` if the wall clock stepped back: a series' samples only move forward."""
+    return stamp if previous is None or stamp > previous else previous + 0.001
