@@ -10,7 +10,7 @@ from typing import Any
 from prometheus_client.core import Metric
 
 from stallwatch import catalogue
-from stallwatch.catalogue import CAUSES, PHASES
+from stallwatch.catalogue import CAUSES, PHASES, AnyMetricDef
 from stallwatch.correlator.hold import Publication
 from stallwatch.correlator.results import NameLookup, WhatIfCurve, WindowResult, stalled_seconds
 from stallwatch.correlator.wallclock import unix_seconds, wall_offset_ns
@@ -65,6 +65,8 @@ class CorrelatorMetrics:
         self._regressions: dict[str, float] = {}
         self._job_stall: dict[str, float] = defaultdict(float)
         self._stamp: dict[str, float] = {}  # job -> unix time its series are published at
+        # job -> (stamp, its series by job table) per window published since the last scrape
+        self._unscraped: dict[str, list[tuple[float, list[dict[tuple[str, ...], float]]]]] = {}
         self._whatif: dict[float, float] = {}
         self._whatif_curve: WhatIfCurve | None = None
         self._whatif_stamp: float | None = None
@@ -113,6 +115,8 @@ class CorrelatorMetrics:
                 self._regressions[job] = j.regressions
             for job_id, spans in result.stall_spans.items():
                 self._job_stall[name(job_id)] += stalled_seconds(spans)
+            for job_id in result.job_ids():
+                self._snapshot(name(job_id))
 
     def _job_label(self, job: int) -> str:
         """A job id's name, looked up once: windows close after the interner may have let the id go."""
@@ -137,7 +141,7 @@ class CorrelatorMetrics:
             for labels in [labels for labels in table if labels[0] == job]:
                 del table[labels]
         for per_job in (self._phase, self._time_to_steady, self._warmup_idle, self._warmup_bytes,
-                        self._regressions, self._job_stall, self._stamp):
+                        self._regressions, self._job_stall, self._stamp, self._unscraped):
             per_job.pop(job, None)
 
     def set_losses(self, late: Mapping[str, int], dropped: Mapping[tuple[str, str], int],
@@ -145,51 +149,68 @@ class CorrelatorMetrics:
         with self._lock:
             self._late, self._dropped, self._record_errors = dict(late), dict(dropped), dict(record_errors)
 
+    def _job_tables(self) -> list[tuple[AnyMetricDef, Mapping[tuple[str, ...], float]]]:
+        """The per-job series now, each keyed by its labels, the job first."""
+        c = catalogue
+        return [
+            (c.STALL_SECONDS, self._stall),
+            (c.COMPUTE_SECONDS, self._compute),
+            (c.INPUT_BOUND_RATIO, self._ratio),
+            (c.GPU_STALL_IDLE_SECONDS, self._gpu_idle),
+            (c.WARMUP_TIME_TO_STEADY, {(j,): v for j, v in self._time_to_steady.items()}),
+            (c.WARMUP_IDLE_GPU_SECONDS, {(j,): v for j, v in self._warmup_idle.items()}),
+            (c.WARMUP_HUB_BYTES, {(j,): v for j, v in self._warmup_bytes.items()}),
+            (c.WARMUP_REGRESSIONS, {(j,): v for j, v in self._regressions.items()}),
+            (c.JOB_STALL_SECONDS, {(j,): v for j, v in self._job_stall.items()}),
+            (c.WARMUP_PHASE, {(j, p): float(p == phase) for j, phase in self._phase.items() for p in PHASES}),
+        ]
+
+    def _snapshot(self, job: str) -> None:
+        """Keep the job's series as published now until a scrape took them (see `collect`)."""
+        values = [{labels: value for labels, value in table.items() if labels[0] == job}
+                  for _, table in self._job_tables()]
+        self._unscraped.setdefault(job, []).append((self._stamp[job], values))
+
     def collect(self) -> Iterator[Metric]:
+        """Per-job series at their windows' times: first the windows published since the last scrape (a
+        stall's held windows go out together), each once, then every series as it is now. Prometheus
+        takes several samples of a series in one scrape when their timestamps rise, and counts an older
+        one sent again as out of order: so a second scraper sees only the latest of such windows."""
         c = catalogue
         spoke = whatif_spoke_label(self._spokes)  # read at scrape time: spoke collectors intern after this is built
         with self._lock:
             curve = self._whatif_curve
-            by_job: Stamp = self._stamp.get
-            whatif_at = self._whatif_stamp
-
-            def whatif_stamp(_: str) -> float | None:
-                return whatif_at
-            tables: list[tuple[Any, Mapping[tuple[str, ...], float], Stamp]] = [
-                (c.STALL_SECONDS.family(), self._stall, by_job),
-                (c.COMPUTE_SECONDS.family(), self._compute, by_job),
-                (c.INPUT_BOUND_RATIO.family(), self._ratio, by_job),
-                (c.GPU_STALL_IDLE_SECONDS.family(), self._gpu_idle, by_job),
-                (c.WARMUP_TIME_TO_STEADY.family(), {(j,): v for j, v in self._time_to_steady.items()}, by_job),
-                (c.WARMUP_IDLE_GPU_SECONDS.family(), {(j,): v for j, v in self._warmup_idle.items()}, by_job),
-                (c.WARMUP_HUB_BYTES.family(), {(j,): v for j, v in self._warmup_bytes.items()}, by_job),
-                (c.WARMUP_REGRESSIONS.family(), {(j,): v for j, v in self._regressions.items()}, by_job),
-                (c.JOB_STALL_SECONDS.family(), {(j,): v for j, v in self._job_stall.items()}, by_job),
-                (c.WARMUP_PHASE.family(), {(j, p): float(p == phase) for j, phase in self._phase.items()
-                                           for p in PHASES}, by_job),
+            job_tables = self._job_tables()
+            families: list[Any] = [metric.family() for metric, _ in job_tables]
+            for snapshots in self._unscraped.values():
+                for stamp, values in snapshots[:-1]:  # the last is the state now, below
+                    for family, then in zip(families, values, strict=True):
+                        for labels, value in sorted(then.items()):
+                            family.add_metric(list(labels), float(value), timestamp=stamp)
+            self._unscraped.clear()
+            for family, (_, table) in zip(families, job_tables, strict=True):
+                for labels, value in sorted(table.items()):
+                    family.add_metric(list(labels), float(value), timestamp=self._stamp.get(labels[0]))
+            node_tables: list[tuple[Any, Mapping[tuple[str, ...], float], float | None]] = [
                 (c.CACHE_WHATIF_HIT_RATIO.family(), {(spoke, f"{f:g}"): v for f, v in self._whatif.items()},
-                 whatif_stamp),
-                (c.CACHE_WHATIF_SAMPLING.family(), {(spoke,): curve.sample_rate} if curve else {}, whatif_stamp),
-                (c.CACHE_WHATIF_KEYS.family(), {(spoke,): curve.keys} if curve else {}, whatif_stamp),
-                (c.CORRELATOR_WINDOWS.family(), {(): self._windows}, _unstamped),
-                (c.CORRELATOR_LATE_EVENTS.family(), {(k,): v for k, v in self._late.items()}, _unstamped),
-                (c.CORRELATOR_DROPPED_EVENTS.family(), {k: v for k, v in self._dropped.items()}, _unstamped),
+                 self._whatif_stamp),
+                (c.CACHE_WHATIF_SAMPLING.family(), {(spoke,): curve.sample_rate} if curve else {},
+                 self._whatif_stamp),
+                (c.CACHE_WHATIF_KEYS.family(), {(spoke,): curve.keys} if curve else {}, self._whatif_stamp),
+                # Operational: stamped by Prometheus at the scrape.
+                (c.CORRELATOR_WINDOWS.family(), {(): self._windows}, None),
+                (c.CORRELATOR_LATE_EVENTS.family(), {(k,): v for k, v in self._late.items()}, None),
+                (c.CORRELATOR_DROPPED_EVENTS.family(), {k: v for k, v in self._dropped.items()}, None),
                 (c.CORRELATOR_FOLDED_LABELS.family(), {("rank",): self._ranks.folded, ("gpu",): self._gpus.folded},
-                 _unstamped),
-                (c.CORRELATOR_RECORD_ERRORS.family(), {k: v for k, v in self._record_errors.items()}, _unstamped),
+                 None),
+                (c.CORRELATOR_RECORD_ERRORS.family(), {k: v for k, v in self._record_errors.items()}, None),
             ]
-            for family, values, stamp in tables:
-                for labels, value in sorted(values.items()):
-                    family.add_metric(list(labels), float(value), timestamp=stamp(labels[0] if labels else ""))
-        for family, _, _ in tables:
+            for family, node_values, node_stamp in node_tables:
+                for labels, value in sorted(node_values.items()):
+                    family.add_metric(list(labels), float(value), timestamp=node_stamp)
+        yield from families
+        for family, _, _ in node_tables:
             yield family
-
-
-Stamp = Callable[[str], float | None]  # a series' first label (its job, for per-job series) -> its sample time
-
-
-def _unstamped(_: str) -> None:
-    """Operational series: Prometheus stamps them at the scrape."""
 
 
 def _later(stamp: float, previous: float | None) -> float:
