@@ -17,6 +17,8 @@ from stallwatch.correlator.wallclock import unix_seconds, wall_offset_ns
 from stallwatch.eventbatch import DEFAULT_EXPIRE_AFTER_S, Interner, SeriesCap
 
 NO_SPOKE = "default"
+# Per job, the published windows kept for the next scrape: more than the windows of one hold (60 s of 5 s).
+UNSCRAPED_WINDOWS = 32
 
 
 def whatif_spoke_label(spokes: Interner) -> str:
@@ -169,7 +171,9 @@ class CorrelatorMetrics:
         """Keep the job's series as published now until a scrape took them (see `collect`)."""
         values = [{labels: value for labels, value in table.items() if labels[0] == job}
                   for _, table in self._job_tables()]
-        self._unscraped.setdefault(job, []).append((self._stamp[job], values))
+        snapshots = self._unscraped.setdefault(job, [])
+        snapshots.append((self._stamp[job], values))
+        del snapshots[:-UNSCRAPED_WINDOWS]  # unscraped (no Prometheus yet): memory stays bounded
 
     def collect(self) -> Iterator[Metric]:
         """Per-job series at their windows' times: first the windows published since the last scrape (a
