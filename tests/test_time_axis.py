@@ -3,11 +3,15 @@ timeline is complete there, and published series carry their windows' wall-clock
 
 from __future__ import annotations
 
+import re
+import time
 from collections import defaultdict
+from pathlib import Path
 
 import numpy as np
 import pytest
-from prometheus_client import CollectorRegistry, generate_latest
+import requests
+from prometheus_client import CollectorRegistry, generate_latest, start_http_server
 from prometheus_client.parser import text_string_to_metric_families
 
 from stallwatch.catalogue import CAUSES
@@ -17,7 +21,10 @@ from stallwatch.correlator.pipeline import CorrelatorPipeline
 from stallwatch.correlator.results import WindowResult
 from stallwatch.correlator.settings import CorrelatorSettings
 from stallwatch.correlator.wallclock import wall_offset_ns
+from stallwatch.demo.stack import query, start_prometheus
 from stallwatch.eventbatch import SCHEMAS, EventBatch, Verdict
+from stallwatch.harness import free_port, wait_for
+from tests.conftest import require_binary
 from tests.scenarios.generator import BASE_NS
 
 S = 10**9
@@ -245,3 +252,69 @@ def test_published_series_carry_their_windows_wall_clock_times_rising_and_held_w
     for end in (4.0, 5.0, 6.0):
         assert booked[end] == pytest.approx(end - 3.0, abs=1e-3)  # the stall's seconds up to each window end
     assert booked[8.0] == pytest.approx(3.0, abs=1e-3)
+
+
+def _step_now(rank_batch: int, wait_start_ns: int, wait_end_ns: int, compute_end_ns: int) -> EventBatch:
+    column = {name: np.array([value], np.int64) for name, value in
+              (("wait_start_ns", wait_start_ns), ("wait_end_ns", wait_end_ns), ("compute_end_ns", compute_end_ns))}
+    return EventBatch("step", {"job": np.zeros(1, np.int32), "rank": np.zeros(1, np.int32),
+                               "gpu": np.zeros(1, np.int16), "batch": np.array([rank_batch], np.int64), **column,
+                               "ready_ns": np.full(1, -1, np.int64)})
+
+
+def test_a_stalls_seconds_land_in_a_real_prometheus_at_their_event_time(tmp_path: Path) -> None:
+    """A live correlator (1 s windows) on a real HTTP endpoint, scraped every second by a real Prometheus; a
+    rank steps every 50 ms, then waits 3 s. Stored at their windows' times, the stall's seconds rise through
+    the wait (each sample counts the stall up to its time), not after it: within 1 s of the event time."""
+    prometheus_bin = require_binary("prometheus", "prometheus")
+    service = LiveCorrelator(CorrelatorSettings(window_s=1.0, lateness_s=0.5), tick_s=0.05)
+    registry = CollectorRegistry()
+    registry.register(service)
+    port = free_port()
+    server, _ = start_http_server(port, addr="127.0.0.1", registry=registry)
+    prom = start_prometheus(prometheus_bin, tmp_path / "prometheus", [f"127.0.0.1:{port}"], [])
+    try:
+        batch = 0
+
+        def step_for(seconds: float) -> None:
+            nonlocal batch
+            until = time.monotonic() + seconds
+            while time.monotonic() < until:
+                now = time.monotonic_ns()
+                service.submit(_step_now(batch, now - 50_000_000, now - 49_900_000, now))  # 0.1 ms wait
+                batch += 1
+                time.sleep(0.05)
+
+        step_for(4.0)
+        stall_start = time.monotonic_ns()
+        time.sleep(3.0)
+        stall_end = time.monotonic_ns()
+        service.submit(_step_now(batch, stall_start, stall_end, stall_end + 10_000_000))
+        batch += 1
+        step_for(5.0)
+        series = 'stallwatch_stall_seconds_total{cause="other",training_job="0",rank="0"}'
+        wait_for("the stall in Prometheus", lambda: _samples(prom.url, series)[-1][1] >= 2.99, 30)
+        samples = _samples(prom.url, series)
+        counters = requests.get(f"{prom.url}/metrics", timeout=10).text
+    finally:
+        prom.close()
+        server.shutdown()
+        service.close()
+    stall_s = (stall_end - stall_start) / S
+    start_wall = (stall_start + wall_offset_ns()) / S  # both clocks as they run now: the offset barely moves
+    for at, value in samples:  # each sample counts the stall up to its own time (its window's end)
+        assert value == pytest.approx(min(max(at - start_wall, 0.0), stall_s), abs=0.02), (at - start_wall, value)
+    during = [at - start_wall for at, value in samples if 0.0 < value < stall_s - 0.02]
+    assert len(during) >= 2 and min(during) <= 1.0  # first booked within 1 s of the stall's start
+    reached = next(at - start_wall for at, value in samples if value >= stall_s - 0.02)
+    assert stall_s <= reached <= stall_s + 1.0  # all of it booked within 1 s of its end
+    # Every sample was taken: nothing out of order, no timestamp sent again with another value.
+    for rejected in ("prometheus_target_scrapes_sample_out_of_order_total",
+                     "prometheus_target_scrapes_sample_duplicate_timestamp_total"):
+        assert re.search(rf"^{rejected} 0$", counters, re.MULTILINE), rejected
+
+
+def _samples(prometheus: str, series: str) -> list[tuple[float, float]]:
+    """The series' raw samples of the last 5 minutes as Prometheus stored them: (unix time, value)."""
+    reply = query(prometheus, f"{series}[5m]")["data"]["result"]
+    return [(float(at), float(value)) for at, value in reply[0]["values"]] if reply else [(0.0, 0.0)]
