@@ -106,9 +106,12 @@ def by_window(parts: list[WindowResult]) -> dict[float, np.ndarray]:
 
 def test_a_30_s_stall_is_booked_in_the_windows_it_spans_and_each_piece_sums_to_itself() -> None:
     results, published = outage_run()
-    ended_in = next(r for r in results if r.earlier)
-    assert (ended_in.start_ns - BASE_NS) / S == 30.0
-    assert [(p.start_ns - BASE_NS) / S for p in ended_in.earlier] == [0.0, 5.0, 10.0, 15.0, 20.0, 25.0]
+    # The step arrives at 32.1 s, before [25, 30) closes: that close books the wait up to 30 s at once, its
+    # pieces in earlier windows alongside; [30, 35), the step's own window, books only the rest.
+    booked_in = next(r for r in results if r.earlier)
+    assert (booked_in.start_ns - BASE_NS) / S == 25.0
+    assert [(p.start_ns - BASE_NS) / S for p in booked_in.earlier] == [0.0, 5.0, 10.0, 15.0, 20.0]
+    assert sum(r.steps for r in booked_in.ranks) == 0  # the step itself counts in its own window
     pieces = by_window([p for r in results for p in (r, *r.earlier)])
     want = {0.0: 3.0, 5.0: 5.0, 10.0: 5.0, 15.0: 5.0, 20.0: 5.0, 25.0: 5.0, 30.0: 2.0}
     for start, seconds in want.items():
@@ -318,3 +321,34 @@ def _samples(prometheus: str, series: str) -> list[tuple[float, float]]:
     """The series' raw samples of the last 5 minutes as Prometheus stored them: (unix time, value)."""
     reply = query(prometheus, f"{series}[5m]")["data"]["result"]
     return [(float(at), float(value)) for at, value in reply[0]["values"]] if reply else [(0.0, 0.0)]
+
+
+@pytest.mark.parametrize("read_of_its_batch", [True, False])
+def test_a_buffered_step_stalled_across_the_closing_edge_is_booked_at_once_once_its_batch_started(
+        read_of_its_batch: bool) -> None:
+    """Rank 0 waits 4.6 s to 5.4 s; the step is at hand when [0, 5) closes. With a read of its batch at hand
+    its wait up to 5 s is booked then, and [0, 5) goes out at its own close; without one (the worker may not
+    have started the batch), [0, 5) waits for [5, 10) to close. Either way the stall is booked once, split."""
+    released_by: dict[float, float] = {}
+    closing = [0]
+    results: list[WindowResult] = []
+
+    def note(publication: Publication) -> None:
+        released_by[(publication.result.start_ns - BASE_NS) / S] = (closing[0] - BASE_NS) / S
+
+    hold = WindowHold(60.0, [note], wall_offset=lambda: 0)
+    correlator = CorrelatorPipeline(CorrelatorSettings(window_s=5.0, lateness_s=1.0),
+                                    listeners=[lambda r: closing.__setitem__(0, r.end_ns), results.append, hold.add])
+    batches = [regular(0, 0, 0.0, 4.6), steps(0, 0, [(4.6, 5.4, 5.5)], 46), regular(0, 0, 5.5, 12.0, 47)]
+    if read_of_its_batch:
+        batches.append(miss(0, 0, 46, 4.7, 5.3))
+    correlator.run(in_time_order(batches))
+    hold.flush()
+    assert released_by[0.0] == (5.0 if read_of_its_batch else 10.0)
+    pieces = by_window([p for r in results for p in (r, *r.earlier)])
+    assert pieces[0.0].sum() == pytest.approx(0.4) and pieces[5.0].sum() == pytest.approx(0.4)
+    if read_of_its_batch:
+        assert pieces[0.0][REMOTE] == pytest.approx(0.3) and pieces[5.0][REMOTE] == pytest.approx(0.3)
+    steps_by_window = {(r.start_ns - BASE_NS) / S: sum(row.steps for row in r.ranks) for r in results}
+    assert steps_by_window[0.0] == 46  # the stalled step counts once, in its own window
+    assert sum(steps_by_window.values()) == sum(len(b) for b in batches if b.kind == "step")
