@@ -72,7 +72,7 @@ def measure(settings: CorrelatorSettings, seconds: float, outage: bool, stalled:
     service.close()
 
     def stats(values: list[float]) -> dict[str, float]:
-        cuts = statistics.quantiles(values, n=100)
+        cuts = statistics.quantiles(values, n=100, method="inclusive")
         return {"p50": round(statistics.median(values), 3), "p99": round(cuts[98], 3), "max": round(max(values), 3)}
 
     return {name: stats(values) for name, values in delays.items() if len(values) >= 2}

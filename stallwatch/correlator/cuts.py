@@ -9,8 +9,9 @@ so a piece's causes sum to the piece, and the pieces to the stall.
 A step already buffered for a later window whose stall began before the closing window's end is booked
 early (`EarlyBooking`): its wait up to that end goes into the closing window (and the earlier ones it
 reaches) at once, so that window need not wait for the next to close; the step's own window later books
-only the rest. A tagged step is booked early only once a read of its batch is at hand: before that the
-critical path cannot tell a worker not yet started from one busy elsewhere.
+only the rest. A step of a rank that tags its reads is booked early only once a read of its batch is at
+hand: until then the worker had not started the batch, or its read is still under way (the window then
+waits for the step's own window, as without early booking).
 """
 
 from __future__ import annotations
@@ -110,10 +111,12 @@ class EarlyBooking:
 
 
 def _batch_started(steps: Steps, reads: Reads) -> npt.NDArray[np.bool_]:
-    """Per step: untagged, or a read of its batch is at hand."""
-    if not len(reads):
-        return steps.batch < 0
+    """Per step, whether its attribution up to now is final: a read of its batch is at hand, or its rank tags no
+    read here (the overlap rule decides, as it will later), or the step is untagged."""
     m = len(steps)
-    key = composite_key(np.concatenate((steps.job, reads.job)), np.concatenate((steps.rank, reads.rank)),
-                        np.concatenate((steps.batch, reads.batch)) + 1)
-    return (steps.batch < 0) | np.isin(key[:m], key[m:][reads.batch >= 0])
+    tagged = reads.batch >= 0
+    owner = composite_key(np.concatenate((steps.job, reads.job)), np.concatenate((steps.rank, reads.rank)))
+    key = composite_key(owner, np.concatenate((steps.batch, reads.batch)) + 1)
+    started: npt.NDArray[np.bool_] = ((steps.batch < 0) | ~np.isin(owner[:m], owner[m:][tagged])
+                                      | np.isin(key[:m], key[m:][tagged]))
+    return started
