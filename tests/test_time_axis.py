@@ -24,7 +24,7 @@ from stallwatch.correlator.wallclock import wall_offset_ns
 from stallwatch.demo.stack import query, start_prometheus
 from stallwatch.eventbatch import SCHEMAS, EventBatch, Verdict
 from stallwatch.harness import free_port, wait_for
-from tests.conftest import require_binary
+from tests.conftest import ROOT, require_binary
 from tests.scenarios.generator import BASE_NS
 
 S = 10**9
@@ -354,3 +354,11 @@ def test_a_buffered_step_stalled_across_the_closing_edge_is_booked_at_once_once_
     steps_by_window = {(r.start_ns - BASE_NS) / S: sum(row.steps for row in r.ranks) for r in results}
     assert steps_by_window[0.0] == 46  # the stalled step counts once, in its own window
     assert sum(steps_by_window.values()) == sum(len(b) for b in batches if b.kind == "step")
+
+
+def test_no_shipped_scrape_configuration_turns_honor_timestamps_off() -> None:
+    """The correlator's series are stored at their timestamps only while Prometheus honours them (its default)."""
+    shipped = [ROOT / "helm/stallwatch/templates/servicemonitor.yaml", ROOT / "helm/stallwatch/values.yaml",
+               ROOT / "stallwatch/demo/stack.py", *ROOT.glob("deploy/**/*.y*ml")]
+    for path in shipped:
+        assert not re.search(r"honor_?timestamps\W+false", path.read_text(), re.IGNORECASE), path
