@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from stallwatch import catalogue as c
+from stallwatch.correlator.hold import WindowHold
 from stallwatch.correlator.windowfile import WindowFileWriter
 from stallwatch.report.api import Access
 from stallwatch.report.command import main
@@ -28,6 +29,7 @@ from tests.scenarios.run import correlate
 NOW = datetime(2026, 12, 3, 9, 30, tzinfo=UTC).timestamp()
 EIGHT = datetime(2026, 12, 3, 8, 0, tzinfo=UTC).timestamp()
 MB = 1 << 20
+WALL_OFFSET_NS = int(EIGHT * 1e9)  # the scenario's clock on the wall clock
 
 
 @pytest.mark.parametrize(("text", "expected"), [
@@ -138,8 +140,10 @@ def two_jobs(tmp_path_factory: pytest.TempPathFactory) -> Path:
                         cache_bytes=2000 * MB, seed=3)
     path = tmp_path_factory.mktemp("windows") / "windows.jsonl"
     writer = WindowFileWriter(path)
+    hold = WindowHold(5.0, [writer.write], wall_offset=lambda: WALL_OFFSET_NS)  # as the agent publishes them
     for window in correlate(scenario).windows:
-        writer.write(window)
+        hold.add(window)
+    hold.flush()
     writer.close()
     return path
 

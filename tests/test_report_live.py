@@ -141,8 +141,6 @@ def phase_starts(run: Run) -> list[tuple[str, float]]:
     return [(phase, start) for start, _, phase in run.phases]
 
 
-@pytest.mark.xfail(strict=True, reason="window rows carry the node's monotonic seconds until the window file "
-                   "carries wall-clock time")
 def test_both_report_modes_of_one_run_agree_on_its_phases(tmp_path: Path) -> None:
     """A real demo run (hub, nginx spoke, DataLoader job, agent, Prometheus) read from Prometheus over a
     span that starts before the job, as a user's `--start -10m` does, and from its window file: the same

@@ -103,8 +103,6 @@ def run_from_prometheus(url: str, start: float, end: float, scope: Scope = EVERY
     phase = scope.select(c.WARMUP_PHASE)
     run.phases = phase_spans(prometheus.range(by("phase", "max", phase), start, end, step),
                              _one(prometheus.range(by("", "max", f"timestamp({phase})"), start, end, step)))
-    if run.phases and run.phases[0][2] == "cold":  # the first window is published only once it closes
-        run.phases[0] = (start, *run.phases[0][1:])
     run.time_to_steady_seconds = latest(scope.select(c.WARMUP_TIME_TO_STEADY))
     run.warmup_idle_gpu_seconds = latest(scope.select(c.WARMUP_IDLE_GPU_SECONDS))
     run.warmup_hub_bytes = latest(scope.select(c.WARMUP_HUB_BYTES))

@@ -62,7 +62,7 @@ def _read_rows(path: Path, start: float | None, end: float | None) -> list[dict[
 
 def run_from_windows(path: Path, job: str | None = None, start: float | None = None,
                      end: float | None = None) -> Run:
-    """A run from `--correlator.record-windows` rows: one per closed window, the job's rows only if given,
+    """A run from `--correlator.record-windows` lines (times in unix seconds): the job's rows only if given,
     the windows that overlap [start, end] if given."""
     rows = _read_rows(path, start, end)
     if job is not None and not any(item["job"] == job for row in rows for item in row["jobs"]):
