@@ -50,8 +50,6 @@ from stallwatch.exporters.nvml_fake import ComputeTrace
 from stallwatch.harness import start_agent, stop_agent
 from tests.conftest import require_binary
 
-pytestmark = pytest.mark.slow
-
 JOB = "aligned"
 STEP_S = 0.05  # emulated compute per step
 COLD_S = 2.0  # reads miss for this long from the start, then hit
@@ -226,6 +224,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
         stop_agent(agent)
 
 
+@pytest.mark.slow
 def test_a_scripted_stall_lines_up_in_prometheus_from_the_gpu_and_the_correlator(run: Run) -> None:
     t0, t1 = run.wait
     assert run.stalled_s == pytest.approx(STALL_S, abs=1.0), run  # the script ran as planned
@@ -242,6 +241,7 @@ def test_a_scripted_stall_lines_up_in_prometheus_from_the_gpu_and_the_correlator
         assert span.seconds == pytest.approx(run.stalled_s, abs=0.5), f"{name} booked wrong: {report}"
 
 
+@pytest.mark.slow
 def test_warmup_phase_samples_are_the_phases_of_the_windows_ending_then(run: Run) -> None:
     by_phase = {json.loads(key)["phase"]: samples
                 for key, samples in series_samples(run, f'{c.WARMUP_PHASE.name}{{{c.JOB_LABEL}="{JOB}"}}').items()}
@@ -259,3 +259,23 @@ def test_warmup_phase_samples_are_the_phases_of_the_windows_ending_then(run: Run
             off.append(f"{phase} at {at - run.started:.2f} s: nearest window ends at {end - run.started:.2f} s, "
                        f"{window_phase}")
     assert not off, f"{len(off)} of {len(shown)} phase samples off: " + "; ".join(off[:8])
+
+
+def windowed(stall: tuple[float, float], window_s: float, late_s: float, every: int = 1) -> list[Sample]:
+    """A cumulative stall counter as a correlator publishing every `every`-th window's end would, stamped
+    `late_s` after it, over 40 s: the stall's seconds so far and 10 ms of steady waits a window."""
+    ends = [window_s * k for k in range(1, int(40 / window_s) + 1)][::every]
+    return [(end + late_s, min(max(end - stall[0], 0.0), stall[1] - stall[0]) + 0.01 * end / window_s)
+            for end in ends]
+
+
+@pytest.mark.parametrize("window_s", [1.0, 2.0, 5.0])
+@pytest.mark.parametrize("every", [1, 2])
+def test_the_booked_stall_is_found_at_any_window_length_and_lateness_shows(window_s: float, every: int) -> None:
+    for t0 in (10.05, 10.5, 12.95):
+        stall = (t0, t0 + STALL_S)
+        on_time = booked_stall(windowed(stall, window_s, 0.0, every))
+        assert on_time.start == pytest.approx(t0, abs=0.1) and on_time.end == pytest.approx(t0 + STALL_S, abs=0.1)
+        assert on_time.seconds == pytest.approx(STALL_S, abs=0.2)
+        late = booked_stall(windowed(stall, window_s, 5.0, every))  # stamped at scrape time, a lateness late
+        assert late.start - t0 == pytest.approx(5.0, abs=0.1) and late.end - stall[1] == pytest.approx(5.0, abs=0.1)
