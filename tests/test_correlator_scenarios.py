@@ -38,7 +38,7 @@ def assert_gpu_idle_close(outcome: Outcome) -> None:
     GPU idle attributed to stalls is within 5 % of the stall seconds, in total and per cause."""
     truth = outcome.generated.truth
     for job in {job for job, _ in truth.stall_s}:
-        idle = sum((np.array(g.idle_s) for w in outcome.windows for g in w.gpus if g.job == job),
+        idle = sum((np.array(g.idle_s) for w in outcome.parts() for g in w.gpus if g.job == job),
                    np.zeros(len(CAUSES)))
         want = truth.stall_by_job(job)
         assert idle.sum() == pytest.approx(want.sum(), rel=0.05)

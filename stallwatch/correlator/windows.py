@@ -108,6 +108,8 @@ class WindowInput:
     steps: Columns
     context: Mapping[str, Columns]
     final: bool  # closed by a flush at the end of input rather than by the watermark
+    # The steps already buffered for later windows: how far each rank's timeline is known (window_analysis.py).
+    later_steps: Columns = field(default_factory=dict)
 
 
 def _gather(parts: list[tuple[_Chunk, npt.NDArray[np.bool_] | None]], kind: str) -> Columns:
@@ -242,6 +244,7 @@ class EventTimeWindows:
                 later.append(chunk.subset("step", ~in_window))
         mine = _gather(parts, "step")
         self._keep("step", later)
+        later_steps = _gather([(chunk, None) for chunk in later], "step")
         earliest_need = int(mine["wait_start_ns"].min()) if mine["wait_start_ns"].size else start
         horizon = max(min(earliest_need, start) - self.lookback_ns, start - self.retention_ns)
         context: dict[str, Columns] = {}
@@ -262,4 +265,4 @@ class EventTimeWindows:
         keep_from = end - self.retention_ns
         for kind in CONTEXT_KINDS:
             self._keep(kind, [c for c in self._buffers[kind] if c.high >= keep_from])
-        return WindowInput(start, end, mine, context, final)
+        return WindowInput(start, end, mine, context, final, later_steps)
