@@ -17,6 +17,7 @@ import numpy as np
 
 from stallwatch.catalogue import CAUSES
 from stallwatch.correlator.intervals import I64, union_length
+from stallwatch.correlator.wallclock import unix_seconds
 
 NameLookup = Callable[[int], str]  # a small id (job, spoke) -> the name it was interned from
 
@@ -100,20 +101,19 @@ class WindowResult:
                 | set(self.stall_spans))
 
     def of_jobs(self, jobs: set[int]) -> WindowResult:
-        """This window's rows of the given jobs only (no earlier pieces, no known times)."""
+        """This window's rows of the given jobs only (no earlier pieces, no known times, no retirements)."""
         return dataclasses.replace(
             self, ranks=tuple(r for r in self.ranks if r.job in jobs),
             gpus=tuple(g for g in self.gpus if g.job in jobs),
             jobs=tuple(j for j in self.jobs if j.job in jobs),
-            retired_jobs=tuple(j for j in self.retired_jobs if j in jobs),
+            retired_jobs=(),
             stall_spans={j: s for j, s in self.stall_spans.items() if j in jobs}, earlier=(), known_ns={})
 
-    def record(self, job_names: NameLookup, wall_offset_ns: int = 0) -> dict[str, Any]:
-        """The window as one JSON-ready row (a line of the window file); times in unix seconds, the
-        events' monotonic clock plus `wall_offset_ns`."""
+    def record(self, job_names: NameLookup, wall_offset_ns: int) -> dict[str, Any]:
+        """The window as one JSON-ready row (a line of the window file), its bounds in unix seconds."""
         return {
-            "start_s": (self.start_ns + wall_offset_ns) / 1e9,
-            "end_s": (self.end_ns + wall_offset_ns) / 1e9,
+            "start_s": unix_seconds(self.start_ns, wall_offset_ns),
+            "end_s": unix_seconds(self.end_ns, wall_offset_ns),
             "ranks": [
                 {"job": job_names(r.job), "rank": r.rank, "steps": r.steps, "wait_s": r.wait_s,
                  "compute_s": r.compute_s, "input_bound_ratio": r.input_bound_ratio,
@@ -139,8 +139,9 @@ class WindowResult:
 
 def combine(parts: Iterable[WindowResult]) -> WindowResult:
     """Parts of one window as one: several jobs' rows, or a held window and pieces of later stalls booked
-    in it. The first part gives the window's bounds, what-if and warm-up rows; rank and GPU rows of the
-    same key add up, and a job's stalled seconds become the union of all its spans."""
+    in it. The first part gives the window's bounds and a job's warm-up row, the first with a what-if the
+    what-if; rank and GPU rows of the same key add up, and a job's stalled seconds become the union of all
+    its spans."""
     first, *rest = parts
     ranks = {(r.job, r.rank): r for r in first.ranks}
     gpus = {(g.job, g.gpu): g for g in first.gpus}
@@ -166,7 +167,8 @@ def combine(parts: Iterable[WindowResult]) -> WindowResult:
     return dataclasses.replace(
         first, ranks=tuple(ranks[k] for k in sorted(ranks)), gpus=tuple(gpus[k] for k in sorted(gpus)),
         jobs=tuple(sorted(rows, key=lambda j: j.job)), stall_spans=spans,
-        retired_jobs=tuple(sorted({j for part in (first, *rest) for j in part.retired_jobs})))
+        whatif=next((p.whatif for p in (first, *rest) if p.whatif), {}),
+        whatif_curve=next((p.whatif_curve for p in (first, *rest) if p.whatif_curve), None))
 
 
 def _add(a: tuple[float, ...], b: tuple[float, ...]) -> tuple[float, ...]:

@@ -12,9 +12,21 @@ from stallwatch import catalogue as c
 from stallwatch.report.run import FloatArray, Run, Series
 
 
+def _by_window(lines: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per window, in time order: a job held for a stall is published in a line of its own."""
+    merged: dict[float, dict[str, Any]] = {}
+    for line in lines:
+        # The wall-clock offset is read at each publication: one window's lines may differ by microseconds.
+        row = merged.setdefault(round(line["start_s"], 3), {**line, "ranks": [], "gpus": [], "jobs": []})
+        for key in ("ranks", "gpus", "jobs"):
+            row[key] += line[key]
+        row["whatif_hit_ratio"] = line["whatif_hit_ratio"] or row["whatif_hit_ratio"]
+    return [merged[start] for start in sorted(merged)]
+
+
 def run_from_windows(path: Path, job: str | None = None) -> Run:
-    """A run from `--correlator.record-windows` rows: one per closed window, times on the node's monotonic clock."""
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    """A run from `--correlator.record-windows` lines (one per publication), times in unix seconds."""
+    rows = _by_window([json.loads(line) for line in path.read_text().splitlines() if line.strip()])
     if not rows:
         raise ValueError(f"{path}: no windows recorded")
     t = np.array([(row["start_s"] + row["end_s"]) / 2 for row in rows])
