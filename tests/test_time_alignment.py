@@ -236,11 +236,13 @@ def test_a_scripted_stall_lines_up_in_prometheus_from_the_gpu_and_the_correlator
         name: booked_stall(samples) for name, samples in counters.items()}
     report = ", ".join(f"{name} {span.start - t0:+.2f} s / {span.end - t1:+.2f} s / {span.seconds:.2f} s"
                        for name, span in spans.items())
-    report += "; stall seconds from T0: " + " ".join(f"{t - t0:+.1f}:{v:.2f}" for t, v in counters["stall"])
+    for name, samples in counters.items():
+        report += f"; {name} seconds from T0: " + " ".join(f"{t - t0:+.1f}:{v:.2f}" for t, v in samples)
     print(f"\nstart / end offsets from the trainer's wait, seconds ({run.stalled_s:.2f} s): {report}")
     for name, span in spans.items():
         assert abs(span.start - t0) <= TOLERANCE_S and abs(span.end - t1) <= TOLERANCE_S, f"{name} is off: {report}"
-        assert span.seconds == pytest.approx(run.stalled_s, abs=0.5), f"{name} booked wrong: {report}"
+    for name in counters:  # the counters' own seconds; the GPU's edges are only known to a scrape interval
+        assert spans[name].seconds == pytest.approx(run.stalled_s, abs=0.5), f"{name} booked wrong: {report}"
 
 
 @pytest.mark.slow
@@ -249,11 +251,10 @@ def test_warmup_phase_samples_are_the_phases_of_the_windows_ending_then(run: Run
                 for key, samples in series_samples(run, f'{c.WARMUP_PHASE.name}{{{c.JOB_LABEL}="{JOB}"}}').items()}
     stamps = sorted({t for samples in by_phase.values() for t, _ in samples})
     shown = [(at, next((p for p, samples in by_phase.items() if dict(samples).get(at) == 1), "none")) for at in stamps]
-    assert {c.PHASES[0], c.PHASES[2]} <= {phase for _, phase in shown}, shown  # it warmed up
-    recorded = [(window["end_s"], job["phase"]) for window in map(json.loads, run.windows.read_text().splitlines())
-                for job in window["jobs"] if job["job"] == JOB]
-    wall_minus_monotonic = time.time() - time.monotonic()
-    ends = [(end if end > 1e9 else end + wall_minus_monotonic, phase) for end, phase in recorded]  # Unix or node
+    phases = {phase for _, phase in shown}
+    assert c.PHASES[2] in phases and len(phases) > 1, shown  # it reached steady from another phase
+    ends = [(window["end_s"], job["phase"]) for window in map(json.loads, run.windows.read_text().splitlines())
+            for job in window["jobs"] if job["job"] == JOB]  # Unix seconds
     off = []
     for at, phase in shown:
         end, window_phase = min(ends, key=lambda window: abs(window[0] - at))
