@@ -23,7 +23,7 @@ from stallwatch.correlator.metrics import whatif_spoke_label
 from stallwatch.correlator.pipeline import CorrelatorPipeline
 from stallwatch.correlator.results import WindowResult
 from stallwatch.correlator.reuse import reuse_distances
-from stallwatch.correlator.settings import CorrelatorSettings
+from stallwatch.correlator.settings import CorrelatorSettings, seconds_to_ns
 from stallwatch.correlator.verdicts import LatencySplit
 from stallwatch.correlator.wallclock import wall_offset_ns
 from stallwatch.correlator.warmup import JobWindow, WarmupTracker
@@ -386,8 +386,11 @@ def test_service_takes_batches_from_many_threads_and_serves_catalogue_metrics(tm
     batches = _scenario_batches()
     newest = max(int(b.columns[{"step": "compute_end_ns", "read": "end_ns", "spoke_request": "end_ns",
                                  "gpu_util": "ts_ns"}[b.kind]].max()) for b in batches)
-    service = LiveCorrelator(CorrelatorSettings(cache_capacity_bytes=1 << 30), windows_path=tmp_path / "w.jsonl",
-                             clock_ns=lambda: newest + 10 * 10**9, start=False)
+    settings = CorrelatorSettings(cache_capacity_bytes=1 << 30)
+    # The clock just past the last window's close: a window closed later, empty, would find the ended job idle.
+    settle_ns = seconds_to_ns(settings.window_s + settings.lateness_s)
+    service = LiveCorrelator(settings, windows_path=tmp_path / "w.jsonl", clock_ns=lambda: newest + settle_ns,
+                             start=False)
     threads = [threading.Thread(target=lambda part=part: [service.submit(b) for b in part])
                for part in (batches[0::3], batches[1::3], batches[2::3])]
     for thread in threads:

@@ -224,7 +224,10 @@ def test_fifty_thousand_ranks_fold_in_the_correlator_and_the_agent_stays_under_i
 ) -> None:
     path = str(tmp_path / "events.sock")
     agent = agent_factory("--no-collector.gpu", "--no-collector.host", "--events.socket", path,
-                          "--correlator.window", "1", "--correlator.lateness", "10")
+                          "--correlator.window", "1", "--correlator.lateness", "10",
+                          # Each rank steps once and falls silent: its window is published once the hold
+                          # (the retention) gives up waiting for the rank's next step.
+                          "--correlator.retention", "5")
     sender = Sender(path)
     try:
         for rank in range(RANKS):  # one step each: a rank per datagram, as a client sends

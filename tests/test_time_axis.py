@@ -3,11 +3,15 @@ timeline is complete there, and published series carry their windows' wall-clock
 
 from __future__ import annotations
 
+import re
+import time
 from collections import defaultdict
+from pathlib import Path
 
 import numpy as np
 import pytest
-from prometheus_client import CollectorRegistry, generate_latest
+import requests
+from prometheus_client import CollectorRegistry, generate_latest, start_http_server
 from prometheus_client.parser import text_string_to_metric_families
 
 from stallwatch.catalogue import CAUSES
@@ -17,7 +21,10 @@ from stallwatch.correlator.pipeline import CorrelatorPipeline
 from stallwatch.correlator.results import WindowResult
 from stallwatch.correlator.settings import CorrelatorSettings
 from stallwatch.correlator.wallclock import wall_offset_ns
+from stallwatch.demo.stack import query, start_prometheus
 from stallwatch.eventbatch import SCHEMAS, EventBatch, Verdict
+from stallwatch.harness import free_port, wait_for
+from tests.conftest import ROOT, require_binary
 from tests.scenarios.generator import BASE_NS
 
 S = 10**9
@@ -99,9 +106,12 @@ def by_window(parts: list[WindowResult]) -> dict[float, np.ndarray]:
 
 def test_a_30_s_stall_is_booked_in_the_windows_it_spans_and_each_piece_sums_to_itself() -> None:
     results, published = outage_run()
-    ended_in = next(r for r in results if r.earlier)
-    assert (ended_in.start_ns - BASE_NS) / S == 30.0
-    assert [(p.start_ns - BASE_NS) / S for p in ended_in.earlier] == [0.0, 5.0, 10.0, 15.0, 20.0, 25.0]
+    # The step arrives at 32.1 s, before [25, 30) closes: that close books the wait up to 30 s at once, its
+    # pieces in earlier windows alongside; [30, 35), the step's own window, books only the rest.
+    booked_in = next(r for r in results if r.earlier)
+    assert (booked_in.start_ns - BASE_NS) / S == 25.0
+    assert [(p.start_ns - BASE_NS) / S for p in booked_in.earlier] == [0.0, 5.0, 10.0, 15.0, 20.0]
+    assert sum(r.steps for r in booked_in.ranks) == 0  # the step itself counts in its own window
     pieces = by_window([p for r in results for p in (r, *r.earlier)])
     want = {0.0: 3.0, 5.0: 5.0, 10.0: 5.0, 15.0: 5.0, 20.0: 5.0, 25.0: 5.0, 30.0: 2.0}
     for start, seconds in want.items():
@@ -241,7 +251,114 @@ def test_published_series_carry_their_windows_wall_clock_times_rising_and_held_w
     for at, (_, value) in zip(times, seen, strict=True):
         assert booked.setdefault(at, value) == value
     assert set(booked) >= {1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0}
-    assert max(per_scrape) >= 4  # [3, 4) to [6, 7), held for the stall, went out in one scrape
+    assert max(per_scrape) >= 3  # [3, 4) to [5, 6), held for the stall, went out in one scrape
     for end in (4.0, 5.0, 6.0):
         assert booked[end] == pytest.approx(end - 3.0, abs=1e-3)  # the stall's seconds up to each window end
     assert booked[8.0] == pytest.approx(3.0, abs=1e-3)
+
+
+def _step_now(rank_batch: int, wait_start_ns: int, wait_end_ns: int, compute_end_ns: int) -> EventBatch:
+    column = {name: np.array([value], np.int64) for name, value in
+              (("wait_start_ns", wait_start_ns), ("wait_end_ns", wait_end_ns), ("compute_end_ns", compute_end_ns))}
+    return EventBatch("step", {"job": np.zeros(1, np.int32), "rank": np.zeros(1, np.int32),
+                               "gpu": np.zeros(1, np.int16), "batch": np.array([rank_batch], np.int64), **column,
+                               "ready_ns": np.full(1, -1, np.int64)})
+
+
+def test_a_stalls_seconds_land_in_a_real_prometheus_at_their_event_time(tmp_path: Path) -> None:
+    """A live correlator (1 s windows) on a real HTTP endpoint, scraped every second by a real Prometheus; a
+    rank steps every 50 ms, then waits 3 s. Stored at their windows' times, the stall's seconds rise through
+    the wait (each sample counts the stall up to its time), not after it: within 1 s of the event time."""
+    prometheus_bin = require_binary("prometheus", "prometheus")
+    service = LiveCorrelator(CorrelatorSettings(window_s=1.0, lateness_s=0.5), tick_s=0.05)
+    registry = CollectorRegistry()
+    registry.register(service)
+    port = free_port()
+    server, _ = start_http_server(port, addr="127.0.0.1", registry=registry)
+    prom = start_prometheus(prometheus_bin, tmp_path / "prometheus", [f"127.0.0.1:{port}"], [])
+    try:
+        batch = 0
+
+        def step_for(seconds: float) -> None:
+            nonlocal batch
+            until = time.monotonic() + seconds
+            while time.monotonic() < until:
+                now = time.monotonic_ns()
+                service.submit(_step_now(batch, now - 50_000_000, now - 49_900_000, now))  # 0.1 ms wait
+                batch += 1
+                time.sleep(0.05)
+
+        step_for(4.0)
+        stall_start = time.monotonic_ns()
+        time.sleep(3.0)
+        stall_end = time.monotonic_ns()
+        service.submit(_step_now(batch, stall_start, stall_end, stall_end + 10_000_000))
+        batch += 1
+        step_for(5.0)
+        series = 'stallwatch_stall_seconds_total{cause="other",training_job="0",rank="0"}'
+        wait_for("the stall in Prometheus", lambda: _samples(prom.url, series)[-1][1] >= 2.99, 30)
+        samples = _samples(prom.url, series)
+        counters = requests.get(f"{prom.url}/metrics", timeout=10).text
+    finally:
+        prom.close()
+        server.shutdown()
+        service.close()
+    stall_s = (stall_end - stall_start) / S
+    start_wall = (stall_start + wall_offset_ns()) / S  # both clocks as they run now: the offset barely moves
+    for at, value in samples:  # each sample counts the stall up to its own time (its window's end)
+        assert value == pytest.approx(min(max(at - start_wall, 0.0), stall_s), abs=0.02), (at - start_wall, value)
+    during = [at - start_wall for at, value in samples if 0.0 < value < stall_s - 0.02]
+    assert len(during) >= 2 and min(during) <= 1.0  # first booked within 1 s of the stall's start
+    reached = next(at - start_wall for at, value in samples if value >= stall_s - 0.02)
+    assert stall_s <= reached <= stall_s + 1.0  # all of it booked within 1 s of its end
+    # Every sample was taken: nothing out of order, no timestamp sent again with another value.
+    for rejected in ("prometheus_target_scrapes_sample_out_of_order_total",
+                     "prometheus_target_scrapes_sample_duplicate_timestamp_total"):
+        assert re.search(rf"^{rejected} 0$", counters, re.MULTILINE), rejected
+
+
+def _samples(prometheus: str, series: str) -> list[tuple[float, float]]:
+    """The series' raw samples of the last 5 minutes as Prometheus stored them: (unix time, value)."""
+    reply = query(prometheus, f"{series}[5m]")["data"]["result"]
+    return [(float(at), float(value)) for at, value in reply[0]["values"]] if reply else [(0.0, 0.0)]
+
+
+@pytest.mark.parametrize("read_of_its_batch", [True, False])  # begun before the window's end
+def test_a_buffered_step_stalled_across_the_closing_edge_is_booked_at_once_once_its_batch_began(
+        read_of_its_batch: bool) -> None:
+    """Rank 0 (which tags its reads) waits 4.6 s to 5.4 s; the step is at hand when [0, 5) closes. With a read
+    of its batch begun by then its wait up to 5 s is booked at once, and [0, 5) goes out at its own close;
+    when the read begins only at 5.1 s (the worker had not started the batch), [0, 5) waits for [5, 10) to
+    close. Either way the stall is booked once, split at 5 s, as the critical path has it."""
+    released_by: dict[float, float] = {}
+    closing = [0]
+    results: list[WindowResult] = []
+
+    def note(publication: Publication) -> None:
+        released_by[(publication.result.start_ns - BASE_NS) / S] = (closing[0] - BASE_NS) / S
+
+    hold = WindowHold(60.0, [note], wall_offset=lambda: 0)
+    correlator = CorrelatorPipeline(CorrelatorSettings(window_s=5.0, lateness_s=1.0),
+                                    listeners=[lambda r: closing.__setitem__(0, r.end_ns), results.append, hold.add])
+    batches = [regular(0, 0, 0.0, 4.6), steps(0, 0, [(4.6, 5.4, 5.5)], 46), regular(0, 0, 5.5, 12.0, 47),
+               miss(0, 0, 45, 4.0, 4.1), miss(0, 0, 46, 4.7 if read_of_its_batch else 5.1, 5.3)]
+    correlator.run(in_time_order(batches))
+    hold.flush()
+    assert released_by[0.0] == (5.0 if read_of_its_batch else 10.0)
+    pieces = by_window([p for r in results for p in (r, *r.earlier)])
+    assert pieces[0.0].sum() == pytest.approx(0.4) and pieces[5.0].sum() == pytest.approx(0.4)
+    if read_of_its_batch:
+        assert pieces[0.0][REMOTE] == pytest.approx(0.3) and pieces[5.0][REMOTE] == pytest.approx(0.3)
+    else:
+        assert pieces[0.0][OTHER] == pytest.approx(0.4) and pieces[5.0][REMOTE] == pytest.approx(0.2)
+    steps_by_window = {(r.start_ns - BASE_NS) / S: sum(row.steps for row in r.ranks) for r in results}
+    assert steps_by_window[0.0] == 46  # the stalled step counts once, in its own window
+    assert sum(steps_by_window.values()) == sum(len(b) for b in batches if b.kind == "step")
+
+
+def test_no_shipped_scrape_configuration_turns_honor_timestamps_off() -> None:
+    """The correlator's series are stored at their timestamps only while Prometheus honours them (its default)."""
+    shipped = [ROOT / "helm/stallwatch/templates/servicemonitor.yaml", ROOT / "helm/stallwatch/values.yaml",
+               ROOT / "stallwatch/demo/stack.py", *ROOT.glob("deploy/**/*.y*ml")]
+    for path in shipped:
+        assert not re.search(r"honor_?timestamps\W+false", path.read_text(), re.IGNORECASE), path

@@ -55,6 +55,9 @@ class CorrelatorMetrics:
         self._job_labels: dict[int, str] = {}  # ids of the jobs with series, until the warm-up retires them
         self._ranks: SeriesCap[str] = SeriesCap(rank_limit, expire_after_s)
         self._gpus: SeriesCap[str] = SeriesCap(rank_limit, expire_after_s)
+        # (job, rank or GPU) -> the labels its rows go under, as admitted when its window closed
+        self._rank_labels: dict[tuple[str, str], tuple[str, str]] = {}
+        self._gpu_labels: dict[tuple[str, str], tuple[str, str]] = {}
         self._lock = threading.Lock()
         self._stall: dict[tuple[str, ...], float] = defaultdict(float)
         self._compute: dict[tuple[str, ...], float] = defaultdict(float)
@@ -73,6 +76,7 @@ class CorrelatorMetrics:
         self._whatif_curve: WhatIfCurve | None = None
         self._whatif_stamp: float | None = None
         self._windows = 0
+        self._now = 0  # the newest closed window's end (ns): the caps' clock
         self._late: dict[str, int] = {}
         self._dropped: dict[tuple[str, str], int] = {}
         self._record_errors: dict[tuple[str, str], int] = {}
@@ -81,7 +85,14 @@ class CorrelatorMetrics:
         """Every closed window, after the hold took it: node-wide results, and jobs the warm-up retired."""
         with self._lock:
             self._windows += 1
-            self._expire(result.end_ns)
+            self._now = max(self._now, result.end_ns)
+            # A rank or GPU is seen when its rows close, held or not: a job held through a stall keeps its series.
+            for part in (result, *result.earlier):
+                for r in part.ranks:
+                    self._seen((self._job_label(r.job), str(r.rank)), self._ranks, self._rank_labels)
+                for g in part.gpus:
+                    self._seen((self._job_label(g.job), str(g.gpu)), self._gpus, self._gpu_labels)
+            self._expire(self._now)
             self._whatif.update(result.whatif)
             self._whatif_curve = result.whatif_curve or self._whatif_curve
             self._whatif_stamp = _later(unix_seconds(result.end_ns, self._wall_offset()), self._whatif_stamp)
@@ -92,19 +103,18 @@ class CorrelatorMetrics:
         """One window of the jobs the hold released, into the counters and gauges, stamped with its end."""
         result = publication.result
         name = self._job_label
-        now = result.end_ns
         stamp = unix_seconds(result.end_ns, publication.wall_offset_ns)
         with self._lock:
             for job_id in result.job_ids():
                 self._stamp[name(job_id)] = _later(stamp, self._stamp.get(name(job_id)))
             for r in result.ranks:
-                labels = self._ranks.admit(name(r.job), str(r.rank), now)
+                labels = self._labels((name(r.job), str(r.rank)), self._ranks, self._rank_labels)
                 self._compute[labels] += r.compute_s
                 self._ratio[labels] = r.input_bound_ratio
                 for cause, seconds in zip(CAUSES, r.stall_s, strict=True):
                     self._stall[(*labels, cause)] += seconds
             for g in result.gpus:
-                job_gpu = self._gpus.admit(name(g.job), str(g.gpu), now)
+                job_gpu = self._labels((name(g.job), str(g.gpu)), self._gpus, self._gpu_labels)
                 for cause, seconds in zip(CAUSES, g.idle_s, strict=True):
                     self._gpu_idle[(*job_gpu, cause)] += seconds
             for j in result.jobs:
@@ -120,6 +130,17 @@ class CorrelatorMetrics:
             for job_id in result.job_ids():
                 self._snapshot(name(job_id))
 
+    def _seen(self, pair: tuple[str, str], cap: SeriesCap[str], labels: dict[tuple[str, str], tuple[str, str]]) -> None:
+        """A (job, rank or GPU) pair had a row in a closed window: admitted (a fold counted) once per row."""
+        labels[pair] = cap.admit(*pair, self._now)
+
+    def _labels(self, pair: tuple[str, str], cap: SeriesCap[str],
+                labels: dict[tuple[str, str], tuple[str, str]]) -> tuple[str, str]:
+        """The labels a published row of the pair goes under: as admitted when its window closed."""
+        if pair not in labels:
+            self._seen(pair, cap, labels)
+        return labels[pair]
+
     def _job_label(self, job: int) -> str:
         """A job id's name, looked up once: windows close after the interner may have let the id go."""
         label = self._job_labels.get(job)
@@ -128,20 +149,31 @@ class CorrelatorMetrics:
         return label
 
     def _expire(self, now: int) -> None:
-        for labels in self._ranks.expire(now):
+        for labels in self._expired(now, self._ranks, self._rank_labels):
             self._compute.pop(labels, None)
             self._ratio.pop(labels, None)
             for cause in CAUSES:
                 self._stall.pop((*labels, cause), None)
-        for labels in self._gpus.expire(now):
+        for labels in self._expired(now, self._gpus, self._gpu_labels):
             for cause in CAUSES:
                 self._gpu_idle.pop((*labels, cause), None)
+
+    @staticmethod
+    def _expired(now: int, cap: SeriesCap[str], labels: dict[tuple[str, str], tuple[str, str]]) -> set[tuple[str, str]]:
+        """The cap's expired label pairs, no longer looked up for published rows."""
+        gone = set(cap.expire(now))
+        for pair in [pair for pair, given in labels.items() if given in gone or pair in gone]:
+            del labels[pair]
+        return gone
 
     def _forget(self, job: str) -> None:
         """A retired job's series go, so a node's series stay bounded by its live jobs."""
         for table in (self._stall, self._compute, self._ratio, self._gpu_idle):
             for labels in [labels for labels in table if labels[0] == job]:
                 del table[labels]
+        for given in (self._rank_labels, self._gpu_labels):
+            for pair in [pair for pair in given if pair[0] == job]:
+                del given[pair]
         for per_job in (self._phase, self._time_to_steady, self._warmup_idle, self._warmup_bytes,
                         self._regressions, self._job_stall, self._stamp, self._unscraped):
             per_job.pop(job, None)

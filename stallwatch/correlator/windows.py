@@ -5,8 +5,9 @@ spoke request by `end_ns`, a GPU sample by `ts_ns`. A window [start, end) closes
 (the newest event time seen, or the agent's clock, minus the allowed lateness) passes its end; an
 event whose time falls in a window already closed is late: counted by kind, then dropped.
 
-A closing window hands over its steps plus the context they need: the reads, spoke requests and GPU
-samples ending from `lookback` before its earliest stall up to the watermark, because a stall can
+A closing window hands over its steps, the steps buffered for later windows, and the context they need:
+the reads, spoke requests and GPU samples ending from `lookback` before its earliest stall (or that of a
+buffered step) up to the watermark, because a stall can
 reach back past the window's start (a 30 s hub outage) and a batch's reads precede its wait.
 Buffered context older than `retention` before the closed edge is let go.
 
@@ -245,7 +246,9 @@ class EventTimeWindows:
         mine = _gather(parts, "step")
         self._keep("step", later)
         later_steps = _gather([(chunk, None) for chunk in later], "step")
-        earliest_need = int(mine["wait_start_ns"].min()) if mine["wait_start_ns"].size else start
+        # Steps of later windows whose waits began already may be booked now too (cuts.py).
+        waits = np.concatenate((mine["wait_start_ns"], later_steps["wait_start_ns"]))
+        earliest_need = int(waits.min()) if waits.size else start
         horizon = max(min(earliest_need, start) - self.lookback_ns, start - self.retention_ns)
         context: dict[str, Columns] = {}
         for kind in CONTEXT_KINDS:
