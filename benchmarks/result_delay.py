@@ -17,10 +17,13 @@ import threading
 import time
 import urllib.request
 
+from stallwatch.catalogue import COMPUTE_SECONDS, JOB_LABEL
+
 STEP_EVERY_S = 0.02
 COMPUTE_NS = 1_000_000
 SCRAPE_EVERY_S = 0.2  # a fast Prometheus scrape; scraping faster would load the agent it measures
-PROBE_SERIES = re.compile(r'^stallwatch_compute_seconds_total\{job="probe",rank="0"\} (\S+)$', re.MULTILINE)
+# Correlator series carry their window's wall-clock timestamp after the value.
+PROBE_SERIES = re.compile(rf'^{COMPUTE_SECONDS.name}\{{rank="0",{JOB_LABEL}="probe"\}} (\S+)(?: \S+)?$', re.MULTILINE)
 
 
 class ResultDelayProbe:
@@ -43,7 +46,7 @@ class ResultDelayProbe:
         batch = 0
         while not self._stop.wait(STEP_EVERY_S):
             end = time.monotonic_ns()
-            self._channel.step((batch, end - 2 * COMPUTE_NS, end - COMPUTE_NS, end))
+            self._channel.step((batch, end - 2 * COMPUTE_NS, end - COMPUTE_NS, end, -1))  # ready unknown
             self._event_times.append(end)
             batch += 1
 

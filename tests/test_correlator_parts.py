@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import threading
@@ -15,15 +16,16 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from stallwatch import catalogue
 from stallwatch.correlator.attribution import Reads, Steps, attribute, gpu_idle_in_stalls
-from stallwatch.correlator.eventfile import EventFileError, EventFileWriter, read_events
+from stallwatch.correlator.eventfile import EventFileError, EventFileWriter, read_events, recorded_wall_offset
 from stallwatch.correlator.intervals import overlap_join, union_length
 from stallwatch.correlator.live import LiveCorrelator
 from stallwatch.correlator.metrics import whatif_spoke_label
 from stallwatch.correlator.pipeline import CorrelatorPipeline
 from stallwatch.correlator.results import WindowResult
 from stallwatch.correlator.reuse import reuse_distances
-from stallwatch.correlator.settings import CorrelatorSettings
+from stallwatch.correlator.settings import CorrelatorSettings, seconds_to_ns
 from stallwatch.correlator.verdicts import LatencySplit
+from stallwatch.correlator.wallclock import wall_offset_ns
 from stallwatch.correlator.warmup import JobWindow, WarmupTracker
 from stallwatch.correlator.whatif import MissRatioCurve
 from stallwatch.correlator.windows import MERGE_EVENTS, EventTimeWindows
@@ -330,6 +332,12 @@ def test_event_file_round_trip_and_damage(tmp_path: Path) -> None:
     for a, b in zip(again, batches, strict=True):
         for name in b.columns:
             np.testing.assert_array_equal(a.columns[name], b.columns[name])
+    # A file of the first version (no wall-clock offset) still reads.
+    _, records = path.read_bytes().split(b"\n", 1)
+    old = tmp_path / "v1.bin"
+    old.write_bytes(b"stallwatch-events 1\n" + records)
+    assert recorded_wall_offset(old) is None and recorded_wall_offset(path) is not None
+    assert [len(b) for b in read_events(old)] == [len(b) for b in batches]
     path.write_bytes(path.read_bytes()[:-3])
     with pytest.raises(EventFileError, match="truncated"):
         list(read_events(path))
@@ -345,8 +353,12 @@ def test_stallwatch_correlate_replays_a_recorded_file_like_the_live_pipeline(tmp
     CorrelatorPipeline(listeners=[live.append]).run(batches)
     done = subprocess.run([sys.executable, "-m", "stallwatch", "correlate", str(path)], cwd=ROOT,
                           capture_output=True, text=True, timeout=120, check=True)
-    rows = [line for line in done.stdout.splitlines() if line]
+    rows = [json.loads(line) for line in done.stdout.splitlines() if line]
     assert len(rows) == len(live)
+    # At the wall-clock times of the recording: the offset the file recorded when it was written.
+    offset = recorded_wall_offset(path)
+    assert offset is not None and abs(offset - wall_offset_ns()) < 10**9
+    assert [row["start_s"] for row in rows] == [(w.start_ns + offset) / 1e9 for w in live]
     assert "job 0 rank 0: stall s: remote_fetch" in done.stderr
     bad = subprocess.run([sys.executable, "-m", "stallwatch", "correlate", str(tmp_path / "missing")], cwd=ROOT,
                          capture_output=True, text=True, timeout=60, check=False)
@@ -374,8 +386,11 @@ def test_service_takes_batches_from_many_threads_and_serves_catalogue_metrics(tm
     batches = _scenario_batches()
     newest = max(int(b.columns[{"step": "compute_end_ns", "read": "end_ns", "spoke_request": "end_ns",
                                  "gpu_util": "ts_ns"}[b.kind]].max()) for b in batches)
-    service = LiveCorrelator(CorrelatorSettings(cache_capacity_bytes=1 << 30), windows_path=tmp_path / "w.jsonl",
-                             clock_ns=lambda: newest + 10 * 10**9, start=False)
+    settings = CorrelatorSettings(cache_capacity_bytes=1 << 30)
+    # The clock just past the last window's close: a window closed later, empty, would find the ended job idle.
+    settle_ns = seconds_to_ns(settings.window_s + settings.lateness_s)
+    service = LiveCorrelator(settings, windows_path=tmp_path / "w.jsonl", clock_ns=lambda: newest + settle_ns,
+                             start=False)
     threads = [threading.Thread(target=lambda part=part: [service.submit(b) for b in part])
                for part in (batches[0::3], batches[1::3], batches[2::3])]
     for thread in threads:

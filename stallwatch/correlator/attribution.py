@@ -18,7 +18,7 @@ All of it is joins, clips and per-group union lengths on arrays (see intervals.p
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 import numpy as np
@@ -44,6 +44,12 @@ class Steps:
     def __len__(self) -> int:
         return int(self.job.size)
 
+    def columns(self) -> tuple[I64, ...]:
+        return tuple(getattr(self, f.name) for f in fields(self))
+
+    def take(self, rows: slice | I64) -> Steps:
+        return Steps(*(column[rows] for column in self.columns()))
+
 
 @dataclass(frozen=True)
 class Reads:
@@ -68,11 +74,15 @@ class Attribution:
     cause_ns: I64  # shape (steps, len(CAUSES)); all zero where not stalled
 
 
-def attribute(steps: Steps, reads: Reads, threshold_ns: int) -> Attribution:
+def attribute(steps: Steps, reads: Reads, threshold_ns: int, stalled: npt.NDArray[np.bool_] | None = None
+              ) -> Attribution:
+    """`stalled`, when given, says which rows are stalls instead of the threshold: a piece of a long stall cut
+    at a window boundary is a stall however short (window_analysis.py)."""
     n = len(steps)
     wait = np.maximum(steps.wait_end - steps.wait_start, 0)
     compute = np.maximum(steps.compute_end - steps.wait_end, 0)
-    stalled = wait > threshold_ns
+    if stalled is None:
+        stalled = wait > threshold_ns
     causes = np.zeros((n, len(CAUSES)), dtype=np.int64)
     stall_index = np.flatnonzero(stalled)
     if stall_index.size == 0:

@@ -1,9 +1,12 @@
 """The recorded event file that `stallwatch correlate FILE` replays: a sequence of EventBatch records.
 
-Format (version 1): the line `stallwatch-events 1\n`, then records. A record is one line of JSON,
+Format (version 2): the line `stallwatch-events 2 {"wall_offset_ns": N}\n`, N being unix ns minus the
+node's monotonic ns when the file was opened (wallclock.py), so a replay prints the windows at their
+wall-clock times; then records. A record is one line of JSON,
 `{"kind": "read", "rows": 3, "columns": [["job", "<i4"], ["key", "<u8"], ...]}`, followed by the raw
 bytes of each column in that order (NumPy dtype strings, so byte order is explicit). Appending a
 batch is a write of its header and columns: the agent can tee its stream to a file as it runs.
+Version 1 files (the line `stallwatch-events 1\n`, no offset) are still read.
 """
 
 from __future__ import annotations
@@ -11,14 +14,16 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO
 
 import numpy as np
 
 from stallwatch.correlator.recordfile import RecordFile
+from stallwatch.correlator.wallclock import wall_offset_ns
 from stallwatch.eventbatch import EventBatch
 
-MAGIC = b"stallwatch-events 1\n"
+MAGIC = b"stallwatch-events"
+VERSIONS = (b"1", b"2")
 
 
 class EventFileError(ValueError):
@@ -30,7 +35,8 @@ class EventFileWriter:
     written (a full disk) is left out whole and counted in `file.errors`: it never raises."""
 
     def __init__(self, path: str | Path) -> None:
-        self.file = RecordFile(path, "events", truncate=True, header=MAGIC)
+        offset = json.dumps({"wall_offset_ns": wall_offset_ns()}).encode()
+        self.file = RecordFile(path, "events", truncate=True, header=MAGIC + b" 2 " + offset + b"\n")
 
     def write(self, batch: EventBatch) -> bool:
         columns = {name: np.ascontiguousarray(column) for name, column in batch.columns.items()}
@@ -50,10 +56,29 @@ def _read_exact(stream: BinaryIO, size: int, where: str) -> bytes:
     return data
 
 
+def _header(path: str | Path, stream: BinaryIO) -> dict[str, Any]:
+    """The file's header line: {} for version 1, else its JSON."""
+    magic, _, rest = stream.readline(4096).partition(b" ")
+    version, _, fields = rest.partition(b" ")
+    if magic != MAGIC or version.strip() not in VERSIONS:
+        raise EventFileError(f"{path}: not a stallwatch event file (no {MAGIC.decode()!r} header)")
+    try:
+        header = json.loads(fields) if fields.strip() else {}
+    except ValueError as error:
+        raise EventFileError(f"{path}: bad file header: {error}") from error
+    return header if isinstance(header, dict) else {}
+
+
+def recorded_wall_offset(path: str | Path) -> int | None:
+    """The monotonic-to-unix offset recorded in the file, None in a version 1 file."""
+    with Path(path).open("rb") as stream:
+        offset = _header(path, stream).get("wall_offset_ns")
+    return int(offset) if offset is not None else None
+
+
 def read_events(path: str | Path) -> Iterator[EventBatch]:
     with Path(path).open("rb") as stream:
-        if stream.read(len(MAGIC)) != MAGIC:
-            raise EventFileError(f"{path}: not a stallwatch event file (no {MAGIC.strip().decode()!r} header)")
+        _header(path, stream)
         record = 0
         while line := stream.readline():
             record += 1

@@ -6,7 +6,8 @@ only appends to a queue under a lock, so no collector ever waits on the correlat
 window store sheds at its cap (`window_full`): with both caps, a flood costs bounded memory. One
 thread drains the queue into the streamz pipeline every `tick_s` and then advances the watermark by
 the agent's clock (the same monotonic clock the events carry), so windows close on time even when
-the node falls silent.
+the node falls silent. Closed windows go through the window hold (hold.py) to the metrics and the
+window file, so both carry each job's windows once complete, at their event time.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from pathlib import Path
 from prometheus_client.core import Metric
 
 from stallwatch.correlator.eventfile import EventFileWriter
+from stallwatch.correlator.hold import WindowHold
 from stallwatch.correlator.metrics import CorrelatorMetrics
 from stallwatch.correlator.pipeline import CorrelatorPipeline, Watermark, event_count
 from stallwatch.correlator.results import NameLookup
@@ -77,8 +79,10 @@ class LiveCorrelator:
         self.metrics = CorrelatorMetrics(job_names, spokes, rank_limit, expire_after_s)
         self._window_file = WindowFileWriter(windows_path, job_names) if windows_path else None
         self._events = EventFileWriter(events_path) if events_path else None
-        listeners = [self.metrics.observe] + ([self._window_file.write] if self._window_file else [])
-        self.correlator = CorrelatorPipeline(self.settings, listeners=listeners, event_time_watermark=False)
+        self.hold = WindowHold(self.settings.retention_s, [self.metrics.publish]
+                               + ([self._window_file.write] if self._window_file else []))
+        self.correlator = CorrelatorPipeline(self.settings, listeners=[self.hold.add, self.metrics.observe],
+                                             event_time_watermark=False)
         self._clock_ns = clock_ns
         self._tick_s = tick_s
         self._max_backlog = max_backlog_events
@@ -145,6 +149,7 @@ class LiveCorrelator:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=5)
+        self.hold.flush()  # what is held goes to the window file
         for closer in (self._window_file, self._events):
             if closer is not None:
                 closer.close()

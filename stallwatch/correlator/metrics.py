@@ -4,17 +4,21 @@ from __future__ import annotations
 
 import threading
 from collections import defaultdict
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from prometheus_client.core import Metric
 
 from stallwatch import catalogue
-from stallwatch.catalogue import CAUSES, PHASES
-from stallwatch.correlator.results import NameLookup, WhatIfCurve, WindowResult
+from stallwatch.catalogue import CAUSES, PHASES, AnyMetricDef
+from stallwatch.correlator.hold import Publication
+from stallwatch.correlator.results import NameLookup, WhatIfCurve, WindowResult, stalled_seconds
+from stallwatch.correlator.wallclock import unix_seconds, wall_offset_ns
 from stallwatch.eventbatch import DEFAULT_EXPIRE_AFTER_S, Interner, SeriesCap
 
 NO_SPOKE = "default"
+# Per job, the published windows kept for the next scrape: more than the windows of one hold (60 s of 5 s).
+UNSCRAPED_WINDOWS = 32
 
 
 def whatif_spoke_label(spokes: Interner) -> str:
@@ -25,7 +29,14 @@ def whatif_spoke_label(spokes: Interner) -> str:
 
 
 class CorrelatorMetrics:
-    """Thread-safe: `observe` runs on the pipeline's thread, `collect` on the scrape's.
+    """Thread-safe: `observe` and `publish` run on the pipeline's thread, `collect` on the scrape's.
+
+    Two inputs: `observe` takes every closed window (the node-wide what-if, windows_total, retired jobs),
+    `publish` each job's windows as the window hold (hold.py) releases them. A published series carries
+    an explicit sample timestamp, the end on the wall clock of the job's latest published window, so
+    Prometheus stores it at event time, where the GPU dip it explains is (docs/attribution.md); a job's
+    timestamps only rise. The what-if carries the latest closed window's end; the operational series
+    (windows, late and dropped events, folded labels, record errors) are stamped at scrape as usual.
 
     The receiver's caps hold here too (`SeriesCap`, by window end time): at most `rank_limit` live
     (job, rank) pairs, and as many (job, gpu) pairs, past which a rank or GPU folds into `__other__`
@@ -36,12 +47,17 @@ class CorrelatorMetrics:
     """
 
     def __init__(self, job_names: NameLookup = str, spokes: Interner | None = None, rank_limit: int = 64,
-                 expire_after_s: float | None = DEFAULT_EXPIRE_AFTER_S) -> None:
+                 expire_after_s: float | None = DEFAULT_EXPIRE_AFTER_S,
+                 wall_offset: Callable[[], int] = wall_offset_ns) -> None:
         self._job_names = job_names
         self._spokes = spokes if spokes is not None else Interner()
+        self._wall_offset = wall_offset
         self._job_labels: dict[int, str] = {}  # ids of the jobs with series, until the warm-up retires them
         self._ranks: SeriesCap[str] = SeriesCap(rank_limit, expire_after_s)
         self._gpus: SeriesCap[str] = SeriesCap(rank_limit, expire_after_s)
+        # (job, rank or GPU) -> the labels its rows go under, as admitted when its window closed
+        self._rank_labels: dict[tuple[str, str], tuple[str, str]] = {}
+        self._gpu_labels: dict[tuple[str, str], tuple[str, str]] = {}
         self._lock = threading.Lock()
         self._stall: dict[tuple[str, ...], float] = defaultdict(float)
         self._compute: dict[tuple[str, ...], float] = defaultdict(float)
@@ -53,27 +69,52 @@ class CorrelatorMetrics:
         self._warmup_bytes: dict[str, float] = {}
         self._regressions: dict[str, float] = {}
         self._job_stall: dict[str, float] = defaultdict(float)
+        self._stamp: dict[str, float] = {}  # job -> unix time its series are published at
+        # job -> (stamp, its series by job table) per window published since the last scrape
+        self._unscraped: dict[str, list[tuple[float, list[dict[tuple[str, ...], float]]]]] = {}
         self._whatif: dict[float, float] = {}
         self._whatif_curve: WhatIfCurve | None = None
+        self._whatif_stamp: float | None = None
         self._windows = 0
+        self._now = 0  # the newest closed window's end (ns): the caps' clock
         self._late: dict[str, int] = {}
         self._dropped: dict[tuple[str, str], int] = {}
         self._record_errors: dict[tuple[str, str], int] = {}
 
     def observe(self, result: WindowResult) -> None:
-        name = self._job_label
-        now = result.end_ns
+        """Every closed window, after the hold took it: node-wide results, and jobs the warm-up retired."""
         with self._lock:
             self._windows += 1
-            self._expire(now)
+            self._now = max(self._now, result.end_ns)
+            # A rank or GPU is seen when its rows close, held or not: a job held through a stall keeps its series.
+            for part in (result, *result.earlier):
+                for r in part.ranks:
+                    self._seen((self._job_label(r.job), str(r.rank)), self._ranks, self._rank_labels)
+                for g in part.gpus:
+                    self._seen((self._job_label(g.job), str(g.gpu)), self._gpus, self._gpu_labels)
+            self._expire(self._now)
+            self._whatif.update(result.whatif)
+            self._whatif_curve = result.whatif_curve or self._whatif_curve
+            self._whatif_stamp = _later(unix_seconds(result.end_ns, self._wall_offset()), self._whatif_stamp)
+            for retired in result.retired_jobs:
+                self._forget(self._job_labels.pop(retired, "") or self._job_names(retired))
+
+    def publish(self, publication: Publication) -> None:
+        """One window of the jobs the hold released, into the counters and gauges, stamped with its end."""
+        result = publication.result
+        name = self._job_label
+        stamp = unix_seconds(result.end_ns, publication.wall_offset_ns)
+        with self._lock:
+            for job_id in result.job_ids():
+                self._stamp[name(job_id)] = _later(stamp, self._stamp.get(name(job_id)))
             for r in result.ranks:
-                labels = self._ranks.admit(name(r.job), str(r.rank), now)
+                labels = self._labels((name(r.job), str(r.rank)), self._ranks, self._rank_labels)
                 self._compute[labels] += r.compute_s
                 self._ratio[labels] = r.input_bound_ratio
                 for cause, seconds in zip(CAUSES, r.stall_s, strict=True):
                     self._stall[(*labels, cause)] += seconds
             for g in result.gpus:
-                job_gpu = self._gpus.admit(name(g.job), str(g.gpu), now)
+                job_gpu = self._labels((name(g.job), str(g.gpu)), self._gpus, self._gpu_labels)
                 for cause, seconds in zip(CAUSES, g.idle_s, strict=True):
                     self._gpu_idle[(*job_gpu, cause)] += seconds
             for j in result.jobs:
@@ -84,11 +125,21 @@ class CorrelatorMetrics:
                 self._warmup_idle[job] = j.warmup_idle_gpu_s
                 self._warmup_bytes[job] = j.warmup_hub_bytes
                 self._regressions[job] = j.regressions
-                self._job_stall[job] += j.stalled_s
-            self._whatif.update(result.whatif)
-            self._whatif_curve = result.whatif_curve or self._whatif_curve
-            for retired in result.retired_jobs:
-                self._forget(self._job_labels.pop(retired, "") or self._job_names(retired))
+            for job_id, spans in result.stall_spans.items():
+                self._job_stall[name(job_id)] += stalled_seconds(spans)
+            for job_id in result.job_ids():
+                self._snapshot(name(job_id))
+
+    def _seen(self, pair: tuple[str, str], cap: SeriesCap[str], labels: dict[tuple[str, str], tuple[str, str]]) -> None:
+        """A (job, rank or GPU) pair had a row in a closed window: admitted (a fold counted) once per row."""
+        labels[pair] = cap.admit(*pair, self._now)
+
+    def _labels(self, pair: tuple[str, str], cap: SeriesCap[str],
+                labels: dict[tuple[str, str], tuple[str, str]]) -> tuple[str, str]:
+        """The labels a published row of the pair goes under: as admitted when its window closed."""
+        if pair not in labels:
+            self._seen(pair, cap, labels)
+        return labels[pair]
 
     def _job_label(self, job: int) -> str:
         """A job id's name, looked up once: windows close after the interner may have let the id go."""
@@ -98,22 +149,33 @@ class CorrelatorMetrics:
         return label
 
     def _expire(self, now: int) -> None:
-        for labels in self._ranks.expire(now):
+        for labels in self._expired(now, self._ranks, self._rank_labels):
             self._compute.pop(labels, None)
             self._ratio.pop(labels, None)
             for cause in CAUSES:
                 self._stall.pop((*labels, cause), None)
-        for labels in self._gpus.expire(now):
+        for labels in self._expired(now, self._gpus, self._gpu_labels):
             for cause in CAUSES:
                 self._gpu_idle.pop((*labels, cause), None)
+
+    @staticmethod
+    def _expired(now: int, cap: SeriesCap[str], labels: dict[tuple[str, str], tuple[str, str]]) -> set[tuple[str, str]]:
+        """The cap's expired label pairs, no longer looked up for published rows."""
+        gone = set(cap.expire(now))
+        for pair in [pair for pair, given in labels.items() if given in gone or pair in gone]:
+            del labels[pair]
+        return gone
 
     def _forget(self, job: str) -> None:
         """A retired job's series go, so a node's series stay bounded by its live jobs."""
         for table in (self._stall, self._compute, self._ratio, self._gpu_idle):
             for labels in [labels for labels in table if labels[0] == job]:
                 del table[labels]
+        for given in (self._rank_labels, self._gpu_labels):
+            for pair in [pair for pair in given if pair[0] == job]:
+                del given[pair]
         for per_job in (self._phase, self._time_to_steady, self._warmup_idle, self._warmup_bytes,
-                        self._regressions, self._job_stall):
+                        self._regressions, self._job_stall, self._stamp, self._unscraped):
             per_job.pop(job, None)
 
     def set_losses(self, late: Mapping[str, int], dropped: Mapping[tuple[str, str], int],
@@ -121,34 +183,72 @@ class CorrelatorMetrics:
         with self._lock:
             self._late, self._dropped, self._record_errors = dict(late), dict(dropped), dict(record_errors)
 
+    def _job_tables(self) -> list[tuple[AnyMetricDef, Mapping[tuple[str, ...], float]]]:
+        """The per-job series now, each keyed by its labels, the job first."""
+        c = catalogue
+        return [
+            (c.STALL_SECONDS, self._stall),
+            (c.COMPUTE_SECONDS, self._compute),
+            (c.INPUT_BOUND_RATIO, self._ratio),
+            (c.GPU_STALL_IDLE_SECONDS, self._gpu_idle),
+            (c.WARMUP_TIME_TO_STEADY, {(j,): v for j, v in self._time_to_steady.items()}),
+            (c.WARMUP_IDLE_GPU_SECONDS, {(j,): v for j, v in self._warmup_idle.items()}),
+            (c.WARMUP_HUB_BYTES, {(j,): v for j, v in self._warmup_bytes.items()}),
+            (c.WARMUP_REGRESSIONS, {(j,): v for j, v in self._regressions.items()}),
+            (c.JOB_STALL_SECONDS, {(j,): v for j, v in self._job_stall.items()}),
+            (c.WARMUP_PHASE, {(j, p): float(p == phase) for j, phase in self._phase.items() for p in PHASES}),
+        ]
+
+    def _snapshot(self, job: str) -> None:
+        """Keep the job's series as published now until a scrape took them (see `collect`)."""
+        values = [{labels: value for labels, value in table.items() if labels[0] == job}
+                  for _, table in self._job_tables()]
+        snapshots = self._unscraped.setdefault(job, [])
+        snapshots.append((self._stamp[job], values))
+        del snapshots[:-UNSCRAPED_WINDOWS]  # unscraped (no Prometheus yet): memory stays bounded
+
     def collect(self) -> Iterator[Metric]:
+        """Per-job series at their windows' times: first the windows published since the last scrape (a
+        stall's held windows go out together), each once, then every series as it is now. Prometheus
+        takes several samples of a series in one scrape when their timestamps rise, and counts an older
+        one sent again as out of order: so a second scraper sees only the latest of such windows."""
         c = catalogue
         spoke = whatif_spoke_label(self._spokes)  # read at scrape time: spoke collectors intern after this is built
         with self._lock:
             curve = self._whatif_curve
-            tables: list[tuple[Any, Mapping[tuple[str, ...], float]]] = [
-                (c.STALL_SECONDS.family(), self._stall),
-                (c.COMPUTE_SECONDS.family(), self._compute),
-                (c.INPUT_BOUND_RATIO.family(), self._ratio),
-                (c.GPU_STALL_IDLE_SECONDS.family(), self._gpu_idle),
-                (c.WARMUP_TIME_TO_STEADY.family(), {(j,): v for j, v in self._time_to_steady.items()}),
-                (c.WARMUP_IDLE_GPU_SECONDS.family(), {(j,): v for j, v in self._warmup_idle.items()}),
-                (c.WARMUP_HUB_BYTES.family(), {(j,): v for j, v in self._warmup_bytes.items()}),
-                (c.WARMUP_REGRESSIONS.family(), {(j,): v for j, v in self._regressions.items()}),
-                (c.JOB_STALL_SECONDS.family(), {(j,): v for j, v in self._job_stall.items()}),
-                (c.CACHE_WHATIF_HIT_RATIO.family(), {(spoke, f"{f:g}"): v for f, v in self._whatif.items()}),
-                (c.CACHE_WHATIF_SAMPLING.family(), {(spoke,): curve.sample_rate} if curve else {}),
-                (c.CACHE_WHATIF_KEYS.family(), {(spoke,): curve.keys} if curve else {}),
-                (c.CORRELATOR_WINDOWS.family(), {(): self._windows}),
-                (c.CORRELATOR_LATE_EVENTS.family(), {(k,): v for k, v in self._late.items()}),
-                (c.CORRELATOR_DROPPED_EVENTS.family(), {k: v for k, v in self._dropped.items()}),
-                (c.CORRELATOR_FOLDED_LABELS.family(), {("rank",): self._ranks.folded, ("gpu",): self._gpus.folded}),
-                (c.CORRELATOR_RECORD_ERRORS.family(), {k: v for k, v in self._record_errors.items()}),
-                (c.WARMUP_PHASE.family(), {(j, p): float(p == phase) for j, phase in self._phase.items()
-                                           for p in PHASES}),
+            job_tables = self._job_tables()
+            families: list[Any] = [metric.family() for metric, _ in job_tables]
+            for snapshots in self._unscraped.values():
+                for stamp, values in snapshots[:-1]:  # the last is the state now, below
+                    for family, then in zip(families, values, strict=True):
+                        for labels, value in sorted(then.items()):
+                            family.add_metric(list(labels), float(value), timestamp=stamp)
+            self._unscraped.clear()
+            for family, (_, table) in zip(families, job_tables, strict=True):
+                for labels, value in sorted(table.items()):
+                    family.add_metric(list(labels), float(value), timestamp=self._stamp.get(labels[0]))
+            node_tables: list[tuple[Any, Mapping[tuple[str, ...], float], float | None]] = [
+                (c.CACHE_WHATIF_HIT_RATIO.family(), {(spoke, f"{f:g}"): v for f, v in self._whatif.items()},
+                 self._whatif_stamp),
+                (c.CACHE_WHATIF_SAMPLING.family(), {(spoke,): curve.sample_rate} if curve else {},
+                 self._whatif_stamp),
+                (c.CACHE_WHATIF_KEYS.family(), {(spoke,): curve.keys} if curve else {}, self._whatif_stamp),
+                # Operational: stamped by Prometheus at the scrape.
+                (c.CORRELATOR_WINDOWS.family(), {(): self._windows}, None),
+                (c.CORRELATOR_LATE_EVENTS.family(), {(k,): v for k, v in self._late.items()}, None),
+                (c.CORRELATOR_DROPPED_EVENTS.family(), {k: v for k, v in self._dropped.items()}, None),
+                (c.CORRELATOR_FOLDED_LABELS.family(), {("rank",): self._ranks.folded, ("gpu",): self._gpus.folded},
+                 None),
+                (c.CORRELATOR_RECORD_ERRORS.family(), {k: v for k, v in self._record_errors.items()}, None),
             ]
-            for family, values in tables:
-                for labels, value in sorted(values.items()):
-                    family.add_metric(list(labels), float(value))
-        for family, _ in tables:
+            for family, node_values, node_stamp in node_tables:
+                for labels, value in sorted(node_values.items()):
+                    family.add_metric(list(labels), float(value), timestamp=node_stamp)
+        yield from families
+        for family, _, _ in node_tables:
             yield family
+
+
+def _later(stamp: float, previous: float | None) -> float:
+    """`stamp`, or just after `previous` if the wall clock stepped back: a series' samples only move forward."""
+    return stamp if previous is None or stamp > previous else previous + 0.001

@@ -1,8 +1,9 @@
 """`stallwatch correlate FILE`: the agent's correlator pipeline over a recorded event file.
 
-Writes one JSON line per closed window (to stdout, or `--record-windows PATH`), then a per-rank
-summary of stall seconds by cause on stderr. The file is what `stallwatch agent --correlator.record-events`
-writes (format in eventfile.py).
+Writes one JSON line per published window (to stdout, or `--record-windows PATH`), as the agent's
+window file would (through the same window hold, at the wall-clock times the file recorded), then a
+per-rank summary of stall seconds by cause on stderr. The file is what `stallwatch agent
+--correlator.record-events` writes (format in eventfile.py).
 """
 
 from __future__ import annotations
@@ -14,9 +15,9 @@ from collections.abc import Sequence
 
 from stallwatch.catalogue import CAUSES
 from stallwatch.correlator import settings
-from stallwatch.correlator.eventfile import EventFileError, read_events
+from stallwatch.correlator.eventfile import EventFileError, read_events, recorded_wall_offset
+from stallwatch.correlator.hold import Publication, WindowHold
 from stallwatch.correlator.pipeline import CorrelatorPipeline
-from stallwatch.correlator.results import WindowResult
 from stallwatch.correlator.windowfile import WindowFileWriter
 
 
@@ -25,17 +26,28 @@ def main(argv: Sequence[str]) -> int:
     parser.add_argument("file", metavar="FILE", help="event file recorded by the agent")
     settings.add_arguments(parser.add_argument_group("correlator"), "")
     options = parser.parse_args(argv)
-    window_file = WindowFileWriter(options.correlator_record_windows or sys.stdout)
     totals: dict[tuple[int, int], list[float]] = defaultdict(lambda: [0.0] * len(CAUSES))
 
-    def summarise(result: WindowResult) -> None:
-        for row in result.ranks:
+    def summarise(publication: Publication) -> None:
+        for row in publication.result.ranks:
             totals[(row.job, row.rank)] = [a + b for a, b in zip(totals[(row.job, row.rank)], row.stall_s,
                                                                  strict=True)]
 
-    correlator = CorrelatorPipeline(settings.from_options(options), listeners=[window_file.write, summarise])
+    try:
+        offset = recorded_wall_offset(options.file)
+    except (OSError, EventFileError) as error:
+        print(f"stallwatch correlate: error: {error}", file=sys.stderr)
+        return 1
+    if offset is None:
+        print("stallwatch correlate: the file records no wall-clock offset (version 1): window times are the "
+              "node's monotonic clock", file=sys.stderr)
+    window_file = WindowFileWriter(options.correlator_record_windows or sys.stdout)
+    chosen = settings.from_options(options)
+    hold = WindowHold(chosen.retention_s, [window_file.write, summarise], wall_offset=lambda: offset or 0)
+    correlator = CorrelatorPipeline(chosen, listeners=[hold.add])
     try:
         correlator.run(read_events(options.file))
+        hold.flush()
     except (OSError, EventFileError) as error:
         print(f"stallwatch correlate: error: {error}", file=sys.stderr)
         return 1

@@ -1,12 +1,23 @@
-"""What one closed window yields: per rank, per GPU, per job, and the cache what-if."""
+"""What one closed window yields: per rank, per GPU, per job, and the cache what-if.
+
+A window's result also carries the pieces of its stalls that lie in earlier windows (`earlier`: a long
+wait is cut at window boundaries), each job's stall spans (so that pieces merged into a window keep
+the job's stalled seconds a union in time), and how far each rank's timeline is known (`known_ns`),
+which is when the window hold (hold.py) may publish a job's window.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import dataclasses
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from stallwatch.catalogue import CAUSES
+from stallwatch.correlator.intervals import I64, union_length
+from stallwatch.correlator.wallclock import unix_seconds
 
 NameLookup = Callable[[int], str]  # a small id (job, spoke) -> the name it was interned from
 
@@ -58,6 +69,15 @@ class WhatIfCurve:
     keys: int
 
 
+Spans = tuple[I64, I64]  # starts and ends (ns) of stall intervals
+
+
+def stalled_seconds(spans: Spans) -> float:
+    """The length of the union of the spans, in seconds."""
+    starts, ends = spans
+    return float(union_length(np.zeros(starts.size, dtype=np.int64), starts, ends, 1)[0]) / 1e9
+
+
 @dataclass(frozen=True)
 class WindowResult:
     start_ns: int
@@ -68,12 +88,32 @@ class WindowResult:
     whatif: dict[float, float] = field(default_factory=dict)  # capacity factor -> hit ratio
     retired_jobs: tuple[int, ...] = ()
     whatif_curve: WhatIfCurve | None = None  # None before the curve saw a reference
+    # Per job, its stall intervals clipped to this window: JobRow.stalled_s is their union.
+    stall_spans: Mapping[int, Spans] = field(default_factory=dict, compare=False)
+    # The pieces of this window's stalls in earlier windows, one result per window (no job rows, no steps).
+    earlier: tuple[WindowResult, ...] = ()
+    # Per (job, rank) seen here or buffered for later windows: the rank's timeline is complete up to this
+    # time (ns); no later stall of it can reach back before it.
+    known_ns: Mapping[tuple[int, int], int] = field(default_factory=dict)
 
-    def record(self, job_names: NameLookup) -> dict[str, Any]:
-        """The window as one JSON-ready row (a line of the window file)."""
+    def job_ids(self) -> set[int]:
+        return ({r.job for r in self.ranks} | {g.job for g in self.gpus} | {j.job for j in self.jobs}
+                | set(self.stall_spans))
+
+    def of_jobs(self, jobs: set[int]) -> WindowResult:
+        """This window's rows of the given jobs only (no earlier pieces, no known times, no retirements)."""
+        return dataclasses.replace(
+            self, ranks=tuple(r for r in self.ranks if r.job in jobs),
+            gpus=tuple(g for g in self.gpus if g.job in jobs),
+            jobs=tuple(j for j in self.jobs if j.job in jobs),
+            retired_jobs=(),
+            stall_spans={j: s for j, s in self.stall_spans.items() if j in jobs}, earlier=(), known_ns={})
+
+    def record(self, job_names: NameLookup, wall_offset_ns: int) -> dict[str, Any]:
+        """The window as one JSON-ready row (a line of the window file), its bounds in unix seconds."""
         return {
-            "start_s": self.start_ns / 1e9,
-            "end_s": self.end_ns / 1e9,
+            "start_s": unix_seconds(self.start_ns, wall_offset_ns),
+            "end_s": unix_seconds(self.end_ns, wall_offset_ns),
             "ranks": [
                 {"job": job_names(r.job), "rank": r.rank, "steps": r.steps, "wait_s": r.wait_s,
                  "compute_s": r.compute_s, "input_bound_ratio": r.input_bound_ratio,
@@ -95,3 +135,41 @@ class WindowResult:
             "whatif_sample_rate": self.whatif_curve.sample_rate if self.whatif_curve else None,
             "whatif_keys": self.whatif_curve.keys if self.whatif_curve else None,
         }
+
+
+def combine(parts: Iterable[WindowResult]) -> WindowResult:
+    """Parts of one window as one: several jobs' rows, or a held window and pieces of later stalls booked
+    in it. The first part gives the window's bounds and a job's warm-up row, the first with a what-if the
+    what-if; rank and GPU rows of the same key add up, and a job's stalled seconds become the union of all
+    its spans."""
+    first, *rest = parts
+    ranks = {(r.job, r.rank): r for r in first.ranks}
+    gpus = {(g.job, g.gpu): g for g in first.gpus}
+    jobs = {j.job: j for j in first.jobs}
+    spans = dict(first.stall_spans)
+    for part in rest:
+        for r in part.ranks:
+            had = ranks.get((r.job, r.rank))
+            ranks[(r.job, r.rank)] = r if had is None else RankRow(
+                r.job, r.rank, had.steps + r.steps, had.wait_s + r.wait_s, had.compute_s + r.compute_s,
+                _add(had.stall_s, r.stall_s))
+        for g in part.gpus:
+            had_gpu = gpus.get((g.job, g.gpu))
+            gpus[(g.job, g.gpu)] = g if had_gpu is None else GpuRow(g.job, g.gpu, _add(had_gpu.idle_s, g.idle_s))
+        for j in part.jobs:
+            jobs.setdefault(j.job, j)
+        for job, (starts, ends) in part.stall_spans.items():
+            had_spans = spans.get(job)
+            spans[job] = (starts, ends) if had_spans is None else (np.concatenate((had_spans[0], starts)),
+                                                                   np.concatenate((had_spans[1], ends)))
+    rows = tuple(dataclasses.replace(j, stalled_s=stalled_seconds(spans[j.job])) if j.job in spans else j
+                 for j in jobs.values())
+    return dataclasses.replace(
+        first, ranks=tuple(ranks[k] for k in sorted(ranks)), gpus=tuple(gpus[k] for k in sorted(gpus)),
+        jobs=tuple(sorted(rows, key=lambda j: j.job)), stall_spans=spans,
+        whatif=next((p.whatif for p in (first, *rest) if p.whatif), {}),
+        whatif_curve=next((p.whatif_curve for p in (first, *rest) if p.whatif_curve), None))
+
+
+def _add(a: tuple[float, ...], b: tuple[float, ...]) -> tuple[float, ...]:
+    return tuple(x + y for x, y in zip(a, b, strict=True))

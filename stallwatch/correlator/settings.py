@@ -61,6 +61,9 @@ def add_arguments(group: argparse._ArgumentGroup, prefix: str) -> None:
                        help="initial share of keys the what-if samples; it lowers itself once it tracks its cap "
                        "of keys, to bound memory "
                        "(default: %(default)s)")
+    group.add_argument(f"--{prefix}warmup-span", dest="correlator_warmup_span", type=positive_float,
+                       default=defaults.warmup.span_s, metavar="SECONDS",
+                       help="event time the warm-up phases are judged over, in whole windows (default: %(default)s)")
     group.add_argument(f"--{prefix}record-windows", dest="correlator_record_windows", default=None, metavar="PATH",
                        help="append every closed window to PATH as a JSON line")
 
@@ -74,4 +77,5 @@ def from_options(options: argparse.Namespace) -> CorrelatorSettings:
         max_buffered_events=options.correlator_max_buffered_events,
         cache_capacity_bytes=options.correlator_cache_capacity,
         whatif_sample_rate=options.correlator_whatif_sample_rate,
+        warmup=WarmupSettings(span_s=options.correlator_warmup_span),
     )

@@ -6,18 +6,23 @@ per-event work is array work. The only Python loops run per job or per rank, nev
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Mapping
+
 import numpy as np
+import numpy.typing as npt
 
 from stallwatch.catalogue import CAUSES
-from stallwatch.correlator.attribution import Reads, Steps, attribute, gpu_idle_in_stalls
-from stallwatch.correlator.intervals import composite_key, union_length
-from stallwatch.correlator.results import GpuRow, JobRow, RankRow, WhatIfCurve, WindowResult
+from stallwatch.correlator.attribution import Attribution, Reads, Steps, gpu_idle_in_stalls
+from stallwatch.correlator.cuts import CutSteps, EarlyBooking, attribute_cut, cut_at_windows
+from stallwatch.correlator.intervals import composite_key
+from stallwatch.correlator.results import GpuRow, JobRow, RankRow, Spans, WhatIfCurve, WindowResult, stalled_seconds
 from stallwatch.correlator.settings import CorrelatorSettings, seconds_to_ns
 from stallwatch.correlator.verdicts import LatencySplit, join_spoke
 from stallwatch.correlator.warmup import JobWindow, WarmupTracker
 from stallwatch.correlator.whatif import MissRatioCurve
 from stallwatch.correlator.windows import WindowInput
-from stallwatch.eventbatch import Verdict
+from stallwatch.eventbatch import Columns, Verdict
 
 WHATIF_FACTORS = (0.5, 1.0, 2.0, 4.0)
 
@@ -28,6 +33,45 @@ def _group(*columns: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         return np.zeros((0, len(columns)), dtype=np.int64), np.zeros(0, dtype=np.int64)
     _, first, inverse = np.unique(composite_key(*columns), return_index=True, return_inverse=True)
     return np.stack([c[first].astype(np.int64) for c in columns], axis=1), inverse.reshape(-1)
+
+
+def _steps(columns: Columns) -> Steps:
+    return Steps(*(columns[name].astype(np.int64) for name in
+                   ("job", "rank", "gpu", "batch", "wait_start_ns", "wait_end_ns", "compute_end_ns", "ready_ns")))
+
+
+def _spans(steps: Steps, stalled: npt.NDArray[np.bool_]) -> dict[int, Spans]:
+    """Per job, the intervals its stalled rows waited."""
+    return {job: (steps.wait_start[mine], steps.wait_end[mine])
+            for job in np.unique(steps.job[stalled]).tolist()
+            for mine in [stalled & (steps.job == job)]}
+
+
+def _stalled(steps: Steps, threshold_ns: int) -> npt.NDArray[np.bool_]:
+    stalled: npt.NDArray[np.bool_] = np.maximum(steps.wait_end - steps.wait_start, 0) > threshold_ns
+    return stalled
+
+
+def _known_until(steps: Steps, later: Steps | None, booking: EarlyBooking,
+                 threshold_ns: int) -> dict[tuple[int, int], int]:
+    """Per (job, rank) with steps here or buffered for later windows: up to when its timeline is known.
+
+    A rank's next wait starts after its latest compute end, so nothing of it before that is still to come,
+    except the stall parts of steps buffered for later windows not booked yet: they are booked when their own
+    window closes, so the rank is known only up to the earliest of them."""
+    both = steps if later is None else Steps(*(np.concatenate((a, b)) for a, b in
+                                               zip(steps.columns(), later.columns(), strict=True)))
+    keys, group = _group(both.job, both.rank)
+    known = np.full(len(keys), np.iinfo(np.int64).min, dtype=np.int64)
+    np.maximum.at(known, group, both.compute_end)
+    if later is not None:
+        stalled = _stalled(later, threshold_ns)
+        begin = booking.unbooked_from(later, stalled, release=False)
+        pending = stalled & (begin < later.wait_end)
+        earliest = np.full(len(keys), np.iinfo(np.int64).max, dtype=np.int64)
+        np.minimum.at(earliest, group[len(steps):][pending], begin[pending])
+        known = np.minimum(known, earliest)
+    return {(int(k[0]), int(k[1])): int(t) for k, t in zip(keys, known, strict=True)}
 
 
 class WindowAnalyser:
@@ -41,6 +85,7 @@ class WindowAnalyser:
         self.whatif = MissRatioCurve(sample_rate=s.whatif_sample_rate, max_keys=s.whatif_max_keys)
         self.cache_capacity_bytes = s.cache_capacity_bytes
         self._first_seen: dict[int, int] = {}
+        self._booking = EarlyBooking()
 
     def __call__(self, window: WindowInput) -> WindowResult:
         s = self.settings
@@ -49,19 +94,32 @@ class WindowAnalyser:
         verdict = self._verdicts(raw, window)
         in_window = (raw["end_ns"] >= start) & (raw["end_ns"] < end)
         miss = verdict == Verdict.MISS
-        st = window.steps
-        steps = Steps(*(st[name].astype(np.int64) for name in
-                        ("job", "rank", "gpu", "batch", "wait_start_ns", "wait_end_ns", "compute_end_ns", "ready_ns")))
+        steps = _steps(window.steps)
         reads = Reads(raw["job"], raw["rank"], raw["batch"],
                       raw["start_ns"], raw["end_ns"], miss)
-        attribution = attribute(steps, reads, seconds_to_ns(s.stall_threshold_s))
+        threshold = seconds_to_ns(s.stall_threshold_s)
+        stalled = _stalled(steps, threshold)
+        later = _steps(window.later_steps) if window.later_steps else None
+        # This window's steps (less what earlier windows booked of them), then the stall parts of later steps
+        # booked now: counted as waits here, not as steps.
+        own = dataclasses.replace(steps, wait_start=self._booking.unbooked_from(steps, stalled, release=True))
+        early = self._booking.book(later, _stalled(later, threshold), reads, end) if later else own.take(slice(0, 0))
+        rows = Steps(*(np.concatenate((a, b)) for a, b in zip(own.columns(), early.columns(), strict=True)))
+        n = len(rows)
+        cut = cut_at_windows(rows, np.concatenate((stalled, np.ones(len(early), dtype=bool))), start, end - start)
+        attribution = attribute_cut(cut, n, reads, threshold)
         gpu = window.context["gpu_util"]
-        idle = gpu_idle_in_stalls(steps, attribution, gpu["ts_ns"], gpu["period_ns"], gpu["gpu"].astype(np.int64),
-                                  gpu["util"])
-
-        ranks = self._ranks(steps, attribution.wait_ns, attribution.compute_ns, attribution.cause_ns)
-        gpus = self._gpus(steps, idle)
-        jobs = self._jobs(window, steps, attribution.stalled, reads, in_window, raw["bytes"], idle)
+        idle = gpu_idle_in_stalls(cut.steps, attribution, gpu["ts_ns"], gpu["period_ns"],
+                                  gpu["gpu"].astype(np.int64), gpu["util"])
+        here = cut.steps.take(slice(0, n))
+        counted = np.arange(n) < len(steps)
+        ranks = self._ranks(here, attribution.wait_ns[:n], attribution.compute_ns[:n], attribution.cause_ns[:n],
+                            counted)
+        gpus = self._gpus(here, idle[:n])
+        spans = _spans(here, cut.stalled[:n])
+        # Warm-up takes the GPU idle time of the stalls booked now, in whichever window they lie.
+        idle_by_job = {job: float(idle[cut.steps.job == job].sum()) / 1e9 for job in np.unique(cut.steps.job).tolist()}
+        jobs = self._jobs(window, steps, stalled, reads, in_window, raw["bytes"], idle_by_job, spans)
         order = np.argsort(raw["end_ns"][in_window], kind="stable")
         self.whatif.feed(raw["key"][in_window][order], raw["bytes"][in_window][order])
         whatif: dict[float, float] = {}
@@ -74,7 +132,20 @@ class WindowAnalyser:
         for job in retired:
             self._first_seen.pop(job, None)
         curve = WhatIfCurve(self.whatif.sample_rate, self.whatif.keys) if self.whatif.references else None
-        return WindowResult(start, end, ranks, gpus, jobs, whatif, retired, curve)
+        earlier = tuple(self._earlier_piece(cut, attribution, idle, n, piece_start, end - start)
+                        for piece_start in np.unique(cut.window_start).tolist())
+        known = _known_until(steps, later, self._booking, threshold)
+        return WindowResult(start, end, ranks, gpus, jobs, whatif, retired, curve, spans, earlier, known)
+
+    def _earlier_piece(self, cut: CutSteps, attribution: Attribution, idle: np.ndarray, n: int, window_start: int,
+                       window_ns: int) -> WindowResult:
+        """The pieces of this window's stalls that lie in the earlier window at `window_start`."""
+        rows = n + np.flatnonzero(cut.window_start == window_start)
+        pieces = cut.steps.take(rows)
+        ranks = self._ranks(pieces, attribution.wait_ns[rows], attribution.compute_ns[rows],
+                            attribution.cause_ns[rows], np.zeros(rows.size, dtype=bool))
+        return WindowResult(window_start, window_start + window_ns, ranks, self._gpus(pieces, idle[rows]), (),
+                            stall_spans=_spans(pieces, np.ones(rows.size, dtype=bool)))
 
     def _verdicts(self, reads: dict[str, np.ndarray], window: WindowInput) -> np.ndarray:
         """Each read's verdict: its own, else the spoke's, else the learnt latency split's."""
@@ -93,12 +164,15 @@ class WindowAnalyser:
         return verdict
 
     @staticmethod
-    def _ranks(steps: Steps, wait: np.ndarray, compute: np.ndarray, causes: np.ndarray) -> tuple[RankRow, ...]:
+    def _ranks(steps: Steps, wait: np.ndarray, compute: np.ndarray, causes: np.ndarray,
+               counted: npt.NDArray[np.bool_]) -> tuple[RankRow, ...]:
+        """Per rank: its steps (the `counted` rows: not pieces of other windows' steps), wait, compute and stall
+        seconds."""
         keys, group = _group(steps.job, steps.rank)
         n = len(keys)
         waits = np.bincount(group, weights=wait, minlength=n) / 1e9
         computes = np.bincount(group, weights=compute, minlength=n) / 1e9
-        counts = np.bincount(group, minlength=n)
+        counts = np.bincount(group, weights=counted, minlength=n).astype(np.int64)
         stalls = np.stack([np.bincount(group, weights=causes[:, c], minlength=n) for c in range(len(CAUSES))],
                           axis=1) / 1e9
         return tuple(RankRow(int(k[0]), int(k[1]), int(c), float(w), float(p), tuple(map(float, s)))
@@ -113,12 +187,11 @@ class WindowAnalyser:
         return tuple(GpuRow(int(k[0]), int(k[1]), tuple(map(float, s))) for k, s in zip(keys, sums, strict=True))
 
     def _jobs(self, window: WindowInput, steps: Steps, stalled: np.ndarray, reads: Reads, in_window: np.ndarray,
-              sizes: np.ndarray, idle: np.ndarray) -> tuple[JobRow, ...]:
+              sizes: np.ndarray, idle_by_job: Mapping[int, float], spans: Mapping[int, Spans]) -> tuple[JobRow, ...]:
         read_jobs = reads.job[in_window]
         for job, first in self._earliest(steps, reads, in_window).items():
             self._first_seen[job] = min(self._first_seen.get(job, first), first)
         step_seconds = (steps.compute_end - steps.wait_start) / 1e9
-        idle_per_step = idle.sum(axis=1) / 1e9
         rows = []
         for job in sorted(set(self._first_seen) | set(self.warmup.jobs)):
             mine = steps.job == job
@@ -133,17 +206,15 @@ class WindowAnalyser:
                 reads=int(read_mine.sum()),
                 hits=int((read_mine & ~misses).sum()),
                 hub_bytes=int(sizes[in_window][misses].sum()),
-                stall_idle_gpu_seconds=float(idle_per_step[mine].sum()),
+                stall_idle_gpu_seconds=idle_by_job.get(job, 0.0),
                 stall_start_ns=steps.wait_start[mine & stalled],
                 stall_end_ns=steps.wait_end[mine & stalled],
             )
             state = self.warmup.update(job, window.start_ns, window.end_ns, seen, self._first_seen[job],
                                        complete=not window.final)
-            stalled_ns = union_length(np.zeros(seen.stall_start_ns.size, dtype=np.int64), seen.stall_start_ns,
-                                      seen.stall_end_ns, 1)[0]
             rows.append(JobRow(job, state.phase, state.hit_ratio, seen.reads, seen.hub_bytes,
                                state.time_to_steady_s, state.idle_gpu_seconds, state.hub_bytes, state.regressions,
-                               stalled_ns / 1e9))
+                               stalled_seconds(spans[job]) if job in spans else 0.0))
         return tuple(rows)
 
     def _known_ranks(self, job: int) -> int:

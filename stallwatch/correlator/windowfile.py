@@ -1,4 +1,10 @@
-"""Writes each closed window as one JSON line, for reports (`--correlator.record-windows PATH`)."""
+"""Writes each published window as one JSON line, for reports (`--correlator.record-windows PATH`).
+
+A line is what the metrics published at that moment (hold.py): one window's rows of the jobs released
+together, its bounds in unix seconds. Usually every job of a window goes out at once, one line per
+window; a job held for a stall gets a line of its own later, so a reader merges the lines of a window
+(the same `start_s`).
+"""
 
 from __future__ import annotations
 
@@ -6,8 +12,9 @@ import json
 from pathlib import Path
 from typing import TextIO
 
+from stallwatch.correlator.hold import Publication
 from stallwatch.correlator.recordfile import RecordFile
-from stallwatch.correlator.results import NameLookup, WindowResult
+from stallwatch.correlator.results import NameLookup
 
 
 class WindowFileWriter:
@@ -19,8 +26,8 @@ class WindowFileWriter:
         self._stream = target if not isinstance(target, (str, Path)) else None
         self._job_names = job_names
 
-    def write(self, result: WindowResult) -> None:
-        line = json.dumps(result.record(self._job_names)) + "\n"
+    def write(self, publication: Publication) -> None:
+        line = json.dumps(publication.result.record(self._job_names, publication.wall_offset_ns)) + "\n"
         if self.file is not None:
             self.file.append(line.encode())
         elif self._stream is not None:

@@ -5,8 +5,9 @@ spoke request by `end_ns`, a GPU sample by `ts_ns`. A window [start, end) closes
 (the newest event time seen, or the agent's clock, minus the allowed lateness) passes its end; an
 event whose time falls in a window already closed is late: counted by kind, then dropped.
 
-A closing window hands over its steps plus the context they need: the reads, spoke requests and GPU
-samples ending from `lookback` before its earliest stall up to the watermark, because a stall can
+A closing window hands over its steps, the steps buffered for later windows, and the context they need:
+the reads, spoke requests and GPU samples ending from `lookback` before its earliest stall (or that of a
+buffered step) up to the watermark, because a stall can
 reach back past the window's start (a 30 s hub outage) and a batch's reads precede its wait.
 Buffered context older than `retention` before the closed edge is let go.
 
@@ -108,6 +109,8 @@ class WindowInput:
     steps: Columns
     context: Mapping[str, Columns]
     final: bool  # closed by a flush at the end of input rather than by the watermark
+    # The steps already buffered for later windows: how far each rank's timeline is known (window_analysis.py).
+    later_steps: Columns = field(default_factory=dict)
 
 
 def _gather(parts: list[tuple[_Chunk, npt.NDArray[np.bool_] | None]], kind: str) -> Columns:
@@ -242,7 +245,10 @@ class EventTimeWindows:
                 later.append(chunk.subset("step", ~in_window))
         mine = _gather(parts, "step")
         self._keep("step", later)
-        earliest_need = int(mine["wait_start_ns"].min()) if mine["wait_start_ns"].size else start
+        later_steps = _gather([(chunk, None) for chunk in later], "step")
+        # Steps of later windows whose waits began already may be booked now too (cuts.py).
+        waits = np.concatenate((mine["wait_start_ns"], later_steps["wait_start_ns"]))
+        earliest_need = int(waits.min()) if waits.size else start
         horizon = max(min(earliest_need, start) - self.lookback_ns, start - self.retention_ns)
         context: dict[str, Columns] = {}
         for kind in CONTEXT_KINDS:
@@ -262,4 +268,4 @@ class EventTimeWindows:
         keep_from = end - self.retention_ns
         for kind in CONTEXT_KINDS:
             self._keep(kind, [c for c in self._buffers[kind] if c.high >= keep_from])
-        return WindowInput(start, end, mine, context, final)
+        return WindowInput(start, end, mine, context, final, later_steps)

@@ -2,63 +2,45 @@
 
 from __future__ import annotations
 
-import json
-import urllib.parse
-import urllib.request
-from typing import Any
-
 import numpy as np
 
 from stallwatch import catalogue as c
+from stallwatch.mixin.promql import by
+from stallwatch.report.api import PLAIN, Access, Labels, Prometheus
 from stallwatch.report.run import FloatArray, Run, Series
+from stallwatch.report.scope import EVERYTHING, Scope
 
 RATE_WINDOW_SECONDS = 15.0
 
 
-class Prometheus:
-    def __init__(self, url: str, timeout: float = 30.0) -> None:
-        self._url = url.rstrip("/")
-        self._timeout = timeout
-
-    def _get(self, path: str, params: dict[str, str]) -> Any:
-        query = urllib.parse.urlencode(params)
-        with urllib.request.urlopen(f"{self._url}{path}?{query}", timeout=self._timeout) as reply:
-            body = json.loads(reply.read())
-        if body.get("status") != "success":
-            raise RuntimeError(f"Prometheus: {body.get('error', body)}")
-        return body["data"]["result"]
-
-    def range(self, expr: str, start: float, end: float, step: float) -> list[tuple[dict[str, str], Series]]:
-        result = self._get("/api/v1/query_range",
-                           {"query": expr, "start": str(start), "end": str(end), "step": f"{step:.3f}"})
-        out = []
-        for item in result:
-            values = np.array(item["values"], dtype=np.float64).reshape(-1, 2)
-            out.append((item["metric"], Series(values[:, 0], values[:, 1])))
-        return out
-
-    def instant(self, expr: str, at: float) -> list[tuple[dict[str, str], float]]:
-        return [(item["metric"], float(item["value"][1])) for item in self._get("/api/v1/query",
-                                                                                 {"query": expr, "time": str(at)})]
-
-
-def _one(series: list[tuple[dict[str, str], Series]]) -> Series:
+def _one(series: list[tuple[Labels, Series]]) -> Series:
     return series[0][1] if series else Series.empty()
 
 
-def _scalar(values: list[tuple[dict[str, str], float]]) -> float | None:
+def _scalar(values: list[tuple[Labels, float]]) -> float | None:
     return max(v for _, v in values) if values else None
 
 
-def _phases_from(series: list[tuple[dict[str, str], Series]]) -> list[tuple[float, float, str]]:
-    """Contiguous spans of the phase whose gauge is 1."""
-    samples = sorted((t, labels["phase"]) for labels, s in series for t, v in zip(s.t, s.v, strict=True) if v >= 1)
+def phase_spans(phases: list[tuple[Labels, Series]], stamps: Series) -> list[tuple[float, float, str]]:
+    """Spans of the job's phases from the phase gauges (`max by (phase)`) and, on the same grid, the
+    timestamp of the sample each step saw (`timestamp()`).
+
+    The correlator stamps a window's series with the window's end, so each distinct stamp is one window,
+    covering the time since the stamp before it (the first: one typical gap before its own)."""
+    seen = {t: labels["phase"] for labels, series in phases for t, v in zip(series.t, series.v, strict=True) if v >= 1}
+    windows = {stamp: seen[t] for t, stamp in zip(stamps.t, stamps.v, strict=True) if t in seen}
+    ends = sorted(windows)
+    if not ends:
+        return []
+    gaps = np.diff(ends)
+    previous = ends[0] - (float(np.median(gaps)) if gaps.size else 0.0)
     spans: list[tuple[float, float, str]] = []
-    for t, phase in samples:
-        if spans and spans[-1][2] == phase:
-            spans[-1] = (spans[-1][0], t, phase)
+    for end in ends:
+        if spans and spans[-1][2] == windows[end]:
+            spans[-1] = (spans[-1][0], end, windows[end])
         else:
-            spans.append((t, t, phase))
+            spans.append((previous, end, windows[end]))
+        previous = end
     return spans
 
 
@@ -85,32 +67,46 @@ def counter_rates(prometheus: Prometheus, counter: str, group: str, start: float
     return {key: Series(grid, np.convolve(inc, kernel)[: grid.size] / (width * step)) for key, inc in totals.items()}
 
 
-def run_from_prometheus(url: str, start: float, end: float) -> Run:
-    prometheus = Prometheus(url)
+def gpu_utilization_query(scope: Scope, window: float, run_seconds: float) -> str:
+    """Mean utilization of the scope's GPUs; for a job, the GPUs the correlator saw its ranks on during the run
+    (its GPU map, as the dashboards join it), looked up once over the whole run (`@ end()`)."""
+    per_gpu = f"avg_over_time({scope.select(c.GPU_UTILIZATION)}[{window:.0f}s])"
+    if scope.job is not None:
+        seen = f"last_over_time({scope.select(c.GPU_STALL_IDLE_SECONDS)}[{run_seconds + window:.0f}s] @ end())"
+        per_gpu = f"{per_gpu} and on (instance, gpu) {by('instance, gpu', 'group', seen)}"
+    return by("", "avg", per_gpu)
+
+
+def run_from_prometheus(url: str, start: float, end: float, scope: Scope = EVERYTHING,
+                        access: Access = PLAIN) -> Run:
+    prometheus = Prometheus(url, access)
     step = max(1.0, (end - start) / 400)
     window = max(RATE_WINDOW_SECONDS, 5 * step)
 
     def rates(counter: str, group: str = "") -> dict[str, Series]:
         return counter_rates(prometheus, counter, group, start, end, step, window)
 
-    run = Run(start, end)
-    run.gpu_utilization = _one(prometheus.range(
-        f"avg(avg_over_time({c.GPU_UTILIZATION.name}[{window:.0f}s]))", start, end, step))
-    run.steps_per_second = rates(f"{c.STEP_COMPUTE.name}_count").get("", Series.empty())
-    by_result = rates(c.SPOKE_REQUESTS.name, "result")
+    def latest(expr: str) -> float | None:
+        return _scalar(prometheus.instant(by("", "max", expr), end))
+
+    run = Run(start, end, job=scope.job, node=scope.node)
+    run.gpu_utilization = _one(prometheus.range(gpu_utilization_query(scope, window, end - start), start, end, step))
+    run.steps_per_second = rates(scope.select(c.STEP_COMPUTE, suffix="_count")).get("", Series.empty())
+    by_result = rates(scope.select(c.SPOKE_REQUESTS), "result")
     if by_result:
         grid = next(iter(by_result.values())).t
         total = np.sum([series.v for series in by_result.values()], axis=0)
         hits = by_result["hit"].v if "hit" in by_result else np.zeros_like(total)
         run.hit_ratio = Series(grid, np.divide(hits, total, out=np.full_like(total, np.nan), where=total > 0))
-    run.hub_bytes_per_second = rates(c.SPOKE_BYTES.name, "source").get("hub", Series.empty())
-    run.stall_by_cause = rates(c.STALL_SECONDS.name, "cause")
-    run.phases = _phases_from(prometheus.range(f"max by (phase) ({c.WARMUP_PHASE.name})", start, end, step))
-    if run.phases and run.phases[0][2] == "cold":  # the first window is published only once it closes
-        run.phases[0] = (start, *run.phases[0][1:])
-    run.time_to_steady_seconds = _scalar(prometheus.instant(f"max({c.WARMUP_TIME_TO_STEADY.name})", end))
-    run.warmup_idle_gpu_seconds = _scalar(prometheus.instant(f"max({c.WARMUP_IDLE_GPU_SECONDS.name})", end))
-    run.warmup_hub_bytes = _scalar(prometheus.instant(f"max({c.WARMUP_HUB_BYTES.name})", end))
-    for labels, value in prometheus.instant(f"max by (capacity_factor) ({c.CACHE_WHATIF_HIT_RATIO.name})", end):
+    run.hub_bytes_per_second = rates(scope.select(c.SPOKE_BYTES), "source").get("hub", Series.empty())
+    run.stall_by_cause = rates(scope.select(c.STALL_SECONDS), "cause")
+    phase = scope.select(c.WARMUP_PHASE)
+    run.phases = phase_spans(prometheus.range(by("phase", "max", phase), start, end, step),
+                             _one(prometheus.range(by("", "max", f"timestamp({phase})"), start, end, step)))
+    run.time_to_steady_seconds = latest(scope.select(c.WARMUP_TIME_TO_STEADY))
+    run.warmup_idle_gpu_seconds = latest(scope.select(c.WARMUP_IDLE_GPU_SECONDS))
+    run.warmup_hub_bytes = latest(scope.select(c.WARMUP_HUB_BYTES))
+    whatif = by("capacity_factor", "max", scope.select(c.CACHE_WHATIF_HIT_RATIO))
+    for labels, value in prometheus.instant(whatif, end):
         run.whatif[labels["capacity_factor"]] = value
     return run

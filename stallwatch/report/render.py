@@ -33,6 +33,10 @@ def _figure_png(draw: Any, height: float = 2.2) -> str:
     return base64.b64encode(buffer.getvalue()).decode()
 
 
+def _clock(t: float, with_date: bool = False) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S" if with_date else "%H:%M:%S", time.gmtime(t))
+
+
 def _shade(axis: Any, run: Run) -> None:
     for start, end, phase in run.phases:
         axis.axvspan(start - run.start, max(end, start + 1) - run.start, color=PHASE_COLOURS.get(phase, "#ddd"),
@@ -44,7 +48,7 @@ def _timeline(run: Run, series: Series, label: str, unit: str, scale: float = 1.
         _shade(axis, run)
         axis.plot(series.t - run.start, series.v * scale, lw=1.5, color="#333")
         axis.set_ylabel(f"{label} ({unit})" if unit else label)
-        axis.set_xlabel("seconds since start")
+        axis.set_xlabel(f"seconds since {_clock(run.start)} UTC")
         axis.set_xlim(0, run.end - run.start)
         axis.grid(alpha=0.3)
 
@@ -61,7 +65,7 @@ def _stalls(run: Run) -> str:
             axis.stackplot(t - run.start, *stacked, labels=causes, colors=[CAUSE_COLOURS[k] for k in causes])
             axis.legend(loc="upper right", fontsize=8)
         axis.set_ylabel("stall s per s")
-        axis.set_xlabel("seconds since start")
+        axis.set_xlabel(f"seconds since {_clock(run.start)} UTC")
         axis.set_xlim(0, run.end - run.start)
         axis.grid(alpha=0.3)
 
@@ -70,6 +74,16 @@ def _stalls(run: Run) -> str:
 
 def _fmt(value: float | None, unit: str = "", digits: int = 1) -> str:
     return "n/a" if value is None else f"{value:,.{digits}f}{unit}"
+
+
+def _header(run: Run) -> str:
+    """When the run was (UTC wall clock), what it covers and its phases' spans."""
+    same_day = time.gmtime(run.start)[:3] == time.gmtime(run.end)[:3]
+    scope = "".join(f", {kind} {html.escape(name)}" for kind, name in (("job", run.job), ("node", run.node)) if name)
+    spans = ", ".join(f"{html.escape(phase)} {_clock(start)}&ndash;{_clock(end)}" for start, end, phase in run.phases)
+    return (f"Run from {_clock(run.start, True)} to {_clock(run.end, not same_day)} UTC "
+            f"({run.end - run.start:,.0f} s){scope}."
+            f'<br><span id="phases">Phases: {spans or "none seen"}</span>')
 
 
 def render_html(run: Run, price_per_gb: float) -> str:
@@ -90,7 +104,6 @@ def render_html(run: Run, price_per_gb: float) -> str:
                       for phase, colour in PHASE_COLOURS.items())
     blocks = "".join(f'<h2>{html.escape(title)}</h2><img alt="{html.escape(title)}" src="data:image/png;base64,{png}">'
                      for title, png in figures)
-    when = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(run.start))
     return f"""<!doctype html>
 <html lang="en"><head><meta charset="utf-8"><title>stallwatch warm-up report</title>
 <style>body{{font-family:sans-serif;max-width:1040px;margin:2em auto;color:#222}}
@@ -98,7 +111,8 @@ table{{border-collapse:collapse}}td,th{{border:1px solid #ccc;padding:4px 10px;t
 img{{width:100%}}.k{{font-size:1.6em;font-weight:bold}}</style></head>
 <body>
 <h1>stallwatch warm-up report</h1>
-<p>Run from {when}, {run.end - run.start:,.0f} s. Phases: {legend}</p>
+<p id="run">{_header(run)}</p>
+<p>Shading: {legend}</p>
 <table><tr><th>time to steady</th><th>idle GPU-seconds during warm-up</th><th>hub bytes during warm-up</th>
 <th>cross-region cost at ${price_per_gb:.3f}/GB</th></tr>
 <tr><td class="k" id="time-to-steady">{_fmt(run.time_to_steady_seconds, " s")}</td>

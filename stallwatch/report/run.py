@@ -24,8 +24,10 @@ class Series:
 class Run:
     """Everything the report shows, whichever source it came from."""
 
-    start: float
+    start: float  # unix seconds
     end: float
+    job: str | None = None  # the training job the run was narrowed to, if any
+    node: str | None = None
     gpu_utilization: Series = field(default_factory=Series.empty)
     steps_per_second: Series = field(default_factory=Series.empty)
     hit_ratio: Series = field(default_factory=Series.empty)

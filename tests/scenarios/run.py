@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -19,12 +20,17 @@ class Outcome:
     windows: list[WindowResult] = field(default_factory=list)
     correlator: CorrelatorPipeline | None = None
 
+    def parts(self) -> Iterator[WindowResult]:
+        """Every window's result and the pieces of its long stalls that lie in earlier windows."""
+        for window in self.windows:
+            yield window
+            yield from window.earlier
+
     def stall_by_rank(self) -> dict[tuple[int, int], np.ndarray]:
         totals: dict[tuple[int, int], np.ndarray] = {}
-        for window in self.windows:
-            for row in window.ranks:
-                totals.setdefault((row.job, row.rank), np.zeros(len(CAUSES)))
-                totals[(row.job, row.rank)] += row.stall_s
+        for row in (row for part in self.parts() for row in part.ranks):
+            totals.setdefault((row.job, row.rank), np.zeros(len(CAUSES)))
+            totals[(row.job, row.rank)] += row.stall_s
         return totals
 
     def phases(self, job: int) -> list[tuple[float, str]]:

@@ -1,0 +1,122 @@
+"""Long waits cut at window boundaries, so that a stall's seconds are booked in the windows it spans.
+
+A step arrives when its wait is over, so a 30 s stall reaches the correlator with the window it ends in.
+Its wait is cut on the window grid: the piece in the step's own window stays with the step (and its
+compute), the pieces in earlier windows go out tagged with their window (`WindowResult.earlier`). Each
+piece is attributed on its own with the step's reads and ready time; attribution clips them to the piece,
+so a piece's causes sum to the piece, and the pieces to the stall.
+
+A step already buffered for a later window whose stall began before the closing window's end is booked
+early (`EarlyBooking`): its wait up to that end goes into the closing window (and the earlier ones it
+reaches) at once, so that window need not wait for the next to close; the step's own window later books
+only the rest. A step of a rank that tags its reads is booked early only once a read of its batch is at
+hand: until then the worker had not started the batch, or its read is still under way (the window then
+waits for the step's own window, as without early booking).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+
+from stallwatch.correlator.attribution import Attribution, Reads, Steps, attribute
+from stallwatch.correlator.intervals import I64, composite_key
+
+
+@dataclass(frozen=True)
+class CutSteps:
+    """A window's steps with each stall's wait cut at the window boundaries: first the steps themselves, with
+    the part of their wait in this window (and their compute whole), then one piece per earlier window a stall
+    reaches into (its wait there, no compute), with the window it lies in and the step it came from."""
+
+    steps: Steps
+    stalled: npt.NDArray[np.bool_]
+    window_start: I64  # per piece
+    owner: I64  # per piece: the row of its step
+
+
+def cut_at_windows(steps: Steps, stalled: npt.NDArray[np.bool_], start: int, window_ns: int) -> CutSteps:
+    """Cut the waits of `stalled` steps that began before `start` (windows lie on a grid of `window_ns`)."""
+    here = np.where(stalled, np.maximum(steps.wait_start, np.minimum(start, steps.wait_end)), steps.wait_start)
+    reaching = np.flatnonzero(here > steps.wait_start)
+    first = (steps.wait_start[reaching] - start) // window_ns  # window indices relative to this one (< 0)
+    count = (here[reaching] - 1 - start) // window_ns - first + 1
+    owner = np.repeat(reaching, count)
+    offset = np.arange(owner.size) - np.repeat(np.cumsum(count) - count, count)
+    window_start = start + (np.repeat(first, count) + offset) * window_ns
+    by_window = np.argsort(window_start, kind="stable")  # each window's pieces together, for attribute_cut
+    owner, window_start = owner[by_window], window_start[by_window]
+    wait_start = np.maximum(steps.wait_start[owner], window_start)
+    wait_end = np.minimum(here[owner], window_start + window_ns)
+
+    def rows(column: I64, pieces: I64) -> I64:
+        return np.concatenate((column, pieces))
+
+    cut = Steps(rows(steps.job, steps.job[owner]), rows(steps.rank, steps.rank[owner]),
+                rows(steps.gpu, steps.gpu[owner]), rows(steps.batch, steps.batch[owner]),
+                rows(here, wait_start), rows(steps.wait_end, wait_end), rows(steps.compute_end, wait_end),
+                rows(steps.ready, steps.ready[owner]))
+    return CutSteps(cut, np.concatenate((stalled, np.ones(owner.size, dtype=bool))), window_start, owner)
+
+
+def attribute_cut(cut: CutSteps, n: int, reads: Reads, threshold_ns: int) -> Attribution:
+    """The steps' rows, then each earlier window's pieces, attributed apart: the join on the awaited batch
+    takes one row per (job, rank, batch), and a step has one piece per window."""
+    edges = np.flatnonzero(np.diff(cut.window_start)) + 1
+    bounds = [0, n, *(n + edges).tolist(), len(cut.steps)] if cut.window_start.size else [0, n]
+    parts = [attribute(cut.steps.take(slice(a, b)), reads, threshold_ns, cut.stalled[a:b])
+             for a, b in itertools.pairwise(bounds)]
+    return Attribution(*(np.concatenate([getattr(part, f.name) for part in parts])
+                         for f in dataclasses.fields(Attribution)))
+
+
+StepKey = tuple[int, int, int, int]  # job, rank, batch, wait start: one step
+
+
+class EarlyBooking:
+    """Which buffered steps' waits are booked up to when: an entry per step booked early, until its own window
+    closes (at most one per rank and closing window: a rank's steps follow each other)."""
+
+    def __init__(self) -> None:
+        self._until: dict[StepKey, int] = {}
+
+    def unbooked_from(self, steps: Steps, stalled: npt.NDArray[np.bool_], *, release: bool) -> I64:
+        """Per step, where the part of its wait not yet booked begins; with `release`, the steps' entries go
+        (their own window is closing). A loop per booked step, never per step."""
+        begin = steps.wait_start.copy()
+        for key, until in list(self._until.items()):
+            row = np.flatnonzero(stalled & (steps.job == key[0]) & (steps.rank == key[1]) & (steps.batch == key[2])
+                                 & (steps.wait_start == key[3]))
+            if row.size:
+                begin[row] = until
+                if release:
+                    del self._until[key]
+        return begin
+
+    def book(self, later: Steps, stalled: npt.NDArray[np.bool_], reads: Reads, end_ns: int) -> Steps:
+        """The later steps' stall parts before `end_ns` not booked yet, as rows with no compute, now booked."""
+        begin = self.unbooked_from(later, stalled, release=False)
+        due = stalled & (begin < end_ns) & _batch_started(later, reads)
+        rows = np.flatnonzero(due)
+        until = np.minimum(later.wait_end[rows], end_ns)
+        for row, booked in zip(rows.tolist(), until.tolist(), strict=True):
+            self._until[(int(later.job[row]), int(later.rank[row]), int(later.batch[row]),
+                         int(later.wait_start[row]))] = booked
+        piece = later.take(rows)
+        return dataclasses.replace(piece, wait_start=begin[rows], wait_end=until, compute_end=until)
+
+
+def _batch_started(steps: Steps, reads: Reads) -> npt.NDArray[np.bool_]:
+    """Per step, whether its attribution up to now is final: a read of its batch is at hand, or its rank tags no
+    read here (the overlap rule decides, as it will later), or the step is untagged."""
+    m = len(steps)
+    tagged = reads.batch >= 0
+    owner = composite_key(np.concatenate((steps.job, reads.job)), np.concatenate((steps.rank, reads.rank)))
+    key = composite_key(owner, np.concatenate((steps.batch, reads.batch)) + 1)
+    started: npt.NDArray[np.bool_] = ((steps.batch < 0) | ~np.isin(owner[:m], owner[m:][tagged])
+                                      | np.isin(key[:m], key[m:][tagged]))
+    return started

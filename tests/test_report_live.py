@@ -1,0 +1,166 @@
+"""`stallwatch report` against real servers: a Prometheus 2.42 behind TLS and basic auth
+(`--web.config.file`) scraping a real agent, and both report modes of one real demo run."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import bcrypt
+import pytest
+import yaml
+
+from stallwatch import catalogue as c
+from stallwatch.demo.run import JOB, Demo, Settings
+from stallwatch.demo.stack import RELABELS
+from stallwatch.harness import AgentProcess, free_port, start_agent, stop_agent, stop_process, wait_for
+from stallwatch.report.api import Access, Prometheus, PrometheusError
+from stallwatch.report.prometheus import run_from_prometheus
+from stallwatch.report.run import Run
+from stallwatch.report.scope import Scope
+from stallwatch.report.windows import run_from_windows
+from tests.conftest import ROOT, require_binary
+from tests.test_security import self_signed
+
+pytestmark = pytest.mark.slow
+USER, PASSWORD = "report", "report-pass-3"
+
+
+@dataclass
+class Secured:
+    url: str
+    ca: Path
+    password_file: Path
+    node: str  # the agent's `node` label: its host, as the shipped scrape configs set it
+    work: Path
+
+    def access(self, **changes: object) -> Access:
+        return Access(**{"basic_auth_user": USER, "basic_auth_password_file": self.password_file,
+                         "ca_file": self.ca, **changes})  # type: ignore[arg-type]
+
+
+def _answers(prometheus: Prometheus, expr: str) -> bool:
+    try:
+        return bool(prometheus.instant(expr, time.time()))
+    except PrometheusError:  # not listening yet
+        return False
+
+
+@pytest.fixture(scope="module")
+def secured(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Secured]:
+    binary = require_binary("prometheus", "prometheus")
+    work = tmp_path_factory.mktemp("secured")
+    agent: AgentProcess = start_agent(["--gpu.fake-devices", "2"], work / "agent.log")
+    _, cert = self_signed(work, "127.0.0.1")
+    hashed = bcrypt.hashpw(PASSWORD.encode(), bcrypt.gensalt(rounds=4)).decode()
+    (work / "web.yml").write_text(yaml.safe_dump({
+        "tls_server_config": {"cert_file": str(cert), "key_file": str(work / "127.0.0.1.key")},
+        "basic_auth_users": {USER: hashed}}))
+    target = agent.url.split("//")[1].split("/", 1)[0]
+    (work / "prometheus.yml").write_text(yaml.safe_dump({
+        "global": {"scrape_interval": "1s"},
+        "scrape_configs": [{"job_name": "stallwatch", "relabel_configs": RELABELS,
+                            "static_configs": [{"targets": [target]}]}]}))
+    (work / "password").write_text(PASSWORD + "\n")
+    port = free_port()
+    log = work / "prometheus.log"
+    with log.open("wb") as sink:
+        process = subprocess.Popen([binary, f"--config.file={work / 'prometheus.yml'}",
+                                    f"--storage.tsdb.path={work / 'tsdb'}", f"--web.listen-address=127.0.0.1:{port}",
+                                    f"--web.config.file={work / 'web.yml'}"], stdout=sink, stderr=subprocess.STDOUT)
+    try:
+        setup = Secured(f"https://127.0.0.1:{port}", cert, work / "password", target.rsplit(":", 1)[0], work)
+        prometheus = Prometheus(setup.url, setup.access())
+        wait_for("Prometheus to scrape the agent's GPUs twice",
+                 lambda: _answers(prometheus, f"count_over_time({c.GPU_UTILIZATION.name}[1m]) >= 2"), 60, process, log)
+        yield setup
+    finally:
+        stop_process(process)
+        stop_agent(agent)
+
+
+def report(secured: Secured, *flags: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "stallwatch", "report", "--prometheus", secured.url, "--start", "-2m",
+                           "--out", str(secured.work / "report.html"), *flags],
+                          capture_output=True, text=True, timeout=120, cwd=ROOT)
+
+
+def test_the_report_reaches_prometheus_through_tls_and_basic_auth(secured: Secured) -> None:
+    (secured.work / "report.html").unlink(missing_ok=True)
+    done = report(secured, "--basic-auth-user", USER, "--basic-auth-password-file", str(secured.password_file),
+                  "--ca-file", str(secured.ca), "--node", secured.node)
+    assert done.returncode == 0, done.stderr
+    page = (secured.work / "report.html").read_text()
+    assert f"Run from {time.strftime('%Y-%m-%d', time.gmtime())}" in page and f"node {secured.node}." in page
+    insecure = report(secured, "--basic-auth-user", USER, "--basic-auth-password-file", str(secured.password_file),
+                      "--insecure-skip-tls-verify")
+    assert insecure.returncode == 0, insecure.stderr
+
+
+@pytest.mark.parametrize(("flags", "said"), [
+    (["--basic-auth-user", USER, "--basic-auth-password-file", "{wrong}", "--ca-file", "{ca}"],
+     "refused the credentials (HTTP 401 Unauthorized)"),
+    (["--basic-auth-user", "mallory", "--basic-auth-password-file", "{password}", "--ca-file", "{ca}"],
+     "refused the credentials (HTTP 401 Unauthorized)"),
+    (["--bearer-token-file", "{wrong}", "--ca-file", "{ca}"], "refused the credentials"),
+    (["--ca-file", "{ca}"], "asks for credentials (HTTP 401 Unauthorized): give --basic-auth-user"),
+    (["--basic-auth-user", USER, "--basic-auth-password-file", "{password}"],
+     "cannot verify the certificate of https://127.0.0.1:"),
+])
+def test_refusals_are_one_line_and_exit_1(secured: Secured, flags: list[str], said: str) -> None:
+    (secured.work / "wrong").write_text("not-the-password\n")
+    paths = {"wrong": secured.work / "wrong", "ca": secured.ca, "password": secured.password_file}
+    done = report(secured, *(flag.format(**paths) for flag in flags))
+    assert done.returncode == 1 and said in done.stderr, done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1 and "Traceback" not in done.stderr
+    assert PASSWORD not in done.stderr
+    if "certificate" in said:
+        assert "--ca-file" in done.stderr and "--insecure-skip-tls-verify" in done.stderr
+
+
+def test_filters_narrow_every_query_on_a_real_prometheus(secured: Secured) -> None:
+    end = time.time()
+
+    def run(scope: Scope) -> tuple[int, int]:
+        got = run_from_prometheus(secured.url, end - 120, end, scope, secured.access())
+        return got.gpu_utilization.t.size, sum(s.t.size for s in got.stall_by_cause.values())
+
+    assert run(Scope())[0] > 0
+    assert run(Scope(node=secured.node))[0] > 0
+    assert run(Scope(node="elsewhere")) == (0, 0)
+    # No job ran on this agent: a job's GPUs come from the correlator's map, which names none (and every
+    # query, the `@ end()` lookup among them, is one Prometheus accepts).
+    assert run(Scope(job="nobody"))[0] == 0
+
+
+def phase_starts(run: Run) -> list[tuple[str, float]]:
+    return [(phase, start) for start, _, phase in run.phases]
+
+
+def test_both_report_modes_of_one_run_agree_on_its_phases(tmp_path: Path) -> None:
+    """A real demo run (hub, nginx spoke, DataLoader job, agent, Prometheus) read from Prometheus over a
+    span that starts before the job, as a user's `--start -10m` does, and from its window file: the same
+    phases, each starting within one window in both, on the wall clock."""
+    for binary, package in (("nginx", "nginx-light"), ("prometheus", "prometheus")):
+        require_binary(binary, package)
+    settings = Settings(duration=30, shards=48, shard_mib=1, bandwidth_mbit=100, quiet=True, workdir=tmp_path)
+    before = time.time() - 60
+    from_prometheus: list[Run] = []
+
+    def read_prometheus(prometheus: str | None, agent: str) -> None:
+        assert prometheus is not None
+        from_prometheus.append(run_from_prometheus(prometheus, before, time.time(), Scope(job=JOB)))
+
+    outcome = Demo(settings).run(while_running=read_prometheus)
+    from_windows = run_from_windows(outcome.windows, JOB)
+    prometheus_phases, window_phases = phase_starts(from_prometheus[0]), phase_starts(from_windows)
+    print("prometheus:", prometheus_phases, "\nwindows:", window_phases)
+    assert from_prometheus[0].gpu_utilization.t.size > 0  # the job's GPUs, found through the correlator's map
+    assert [p for p, _ in prometheus_phases] == [p for p, _ in window_phases]
+    assert outcome.started - settings.window_seconds <= window_phases[0][1] <= outcome.ended  # a wall-clock time
+    for (phase, seen), (_, recorded) in zip(prometheus_phases, window_phases, strict=True):
+        assert abs(seen - recorded) <= settings.window_seconds, (phase, seen, recorded)

@@ -1,0 +1,364 @@
+"""One time axis: a long stall is booked in the windows it spans, a job's window is published once the job's
+timeline is complete there, and published series carry their windows' wall-clock times."""
+
+from __future__ import annotations
+
+import re
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+import pytest
+import requests
+from prometheus_client import CollectorRegistry, generate_latest, start_http_server
+from prometheus_client.parser import text_string_to_metric_families
+
+from stallwatch.catalogue import CAUSES
+from stallwatch.correlator.hold import Publication, WindowHold
+from stallwatch.correlator.live import LiveCorrelator
+from stallwatch.correlator.pipeline import CorrelatorPipeline
+from stallwatch.correlator.results import WindowResult
+from stallwatch.correlator.settings import CorrelatorSettings
+from stallwatch.correlator.wallclock import wall_offset_ns
+from stallwatch.demo.stack import query, start_prometheus
+from stallwatch.eventbatch import SCHEMAS, EventBatch, Verdict
+from stallwatch.harness import free_port, wait_for
+from tests.conftest import ROOT, require_binary
+from tests.scenarios.generator import BASE_NS
+
+S = 10**9
+REMOTE, PREPROCESS, OTHER = (CAUSES.index(cause) for cause in ("remote_fetch", "preprocess", "other"))
+
+
+def ns(seconds: float) -> int:
+    return BASE_NS + round(seconds * S)
+
+
+def steps(job: int, rank: int, rows: list[tuple[float, float, float]], first_batch: int = 0) -> EventBatch:
+    """Steps of one rank: (wait start, wait end, compute end) in seconds."""
+    n = len(rows)
+    column = [np.array([ns(row[i]) for row in rows], dtype=np.int64) for i in range(3)]
+    return EventBatch("step", {"job": np.full(n, job, np.int32), "rank": np.full(n, rank, np.int32),
+                               "gpu": np.full(n, rank, np.int16),
+                               "batch": np.arange(first_batch, first_batch + n, dtype=np.int64),
+                               "wait_start_ns": column[0], "wait_end_ns": column[1], "compute_end_ns": column[2],
+                               "ready_ns": np.full(n, -1, np.int64)})
+
+
+def regular(job: int, rank: int, start_s: float, end_s: float, first_batch: int = 0) -> EventBatch:
+    """Steps every 0.1 s with a 0.5 ms wait (below the 1 ms stall threshold): no stall."""
+    starts = np.arange(start_s, end_s - 1e-9, 0.1)
+    return steps(job, rank, [(t, t + 0.0005, t + 0.1) for t in starts], first_batch)
+
+
+def miss(job: int, rank: int, batch: int, start_s: float, end_s: float) -> EventBatch:
+    return EventBatch("read", {"job": np.array([job], np.int32), "rank": np.array([rank], np.int32),
+                               "worker": np.zeros(1, np.int16), "batch": np.array([batch], np.int64),
+                               "key": np.array([batch], np.uint64), "bytes": np.array([4096], np.int64),
+                               "start_ns": np.array([ns(start_s)], np.int64),
+                               "end_ns": np.array([ns(end_s)], np.int64),
+                               "verdict": np.array([Verdict.MISS], np.int8)})
+
+
+def gpu_idle_while(start_s: float, end_s: float, until_s: float) -> EventBatch:
+    """GPU 0 sampled every 0.5 s: idle (0 %) within [start_s, end_s], busy otherwise."""
+    ts = np.arange(0.5, until_s + 1e-9, 0.5)
+    util = np.where((ts > start_s) & (ts <= end_s), 0.0, 1.0).astype(np.float32)
+    return EventBatch("gpu_util", {"ts_ns": np.array([ns(t) for t in ts], np.int64),
+                                   "period_ns": np.full(ts.size, S // 2, np.int64),
+                                   "gpu": np.zeros(ts.size, np.int16), "util": util})
+
+
+def in_time_order(batches: list[EventBatch]) -> list[EventBatch]:
+    """The batches cut into 1 s slices by event time, as they would arrive."""
+    sliced = []
+    for batch in batches:
+        times = batch.columns[SCHEMAS[batch.kind].event_time]
+        for second in np.unique((times - BASE_NS) // S):
+            keep = (times - BASE_NS) // S == second
+            sliced.append((int(second), EventBatch(batch.kind, {k: c[keep] for k, c in batch.columns.items()})))
+    return [batch for _, batch in sorted(sliced, key=lambda item: item[0])]
+
+
+def outage_run() -> tuple[list[WindowResult], list[Publication]]:
+    """One rank stepping every 0.1 s, but waiting 30 s (2 s to 32 s) for one batch whose read missed
+    until 31.5 s; its GPU idles through the wait. 5 s windows."""
+    results: list[WindowResult] = []
+    published: list[Publication] = []
+    hold = WindowHold(60.0, [published.append], wall_offset=lambda: 0)
+    correlator = CorrelatorPipeline(CorrelatorSettings(), listeners=[results.append, hold.add])
+    correlator.run(in_time_order([gpu_idle_while(2.0, 32.0, 45.0), regular(0, 0, 0.0, 2.0), miss(0, 0, 20, 2.0, 31.5),
+                                  steps(0, 0, [(2.0, 32.0, 32.1)], first_batch=20),
+                                  regular(0, 0, 32.1, 45.0, first_batch=21)]))
+    hold.flush()
+    return results, published
+
+
+def by_window(parts: list[WindowResult]) -> dict[float, np.ndarray]:
+    """Stall seconds by cause per window start (seconds), over the given results and pieces."""
+    totals: dict[float, np.ndarray] = defaultdict(lambda: np.zeros(len(CAUSES)))
+    for part in parts:
+        for row in part.ranks:
+            totals[round((part.start_ns - BASE_NS) / S, 3)] += row.stall_s
+    return dict(totals)
+
+
+def test_a_30_s_stall_is_booked_in_the_windows_it_spans_and_each_piece_sums_to_itself() -> None:
+    results, published = outage_run()
+    # The step arrives at 32.1 s, before [25, 30) closes: that close books the wait up to 30 s at once, its
+    # pieces in earlier windows alongside; [30, 35), the step's own window, books only the rest.
+    booked_in = next(r for r in results if r.earlier)
+    assert (booked_in.start_ns - BASE_NS) / S == 25.0
+    assert [(p.start_ns - BASE_NS) / S for p in booked_in.earlier] == [0.0, 5.0, 10.0, 15.0, 20.0]
+    assert sum(r.steps for r in booked_in.ranks) == 0  # the step itself counts in its own window
+    pieces = by_window([p for r in results for p in (r, *r.earlier)])
+    want = {0.0: 3.0, 5.0: 5.0, 10.0: 5.0, 15.0: 5.0, 20.0: 5.0, 25.0: 5.0, 30.0: 2.0}
+    for start, seconds in want.items():
+        assert pieces[start].sum() == pytest.approx(seconds, abs=1e-6), start
+    # Each piece by its own reads: the miss covers every piece but the last half second of the wait, in which
+    # the worker, its read done, is still busy with the batch.
+    assert pieces[25.0][REMOTE] == pytest.approx(5.0) and pieces[30.0][REMOTE] == pytest.approx(1.5)
+    assert pieces[30.0][PREPROCESS] == pytest.approx(0.5)
+    # What is published agrees: every window once, the pieces in their own windows, stall <= wait there.
+    starts = [(p.result.start_ns - BASE_NS) / S for p in published]
+    assert starts == sorted(starts) and len(set(starts)) == len(starts)
+    out = by_window([p.result for p in published])
+    for start, seconds in want.items():
+        assert out[start].sum() == pytest.approx(seconds, abs=1e-6), start
+    for p in published:
+        (row,) = p.result.ranks
+        assert sum(row.stall_s) <= row.wait_s + 1e-9
+        assert row.wait_s <= (p.result.end_ns - p.result.start_ns) / S + 1e-9
+    # The GPU idles in each window for the part of the stall there, and the job stalled as long.
+    for start, seconds in want.items():
+        assert sum(sum(g.idle_s) for p in published for g in p.result.gpus
+                   if (p.result.start_ns - BASE_NS) / S == start) == pytest.approx(seconds, abs=0.01), start
+        (job,) = next(p.result.jobs for p in published if (p.result.start_ns - BASE_NS) / S == start)
+        assert job.stalled_s == pytest.approx(seconds, abs=1e-6)
+
+
+def test_a_stall_within_its_window_is_booked_whole_there() -> None:
+    results: list[WindowResult] = []
+    correlator = CorrelatorPipeline(CorrelatorSettings(), listeners=[results.append])
+    correlator.run([regular(0, 0, 0.0, 6.0), miss(0, 0, 99, 6.0, 6.3), steps(0, 0, [(6.0, 6.4, 6.5)], 99),
+                    regular(0, 0, 6.5, 12.0, first_batch=100)])
+    assert not any(r.earlier for r in results)
+    pieces = by_window(results)
+    assert pieces[5.0][REMOTE] == pytest.approx(0.3) and pieces[5.0][PREPROCESS] == pytest.approx(0.1)
+    assert pieces[0.0].sum() == 0 and pieces[10.0].sum() == 0
+
+
+def _job_windows(published: list[Publication], job: int) -> list[float]:
+    return [(p.result.start_ns - BASE_NS) / S for p in published if job in p.result.job_ids()]
+
+
+def test_a_jobs_window_waits_for_its_silent_rank_and_another_jobs_does_not() -> None:
+    published: list[Publication] = []
+    hold = WindowHold(60.0, [published.append], wall_offset=lambda: 0)
+    correlator = CorrelatorPipeline(CorrelatorSettings(), listeners=[hold.add])
+    # Job 0: rank 0 steps on; rank 1 waits from 10.5 s to 40 s for one batch. Job 1 steps on.
+    batches = [regular(0, 0, 0.0, 60.0), regular(1, 0, 0.0, 60.0), regular(0, 1, 0.0, 10.5)]
+    for batch in in_time_order([_until(batch, 30.0) for batch in batches]):
+        correlator.emit(batch)  # events to just before 30 s: windows up to [15, 20) close
+    assert _job_windows(published, 1) == [0.0, 5.0, 10.0, 15.0]
+    assert _job_windows(published, 0) == [0.0, 5.0]  # rank 1 is known up to 10.5 s only
+    assert hold.held(0) == [ns(t) for t in (10.0, 15.0)]
+    correlator.run(in_time_order([steps(0, 1, [(10.5, 40.0, 40.1)], first_batch=100),
+                                  regular(0, 1, 40.1, 60.0, first_batch=101),
+                                  *(_from(batch, 30.0) for batch in batches)]))
+    hold.flush()
+    assert _job_windows(published, 0) == [5.0 * k for k in range(13)]  # each once, in order
+    stalled = {(p.result.start_ns - BASE_NS) / S: sum(sum(r.stall_s) for r in p.result.ranks if r.rank == 1)
+               for p in published if 0 in p.result.job_ids()}
+    assert stalled[10.0] == pytest.approx(4.5)  # the pieces landed in the held windows
+    assert all(stalled[t] == pytest.approx(5.0) for t in (15.0, 20.0, 25.0, 30.0, 35.0))
+    assert sum(stalled.values()) == pytest.approx(29.5)
+
+
+def test_the_hold_limit_releases_a_window_whose_rank_never_returns() -> None:
+    released_at: dict[float, float] = {}  # window start -> the end of the window whose close released it (s)
+    closing = [0]
+
+    def note(publication: Publication) -> None:
+        if 0 in publication.result.job_ids():
+            released_at[(publication.result.start_ns - BASE_NS) / S] = (closing[0] - BASE_NS) / S
+
+    hold = WindowHold(20.0, [note], wall_offset=lambda: 0)
+    correlator = CorrelatorPipeline(CorrelatorSettings(), listeners=[lambda r: closing.__setitem__(0, r.end_ns),
+                                                                     hold.add])
+    correlator.emit(regular(0, 1, 0.0, 10.5))  # rank 1 stops at 10.5 s and never returns
+    for start in range(0, 60):
+        correlator.emit(regular(0, 0, start, start + 1.0, first_batch=10 * start))
+    assert released_at[0.0] == 5.0 and released_at[5.0] == 10.0  # at once: both ranks known past their ends
+    assert released_at[10.0] == 35.0 and released_at[15.0] == 35.0  # rank 1 waited for until 20 s of silence
+    assert released_at[35.0] == 40.0  # then no longer
+
+
+def _until(batch: EventBatch, seconds: float) -> EventBatch:
+    keep = batch.columns["compute_end_ns"] < ns(seconds)
+    return EventBatch(batch.kind, {name: column[keep] for name, column in batch.columns.items()})
+
+
+def _from(batch: EventBatch, seconds: float) -> EventBatch:
+    keep = batch.columns["compute_end_ns"] >= ns(seconds)
+    return EventBatch(batch.kind, {name: column[keep] for name, column in batch.columns.items()})
+
+
+Series = tuple[str, tuple[tuple[str, str], ...]]
+
+
+def _scrape(registry: CollectorRegistry) -> dict[Series, list[tuple[float, float | None]]]:
+    """Every sample of the scrape as (value, timestamp in unix seconds), by series, in order."""
+    samples: dict[Series, list[tuple[float, float | None]]] = defaultdict(list)
+    for family in text_string_to_metric_families(generate_latest(registry).decode()):
+        for s in family.samples:
+            samples[(s.name, tuple(sorted(s.labels.items())))].append((s.value, s.timestamp))
+    return samples
+
+
+def test_published_series_carry_their_windows_wall_clock_times_rising_and_held_windows_reach_one_scrape() -> None:
+    clock = [ns(0.0)]
+    service = LiveCorrelator(CorrelatorSettings(window_s=1.0, lateness_s=0.5), clock_ns=lambda: clock[0],
+                             start=False)
+    registry = CollectorRegistry()
+    registry.register(service)
+    stall = ("stallwatch_stall_seconds_total", (("cause", "other"), ("rank", "0"), ("training_job", "0")))
+    seen: list[tuple[float, float]] = []
+    per_scrape: list[int] = []
+    # Steps every 0.1 s to 3 s, then a 3 s wait (3 s to 6 s, no reads: "other"), then steps to 10 s.
+    timeline = [regular(0, 0, 0.0, 3.0), steps(0, 0, [(3.0, 6.0, 6.1)], 30), regular(0, 0, 6.1, 10.0, 31)]
+    for second in range(1, 10):
+        for batch in timeline:  # what the ranks sent by now
+            part = _from(_until(batch, second + 0.6), second - 0.4)
+            if len(part):
+                service.submit(part)
+        clock[0] = ns(second + 0.6)  # windows ending at or before `second` close
+        service.drain()
+        offset = wall_offset_ns()
+        samples = _scrape(registry)
+        per_scrape.append(len(samples.get(stall, [])))
+        for value, stamp in samples.get(stall, []):
+            assert stamp is not None
+            seen.append((stamp - offset / S, value))
+        windows = samples[("stallwatch_correlator_windows_total", ())]
+        assert [stamp for _, stamp in windows] == [None]  # operational: stamped by Prometheus at the scrape
+    # Each window's sample at its end on the wall clock, the held windows of the stall too; times never go
+    # back, and a time sent again (nothing new published) has the same value: Prometheus drops it.
+    times = [round((t - BASE_NS / S), 2) for t, _ in seen]
+    assert times == sorted(times)
+    booked: dict[float, float] = {}
+    for at, (_, value) in zip(times, seen, strict=True):
+        assert booked.setdefault(at, value) == value
+    assert set(booked) >= {1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0}
+    assert max(per_scrape) >= 3  # [3, 4) to [5, 6), held for the stall, went out in one scrape
+    for end in (4.0, 5.0, 6.0):
+        assert booked[end] == pytest.approx(end - 3.0, abs=1e-3)  # the stall's seconds up to each window end
+    assert booked[8.0] == pytest.approx(3.0, abs=1e-3)
+
+
+def _step_now(rank_batch: int, wait_start_ns: int, wait_end_ns: int, compute_end_ns: int) -> EventBatch:
+    column = {name: np.array([value], np.int64) for name, value in
+              (("wait_start_ns", wait_start_ns), ("wait_end_ns", wait_end_ns), ("compute_end_ns", compute_end_ns))}
+    return EventBatch("step", {"job": np.zeros(1, np.int32), "rank": np.zeros(1, np.int32),
+                               "gpu": np.zeros(1, np.int16), "batch": np.array([rank_batch], np.int64), **column,
+                               "ready_ns": np.full(1, -1, np.int64)})
+
+
+def test_a_stalls_seconds_land_in_a_real_prometheus_at_their_event_time(tmp_path: Path) -> None:
+    """A live correlator (1 s windows) on a real HTTP endpoint, scraped every second by a real Prometheus; a
+    rank steps every 50 ms, then waits 3 s. Stored at their windows' times, the stall's seconds rise through
+    the wait (each sample counts the stall up to its time), not after it: within 1 s of the event time."""
+    prometheus_bin = require_binary("prometheus", "prometheus")
+    service = LiveCorrelator(CorrelatorSettings(window_s=1.0, lateness_s=0.5), tick_s=0.05)
+    registry = CollectorRegistry()
+    registry.register(service)
+    port = free_port()
+    server, _ = start_http_server(port, addr="127.0.0.1", registry=registry)
+    prom = start_prometheus(prometheus_bin, tmp_path / "prometheus", [f"127.0.0.1:{port}"], [])
+    try:
+        batch = 0
+
+        def step_for(seconds: float) -> None:
+            nonlocal batch
+            until = time.monotonic() + seconds
+            while time.monotonic() < until:
+                now = time.monotonic_ns()
+                service.submit(_step_now(batch, now - 50_000_000, now - 49_900_000, now))  # 0.1 ms wait
+                batch += 1
+                time.sleep(0.05)
+
+        step_for(4.0)
+        stall_start = time.monotonic_ns()
+        time.sleep(3.0)
+        stall_end = time.monotonic_ns()
+        service.submit(_step_now(batch, stall_start, stall_end, stall_end + 10_000_000))
+        batch += 1
+        step_for(5.0)
+        series = 'stallwatch_stall_seconds_total{cause="other",training_job="0",rank="0"}'
+        wait_for("the stall in Prometheus", lambda: _samples(prom.url, series)[-1][1] >= 2.99, 30)
+        samples = _samples(prom.url, series)
+        counters = requests.get(f"{prom.url}/metrics", timeout=10).text
+    finally:
+        prom.close()
+        server.shutdown()
+        service.close()
+    stall_s = (stall_end - stall_start) / S
+    start_wall = (stall_start + wall_offset_ns()) / S  # both clocks as they run now: the offset barely moves
+    for at, value in samples:  # each sample counts the stall up to its own time (its window's end)
+        assert value == pytest.approx(min(max(at - start_wall, 0.0), stall_s), abs=0.02), (at - start_wall, value)
+    during = [at - start_wall for at, value in samples if 0.0 < value < stall_s - 0.02]
+    assert len(during) >= 2 and min(during) <= 1.0  # first booked within 1 s of the stall's start
+    reached = next(at - start_wall for at, value in samples if value >= stall_s - 0.02)
+    assert stall_s <= reached <= stall_s + 1.0  # all of it booked within 1 s of its end
+    # Every sample was taken: nothing out of order, no timestamp sent again with another value.
+    for rejected in ("prometheus_target_scrapes_sample_out_of_order_total",
+                     "prometheus_target_scrapes_sample_duplicate_timestamp_total"):
+        assert re.search(rf"^{rejected} 0$", counters, re.MULTILINE), rejected
+
+
+def _samples(prometheus: str, series: str) -> list[tuple[float, float]]:
+    """The series' raw samples of the last 5 minutes as Prometheus stored them: (unix time, value)."""
+    reply = query(prometheus, f"{series}[5m]")["data"]["result"]
+    return [(float(at), float(value)) for at, value in reply[0]["values"]] if reply else [(0.0, 0.0)]
+
+
+@pytest.mark.parametrize("read_of_its_batch", [True, False])  # begun before the window's end
+def test_a_buffered_step_stalled_across_the_closing_edge_is_booked_at_once_once_its_batch_began(
+        read_of_its_batch: bool) -> None:
+    """Rank 0 (which tags its reads) waits 4.6 s to 5.4 s; the step is at hand when [0, 5) closes. With a read
+    of its batch begun by then its wait up to 5 s is booked at once, and [0, 5) goes out at its own close;
+    when the read begins only at 5.1 s (the worker had not started the batch), [0, 5) waits for [5, 10) to
+    close. Either way the stall is booked once, split at 5 s, as the critical path has it."""
+    released_by: dict[float, float] = {}
+    closing = [0]
+    results: list[WindowResult] = []
+
+    def note(publication: Publication) -> None:
+        released_by[(publication.result.start_ns - BASE_NS) / S] = (closing[0] - BASE_NS) / S
+
+    hold = WindowHold(60.0, [note], wall_offset=lambda: 0)
+    correlator = CorrelatorPipeline(CorrelatorSettings(window_s=5.0, lateness_s=1.0),
+                                    listeners=[lambda r: closing.__setitem__(0, r.end_ns), results.append, hold.add])
+    batches = [regular(0, 0, 0.0, 4.6), steps(0, 0, [(4.6, 5.4, 5.5)], 46), regular(0, 0, 5.5, 12.0, 47),
+               miss(0, 0, 45, 4.0, 4.1), miss(0, 0, 46, 4.7 if read_of_its_batch else 5.1, 5.3)]
+    correlator.run(in_time_order(batches))
+    hold.flush()
+    assert released_by[0.0] == (5.0 if read_of_its_batch else 10.0)
+    pieces = by_window([p for r in results for p in (r, *r.earlier)])
+    assert pieces[0.0].sum() == pytest.approx(0.4) and pieces[5.0].sum() == pytest.approx(0.4)
+    if read_of_its_batch:
+        assert pieces[0.0][REMOTE] == pytest.approx(0.3) and pieces[5.0][REMOTE] == pytest.approx(0.3)
+    else:
+        assert pieces[0.0][OTHER] == pytest.approx(0.4) and pieces[5.0][REMOTE] == pytest.approx(0.2)
+    steps_by_window = {(r.start_ns - BASE_NS) / S: sum(row.steps for row in r.ranks) for r in results}
+    assert steps_by_window[0.0] == 46  # the stalled step counts once, in its own window
+    assert sum(steps_by_window.values()) == sum(len(b) for b in batches if b.kind == "step")
+
+
+def test_no_shipped_scrape_configuration_turns_honor_timestamps_off() -> None:
+    """The correlator's series are stored at their timestamps only while Prometheus honours them (its default)."""
+    shipped = [ROOT / "helm/stallwatch/templates/servicemonitor.yaml", ROOT / "helm/stallwatch/values.yaml",
+               ROOT / "stallwatch/demo/stack.py", *ROOT.glob("deploy/**/*.y*ml")]
+    for path in shipped:
+        assert not re.search(r"honor_?timestamps\W+false", path.read_text(), re.IGNORECASE), path
