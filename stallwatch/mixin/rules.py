@@ -59,7 +59,8 @@ JOB_STALL = c.JOB_STALL_SECONDS.name.removesuffix("_total")
 
 def rank_cause_stall_rule(t: Thresholds) -> RecordingRule:
     return RecordingRule(f"{J}_node_rank_cause:{STALL}:rate{t.job_stall_window}",
-                         by(f"{RANK_KEY}, cause", "sum", rate(c.STALL_SECONDS, t.job_stall_window, offset=t.correlator_lag)))
+                         by(f"{RANK_KEY}, cause", "sum",
+                            rate(c.STALL_SECONDS, t.job_stall_window, offset=t.correlator_lag)))
 
 
 def rank_stall_rule(t: Thresholds) -> RecordingRule:
@@ -72,7 +73,7 @@ def node_stall_rule(t: Thresholds) -> RecordingRule:
     of the job."""
     return RecordingRule(f"{J}_node:{JOB_STALL}:rate{t.job_stall_window}",
                          by(f"{JOB_KEY}, instance, node", "sum",
-                             rate(c.JOB_STALL_SECONDS, t.job_stall_window, offset=t.correlator_lag)))
+                            rate(c.JOB_STALL_SECONDS, t.job_stall_window, offset=t.correlator_lag)))
 
 
 def job_stall_rule(t: Thresholds) -> RecordingRule:
