@@ -106,12 +106,13 @@ def by_window(parts: list[WindowResult]) -> dict[float, np.ndarray]:
 
 def test_a_30_s_stall_is_booked_in_the_windows_it_spans_and_each_piece_sums_to_itself() -> None:
     results, published = outage_run()
-    # The step arrives at 32.1 s, before [25, 30) closes: that close books the wait up to 30 s at once, its
-    # pieces in earlier windows alongside; [30, 35), the step's own window, books only the rest.
+    # The step arrives at 32.1 s, before [25, 30) closes, but its batch was handed over at 32 s, past that
+    # close's watermark (30 s): its read might still be on its way, so [30, 35), the step's own window, books
+    # the wait, its pieces in the earlier windows alongside.
     booked_in = next(r for r in results if r.earlier)
-    assert (booked_in.start_ns - BASE_NS) / S == 25.0
-    assert [(p.start_ns - BASE_NS) / S for p in booked_in.earlier] == [0.0, 5.0, 10.0, 15.0, 20.0]
-    assert sum(r.steps for r in booked_in.ranks) == 0  # the step itself counts in its own window
+    assert (booked_in.start_ns - BASE_NS) / S == 30.0
+    assert [(p.start_ns - BASE_NS) / S for p in booked_in.earlier] == [0.0, 5.0, 10.0, 15.0, 20.0, 25.0]
+    assert sum(r.steps for p in booked_in.earlier for r in p.ranks) == 0  # the step counts in its own window
     pieces = by_window([p for r in results for p in (r, *r.earlier)])
     want = {0.0: 3.0, 5.0: 5.0, 10.0: 5.0, 15.0: 5.0, 20.0: 5.0, 25.0: 5.0, 30.0: 2.0}
     for start, seconds in want.items():
@@ -323,13 +324,22 @@ def _samples(prometheus: str, series: str) -> list[tuple[float, float]]:
     return [(float(at), float(value)) for at, value in reply[0]["values"]] if reply else [(0.0, 0.0)]
 
 
-@pytest.mark.parametrize("read_of_its_batch", [True, False])  # begun before the window's end
-def test_a_buffered_step_stalled_across_the_closing_edge_is_booked_at_once_once_its_batch_began(
-        read_of_its_batch: bool) -> None:
-    """Rank 0 (which tags its reads) waits 4.6 s to 5.4 s; the step is at hand when [0, 5) closes. With a read
-    of its batch begun by then its wait up to 5 s is booked at once, and [0, 5) goes out at its own close;
-    when the read begins only at 5.1 s (the worker had not started the batch), [0, 5) waits for [5, 10) to
-    close. Either way the stall is booked once, split at 5 s, as the critical path has it."""
+def step_handed_over_at(job: int, rank: int, batch: int, wait: tuple[float, float, float],
+                        ready_s: float) -> EventBatch:
+    one = steps(job, rank, [wait], batch)
+    return EventBatch("step", {**one.columns, "ready_ns": np.array([ns(ready_s)], np.int64)})
+
+
+@pytest.mark.parametrize("wait_end", [5.4, 6.4])
+def test_a_buffered_step_stalled_across_the_closing_edge_is_booked_at_once_once_its_batch_was_handed_over(
+        wait_end: float) -> None:
+    """Rank 0 waits from 4.6 s for batch 46, whose first read ended at 4.5 s and whose second misses from 4.7 s
+    until 0.05 s before the batch is handed over, 0.05 s before the wait ends; the step is at hand when [0, 5)
+    closes (5 s windows, 1 s lateness). Handed over at 5.35 s, by that close's watermark (5.9 s), every read of
+    the batch is in: the wait up to 5 s is booked at once and [0, 5) goes out at its own close. Handed over at
+    6.35 s, past the watermark (5.5 s), the second read may still be on its way (here it arrives after the
+    close): the first read alone would call the wait preprocessing, so [0, 5) waits for [5, 10) to close.
+    Either way the stall is booked once, split at 5 s, the miss as remote fetch on both sides."""
     released_by: dict[float, float] = {}
     closing = [0]
     results: list[WindowResult] = []
@@ -340,17 +350,17 @@ def test_a_buffered_step_stalled_across_the_closing_edge_is_booked_at_once_once_
     hold = WindowHold(60.0, [note], wall_offset=lambda: 0)
     correlator = CorrelatorPipeline(CorrelatorSettings(window_s=5.0, lateness_s=1.0),
                                     listeners=[lambda r: closing.__setitem__(0, r.end_ns), results.append, hold.add])
-    batches = [regular(0, 0, 0.0, 4.6), steps(0, 0, [(4.6, 5.4, 5.5)], 46), regular(0, 0, 5.5, 12.0, 47),
-               miss(0, 0, 45, 4.0, 4.1), miss(0, 0, 46, 4.7 if read_of_its_batch else 5.1, 5.3)]
+    handed_over = wait_end - 0.05
+    batches = [regular(0, 0, 0.0, 4.6), step_handed_over_at(0, 0, 46, (4.6, wait_end, wait_end + 0.1), handed_over),
+               regular(0, 0, wait_end + 0.1, 12.0, 47), miss(0, 0, 45, 4.0, 4.1), miss(0, 0, 46, 4.2, 4.5),
+               miss(0, 0, 46, 4.7, handed_over - 0.05)]
     correlator.run(in_time_order(batches))
     hold.flush()
-    assert released_by[0.0] == (5.0 if read_of_its_batch else 10.0)
+    assert released_by[0.0] == (5.0 if wait_end < 6.0 else 10.0)
     pieces = by_window([p for r in results for p in (r, *r.earlier)])
-    assert pieces[0.0].sum() == pytest.approx(0.4) and pieces[5.0].sum() == pytest.approx(0.4)
-    if read_of_its_batch:
-        assert pieces[0.0][REMOTE] == pytest.approx(0.3) and pieces[5.0][REMOTE] == pytest.approx(0.3)
-    else:
-        assert pieces[0.0][OTHER] == pytest.approx(0.4) and pieces[5.0][REMOTE] == pytest.approx(0.2)
+    assert pieces[0.0].sum() == pytest.approx(0.4) and pieces[5.0].sum() == pytest.approx(wait_end - 5.0)
+    assert pieces[0.0][REMOTE] == pytest.approx(0.3)
+    assert pieces[5.0][REMOTE] == pytest.approx(wait_end - 5.0 - 0.1)
     steps_by_window = {(r.start_ns - BASE_NS) / S: sum(row.steps for row in r.ranks) for r in results}
     assert steps_by_window[0.0] == 46  # the stalled step counts once, in its own window
     assert sum(steps_by_window.values()) == sum(len(b) for b in batches if b.kind == "step")

@@ -32,6 +32,7 @@ import numpy.typing as npt
 from stallwatch.eventbatch import SCHEMAS, Columns
 
 CONTEXT_KINDS = ("read", "spoke_request", "gpu_util")
+END_OF_INPUT = np.iinfo(np.int64).max  # the watermark of a flush: nothing more will come
 # When an event began: one that began after a window's end cannot overlap that window's stalls. A GPU
 # sample's real period reaches back to the sample before it, past the period it carries (bounded by
 # the agent), so GPU samples are all kept.
@@ -109,6 +110,8 @@ class WindowInput:
     steps: Columns
     context: Mapping[str, Columns]
     final: bool  # closed by a flush at the end of input rather than by the watermark
+    # Every event up to this time is at hand (lateness allowing); END_OF_INPUT after a flush.
+    watermark_ns: int
     # The steps already buffered for later windows: how far each rank's timeline is known (window_analysis.py).
     later_steps: Columns = field(default_factory=dict)
 
@@ -206,7 +209,7 @@ class EventTimeWindows:
             self._skip_empty(watermark_ns)
             if self.closed_until + self.window_ns > watermark_ns:
                 break
-            closed.append(self._close(final=False))
+            closed.append(self._close(final=False, watermark_ns=watermark_ns))
         return closed
 
     def flush(self) -> list[WindowInput]:
@@ -216,7 +219,8 @@ class EventTimeWindows:
             return closed
         while self.closed_until is not None and self.closed_until <= self._newest:
             self._skip_empty(self._newest + 1)
-            closed.append(self._close(final=self.closed_until + self.window_ns > self._newest))
+            final = self.closed_until + self.window_ns > self._newest
+            closed.append(self._close(final=final, watermark_ns=END_OF_INPUT))
         return closed
 
     def _skip_empty(self, limit_ns: int) -> None:
@@ -227,7 +231,7 @@ class EventTimeWindows:
         if earliest >= self.closed_until + 2 * self.window_ns:
             self.closed_until = max(self.closed_until, (earliest // self.window_ns - 1) * self.window_ns)
 
-    def _close(self, final: bool) -> WindowInput:
+    def _close(self, final: bool, watermark_ns: int) -> WindowInput:
         assert self.closed_until is not None
         start, end = self.closed_until, self.closed_until + self.window_ns
         # Chunk by chunk, never one concatenation of everything buffered: a close then costs about
@@ -268,4 +272,4 @@ class EventTimeWindows:
         keep_from = end - self.retention_ns
         for kind in CONTEXT_KINDS:
             self._keep(kind, [c for c in self._buffers[kind] if c.high >= keep_from])
-        return WindowInput(start, end, mine, context, final, later_steps)
+        return WindowInput(start, end, mine, context, final, watermark_ns, later_steps)
