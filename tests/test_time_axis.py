@@ -28,7 +28,9 @@ from tests.conftest import ROOT, require_binary
 from tests.scenarios.generator import BASE_NS
 
 S = 10**9
-REMOTE, PREPROCESS, OTHER = (CAUSES.index(cause) for cause in ("remote_fetch", "preprocess", "other"))
+REMOTE, PREPROCESS = (CAUSES.index(cause) for cause in ("remote_fetch", "preprocess"))
+# The windows these cases are drawn on (the defaults are shorter: the cases read more easily on 5 s).
+FIVE_S = CorrelatorSettings(window_s=5.0, lateness_s=5.0)
 
 
 def ns(seconds: float) -> int:
@@ -87,7 +89,7 @@ def outage_run() -> tuple[list[WindowResult], list[Publication]]:
     results: list[WindowResult] = []
     published: list[Publication] = []
     hold = WindowHold(60.0, [published.append], wall_offset=lambda: 0)
-    correlator = CorrelatorPipeline(CorrelatorSettings(), listeners=[results.append, hold.add])
+    correlator = CorrelatorPipeline(FIVE_S, listeners=[results.append, hold.add])
     correlator.run(in_time_order([gpu_idle_while(2.0, 32.0, 45.0), regular(0, 0, 0.0, 2.0), miss(0, 0, 20, 2.0, 31.5),
                                   steps(0, 0, [(2.0, 32.0, 32.1)], first_batch=20),
                                   regular(0, 0, 32.1, 45.0, first_batch=21)]))
@@ -141,7 +143,7 @@ def test_a_30_s_stall_is_booked_in_the_windows_it_spans_and_each_piece_sums_to_i
 
 def test_a_stall_within_its_window_is_booked_whole_there() -> None:
     results: list[WindowResult] = []
-    correlator = CorrelatorPipeline(CorrelatorSettings(), listeners=[results.append])
+    correlator = CorrelatorPipeline(FIVE_S, listeners=[results.append])
     correlator.run([regular(0, 0, 0.0, 6.0), miss(0, 0, 99, 6.0, 6.3), steps(0, 0, [(6.0, 6.4, 6.5)], 99),
                     regular(0, 0, 6.5, 12.0, first_batch=100)])
     assert not any(r.earlier for r in results)
@@ -157,7 +159,7 @@ def _job_windows(published: list[Publication], job: int) -> list[float]:
 def test_a_jobs_window_waits_for_its_silent_rank_and_another_jobs_does_not() -> None:
     published: list[Publication] = []
     hold = WindowHold(60.0, [published.append], wall_offset=lambda: 0)
-    correlator = CorrelatorPipeline(CorrelatorSettings(), listeners=[hold.add])
+    correlator = CorrelatorPipeline(FIVE_S, listeners=[hold.add])
     # Job 0: rank 0 steps on; rank 1 waits from 10.5 s to 40 s for one batch. Job 1 steps on.
     batches = [regular(0, 0, 0.0, 60.0), regular(1, 0, 0.0, 60.0), regular(0, 1, 0.0, 10.5)]
     for batch in in_time_order([_until(batch, 30.0) for batch in batches]):
@@ -186,7 +188,7 @@ def test_the_hold_limit_releases_a_window_whose_rank_never_returns() -> None:
             released_at[(publication.result.start_ns - BASE_NS) / S] = (closing[0] - BASE_NS) / S
 
     hold = WindowHold(20.0, [note], wall_offset=lambda: 0)
-    correlator = CorrelatorPipeline(CorrelatorSettings(), listeners=[lambda r: closing.__setitem__(0, r.end_ns),
+    correlator = CorrelatorPipeline(FIVE_S, listeners=[lambda r: closing.__setitem__(0, r.end_ns),
                                                                      hold.add])
     correlator.emit(regular(0, 1, 0.0, 10.5))  # rank 1 stops at 10.5 s and never returns
     for start in range(0, 60):
@@ -372,3 +374,32 @@ def test_no_shipped_scrape_configuration_turns_honor_timestamps_off() -> None:
                ROOT / "stallwatch/demo/stack.py", *ROOT.glob("deploy/**/*.y*ml")]
     for path in shipped:
         assert not re.search(r"honor_?timestamps\W+false", path.read_text(), re.IGNORECASE), path
+
+
+def gpu_busy_except(start_s: float, end_s: float, stamps: list[float]) -> EventBatch:
+    """GPU 0 sampled at `stamps`, each sample the busy share since the one before: idle within [start_s, end_s]."""
+    begins = [0.0, *stamps[:-1]]
+    util = [1.0 - max(0.0, min(ts, end_s) - max(begin, start_s)) / (ts - begin)
+            for begin, ts in zip(begins, stamps, strict=True)]
+    return EventBatch("gpu_util", {"ts_ns": np.array([ns(t) for t in stamps], np.int64),
+                                   "period_ns": np.full(len(stamps), S // 4, np.int64),
+                                   "gpu": np.zeros(len(stamps), np.int16), "util": np.array(util, np.float32)})
+
+
+@pytest.mark.parametrize("gpu_gap_s", [2.0, 0.0])
+def test_a_window_waits_for_the_gpu_sample_after_a_driver_gap(gpu_gap_s: float) -> None:
+    """Rank 0 waits from 2.2 s to 2.9 s; GPU 0 is sampled every 0.25 s but the driver skips 2.75 s to 3.75 s, so
+    the sample at 4 s covers 2.5 s to 4 s. 1 s windows, 0.5 s lateness: [2, 3) is due once events reach 3.5 s,
+    before that sample arrives. Waiting for it, the GPU idles the whole 0.7 s of the stall; not waiting
+    (`gpu_gap_s=0`), the 0.4 s the late sample covers are lost for good."""
+    results: list[WindowResult] = []
+    settings = CorrelatorSettings(window_s=1.0, lateness_s=0.5, gpu_gap_s=gpu_gap_s)
+    correlator = CorrelatorPipeline(settings, listeners=[results.append])
+    stamps = [0.25 * k for k in range(1, 25) if not 2.5 < 0.25 * k < 4.0]
+    correlator.run(in_time_order([regular(0, 0, 0.0, 2.2), steps(0, 0, [(2.2, 2.9, 3.0)], 22),
+                                  regular(0, 0, 3.0, 6.0, 23), miss(0, 0, 22, 2.2, 2.85),
+                                  gpu_busy_except(2.2, 2.9, stamps)]))
+    idle = sum(sum(g.idle_s) for r in results for part in (r, *r.earlier) for g in part.gpus)
+    stalled = sum(sum(row.stall_s) for r in results for part in (r, *r.earlier) for row in part.ranks)
+    assert stalled == pytest.approx(0.7)
+    assert idle == pytest.approx(0.7 if gpu_gap_s else 0.3, abs=1e-3)
