@@ -26,7 +26,7 @@ from tests.conftest import ROOT, require_binary
 pytestmark = pytest.mark.slow
 SETTINGS = CorrelatorSettings(window_s=1.0, lateness_s=0.5)
 T = Thresholds(job_stall_window="10s", agent_scrape_interval="1s",  # start_prometheus's scrape interval
-               correlator_lag=correlator_lag(SETTINGS.window_s, SETTINGS.lateness_s, "1s"))
+               correlator_lag=correlator_lag(SETTINGS, "1s"))
 
 
 def feed(service: LiveCorrelator, stop: threading.Event) -> None:

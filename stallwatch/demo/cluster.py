@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from stallwatch import catalogue as c
+from stallwatch.correlator.settings import CorrelatorSettings
 from stallwatch.demo.agent import AgentSetup, start_node_agent
 from stallwatch.demo.hub import Hub, shard_name, start_hub
 from stallwatch.demo.spoke import Nginx, spoke_server_block
@@ -74,13 +75,17 @@ class ClusterSettings:
     def world(self) -> int:
         return self.nodes * self.ranks_per_node
 
+    def correlator(self) -> CorrelatorSettings:
+        """The agents' correlator settings: these windows and lateness, the rest the agent's defaults."""
+        return CorrelatorSettings(window_s=self.window_seconds, lateness_s=self.lateness_seconds)
+
     def thresholds(self) -> Thresholds:
         """The generated rules with windows a run of a minute fills (scrapes and evaluations every second),
         reading the correlator's series as far back as this demo's correlator settings ask."""
         scrape = f"{SCRAPE_INTERVAL_SECONDS}s"
         return Thresholds(rate_window="30s", job_stall_window=f"{self.job_stall_window_seconds}s",
                           node_stall_cost_for="10s", agent_scrape_interval=scrape,
-                          correlator_lag=correlator_lag(self.window_seconds, self.lateness_seconds, scrape))
+                          correlator_lag=correlator_lag(self.correlator(), scrape))
 
     def rules_lag_seconds(self) -> float:
         """How far the job rules' recorded series lag the stalls they count: they read `correlator_lag`

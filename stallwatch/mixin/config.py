@@ -28,12 +28,13 @@ def duration_seconds(duration: str) -> float:
     return int(duration.removesuffix(match[1])) * _UNIT_SECONDS[match[1]]
 
 
-def correlator_lag(window_s: float, lateness_s: float, scrape_interval: str) -> str:
-    """How long after its sample timestamp (its window's end) a correlator series can first be read in
-    Prometheus, as a duration in whole seconds: the window closes `lateness_s` after its end, the hold keeps
-    it while a stall is under way across that end (one window allowed for it: docs/attribution.md), and the
-    next scrape takes it."""
-    return f"{math.ceil(lateness_s + window_s + duration_seconds(scrape_interval))}s"
+def correlator_lag(settings: CorrelatorSettings, scrape_interval: str) -> str:
+    """How long after its sample timestamp (its window's end) a correlator series can be read in Prometheus,
+    at most, as a duration in whole seconds: the window closes the lateness after its end, or up to `gpu_gap`
+    later while a GPU's next sample is awaited; the hold keeps it while a stall is under way across its end
+    (one window allowed for that: docs/attribution.md); the next scrape takes it."""
+    closed = settings.lateness_s + settings.gpu_gap_s
+    return f"{math.ceil(closed + settings.window_s + duration_seconds(scrape_interval))}s"
 
 
 def _doc(text: str) -> dict[str, str]:
@@ -103,8 +104,8 @@ class Thresholds:
     correlator_lag: str = field(default="", metadata=_doc(
         "How far back the job-level recording rules read the correlator's series (`offset`), so that every "
         "sample of their window has arrived: the correlator's samples carry their window's end but are "
-        "scrapeable only this long after it. Empty: derived from the correlator's default window and lateness "
-        "and `agent_scrape_interval` (`config.correlator_lag`); the recorded series lag the events by it."))
+        "scrapeable only this long after it. Empty: derived from the correlator's default window, lateness and "
+        "GPU gap and `agent_scrape_interval` (`config.correlator_lag`); the recorded series lag the events by it."))
     runbook_base_url: str = field(default="docs/runbooks.md", metadata=_doc(
         "Where docs/runbooks.md is served; each alert's runbook_url is this plus the alert's anchor."))
 
@@ -118,8 +119,6 @@ class Thresholds:
             if f.name.endswith("_ratio") and not 0 <= value <= 1:
                 raise ValueError(f"{f.name}: {value} is not a ratio between 0 and 1")
         if not self.correlator_lag:
-            defaults = CorrelatorSettings()
-            lag = correlator_lag(defaults.window_s, defaults.lateness_s, self.agent_scrape_interval)
-            object.__setattr__(self, "correlator_lag", lag)
+            object.__setattr__(self, "correlator_lag", correlator_lag(CorrelatorSettings(), self.agent_scrape_interval))
         if not self.xid_page or not all(isinstance(x, int) and x > 0 for x in self.xid_page):
             raise ValueError(f"xid_page: {self.xid_page!r} is not a non-empty list of XID numbers")
