@@ -108,12 +108,12 @@ def read_timings(directory: Path, world: int) -> list[list[Step]]:
             for rank in range(world)]
 
 
-def ground_truth_loss(ranks: list[list[Step]], first: int) -> float:
-    """GPU-seconds the job lost in steps `first` onwards: on every GPU, the step's time minus the job's compute
+def ground_truth_loss(ranks: list[list[Step]], first: int, last: int) -> float:
+    """GPU-seconds the job lost in steps `first` to `last`: on every GPU, the step's time minus the job's compute
     (its slowest rank's: no rank can go on before it) and the collective's own time (the all-reduce of the
     last rank to arrive, who waits for nobody)."""
     lost = 0.0
-    for k in range(first, len(ranks[0])):
+    for k in range(first, last + 1):
         step = sum(r[k].end - r[k - 1].end for r in ranks) / len(ranks)
         compute = max(r[k].compute for r in ranks)
         collective = min(r[k].allreduce for r in ranks)
@@ -235,7 +235,13 @@ class ClusterDemo:
         s, t = self.s, self.s.thresholds()
         first = max(1, int(len(ranks[0]) * STEADY_FROM))
         started = max(r[first - 1].end for r in ranks)
-        ended = max(r[-1].end for r in ranks)
+        # A rate over a sub-window stands for its middle, so averaged over the interval it also takes in half a
+        # sub-window on either side: the interval ends that much before the job does, as it starts after
+        # the job started, so that both halves are of training.
+        step_ends = [max(r[k].end for r in ranks) for k in range(len(ranks[0]))]
+        last = max(k for k in range(first, len(step_ends))
+                   if step_ends[k] <= step_ends[-1] - s.job_stall_window_seconds / 2)
+        ended = step_ends[last]
         at = ended + s.rules_lag_seconds()
         span = f"{round((ended - started) * 1000)}ms"
         selected = f'{{{J}="{JOB}"}}'
@@ -252,7 +258,7 @@ class ClusterDemo:
                                            f"[{span}]))", at))
         alerts = _values(query(prometheus, 'ALERTS{alertstate="firing"}'))
         return ClusterOutcome(
-            prometheus, started, ended, at, ground_truth_loss(ranks, first), estimate[0][1] * (ended - started),
+            prometheus, started, ended, at, ground_truth_loss(ranks, first, last), estimate[0][1] * (ended - started),
             {labels["node"]: value for labels, value in per_node}, gate,
             max(causes, key=lambda sample: sample[1])[0]["cause"], [labels for labels, _ in alerts])
 
