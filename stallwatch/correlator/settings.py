@@ -15,7 +15,7 @@ from stallwatch.flags import bounded_float, byte_size, non_negative_float, posit
 
 @dataclass(frozen=True)
 class CorrelatorSettings:
-    window_s: float = 1.0
+    window_s: float = 0.5
     lateness_s: float = 1.0
     stall_threshold_s: float = 0.001
     lookback_s: float = 2.0  # how far before a stall a batch's reads are looked for (> any preprocess time)
