@@ -27,7 +27,7 @@ from stallwatch.correlator.settings import CorrelatorSettings, seconds_to_ns
 from stallwatch.correlator.verdicts import LatencySplit
 from stallwatch.correlator.wallclock import wall_offset_ns
 from stallwatch.correlator.warmup import JobWindow, WarmupTracker
-from stallwatch.correlator.whatif import MissRatioCurve
+from stallwatch.correlator.whatif import FEED_SLICE, MissRatioCurve
 from stallwatch.correlator.windows import MERGE_EVENTS, EventTimeWindows
 from stallwatch.eventbatch import SCHEMAS, EventBatch, Interner, MalformedEventBatchError
 from tests.scenarios.generator import BASE_NS, JobSpec, LruCache, Scenario, exact_lru_hit_ratio, generate
@@ -127,6 +127,22 @@ def test_whatif_sampled_and_bounded_stays_within_five_points_of_exact_lru() -> N
         estimate = curve.hit_ratio(factor * capacity)
         assert estimate is not None
         assert abs(estimate - exact_lru_hit_ratio(reads, factor * capacity)) <= 0.05
+
+
+def test_whatif_folds_a_window_a_slice_at_a_time_with_the_same_distances() -> None:
+    """A flood's window of 100k references in one feed (folded in slices of `FEED_SLICE`) gives exactly the
+    histogram of the same references fed one slice of 1,000 at a time: the tracked keys carry recency."""
+    rng = np.random.default_rng(3)
+    keys = rng.integers(0, 6_000, 100_000).astype(np.uint64)
+    sizes = rng.choice(np.array([4096, 65536]), size=keys.size).astype(np.int64)
+    whole, small = MissRatioCurve(), MissRatioCurve()
+    whole.feed(keys, sizes)
+    for first in range(0, keys.size, 1_000):
+        small.feed(keys[first:first + 1_000], sizes[first:first + 1_000])
+    assert keys.size > 3 * FEED_SLICE
+    assert whole.references == small.references == keys.size
+    for capacity in (2**20, 2**26, 2**28, 2**30):
+        assert whole.hit_ratio(capacity) == pytest.approx(small.hit_ratio(capacity), abs=1e-12)
 
 
 @settings(max_examples=40, deadline=None)

@@ -62,7 +62,8 @@ class CorrelatorPipeline:
                                         lookback_ns=seconds_to_ns(s.lookback_s),
                                         retention_ns=seconds_to_ns(s.retention_s),
                                         max_buffered_events=s.max_buffered_events,
-                                        gpu_gap_ns=seconds_to_ns(s.gpu_gap_s))
+                                        gpu_gap_ns=seconds_to_ns(s.gpu_gap_s),
+                                        stall_threshold_ns=seconds_to_ns(s.stall_threshold_s))
         self.analyse = WindowAnalyser(self.settings)
         self.malformed: Counter[str] = Counter()  # events dropped with their batch, by kind
         self._event_time_watermark = event_time_watermark

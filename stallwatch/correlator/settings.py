@@ -23,10 +23,11 @@ class CorrelatorSettings:
     # How long past the watermark a window waits for a GPU's next utilization sample (drivers skip a
     # second of samples at times; the agent polls every 0.5 s).
     gpu_gap_s: float = 2.0
-    # Per kind. Bounds the window store's memory (a read is 51 bytes, about half once merged): 10 s of
-    # window and lateness at the nominal 50k events/s with room to spare; past it, a flood's batches are
-    # shed and counted.
-    max_buffered_events: int = 600_000
+    # Per kind. Bounds the window store's memory (a read is 51 bytes, about half once merged) and with it
+    # each close's working memory: 6 s of events at the nominal 50k events/s, four times the window and
+    # lateness, with the lookback; older context is kept while there is room. Past it, a flood's batches
+    # are shed and counted.
+    max_buffered_events: int = 300_000
     spoke_join_tolerance_s: float = 1.0
     cache_capacity_bytes: int | None = None
     whatif_sample_rate: float = 1.0  # the initial rate: every key until the cap, then it lowers itself

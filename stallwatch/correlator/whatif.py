@@ -32,6 +32,7 @@ from stallwatch.correlator.reuse import reuse_distances
 _BINS_PER_OCTAVE = 256  # a bin is 0.27 % wide: a capacity is answered to that
 _OCTAVES = 56  # 1 byte .. 2^56 bytes
 _FULL = 2**64
+FEED_SLICE = 32_768  # references folded at once
 
 
 def _mix(keys: npt.NDArray[np.uint64]) -> npt.NDArray[np.uint64]:
@@ -74,7 +75,13 @@ class MissRatioCurve:
         return self._total
 
     def feed(self, keys: npt.NDArray[np.uint64], sizes: npt.NDArray[np.int64]) -> None:
-        """References in time order."""
+        """References in time order, a slice at a time: the tracked keys carry the recency order from one slice
+        to the next, so the distances are the same, and the work arrays stay the size of a slice (one window
+        of a flood holds hundreds of thousands of reads)."""
+        for first in range(0, keys.size, FEED_SLICE):
+            self._feed(keys[first:first + FEED_SLICE], sizes[first:first + FEED_SLICE])
+
+    def _feed(self, keys: npt.NDArray[np.uint64], sizes: npt.NDArray[np.int64]) -> None:
         fetched = sizes > 0
         self.failed += int(fetched.size - fetched.sum())
         hashes, sizes = _mix(keys[fetched]), sizes[fetched].astype(np.int64)

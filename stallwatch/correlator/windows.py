@@ -11,9 +11,9 @@ GPU sampled lately has a sample past its end, for at most `gpu_gap` past the wat
 stopped sampling is waited for no longer once its last sample is `gpu_gap` old.
 
 A closing window hands over its steps, the steps buffered for later windows, and the context they need:
-the reads, spoke requests and GPU samples ending from `lookback` before its earliest stall (or that of a
-buffered step) up to the watermark, because a stall can
-reach back past the window's start (a 30 s hub outage) and a batch's reads precede its wait.
+the reads, spoke requests and GPU samples ending from `lookback` before its earliest stall (a wait past
+`stall_threshold`, of its steps or of a buffered step; else from its start) up to the watermark, because a
+stall can reach back past the window's start (a 30 s hub outage) and a batch's reads precede its wait.
 Buffered context older than `retention` before the closed edge is let go.
 
 Memory is bounded by count as well as by time: each kind holds at most `max_buffered_events`. A batch
@@ -141,6 +141,7 @@ class EventTimeWindows:
     retention_ns: int
     max_buffered_events: int  # per kind
     gpu_gap_ns: int = 0
+    stall_threshold_ns: int = 0
     closed_until: int | None = None
     late: Counter[str] = field(default_factory=Counter)
     shed: Counter[str] = field(default_factory=Counter)  # events dropped whole-batch at the cap, by kind
@@ -242,6 +243,11 @@ class EventTimeWindows:
             closed.append(self._close(final=final, watermark_ns=END_OF_INPUT))
         return closed
 
+    def _stall_starts(self, steps: Columns) -> npt.NDArray[np.int64]:
+        waits = steps["wait_end_ns"] - steps["wait_start_ns"]
+        starts: npt.NDArray[np.int64] = steps["wait_start_ns"][waits > self.stall_threshold_ns]
+        return starts
+
     def _skip_empty(self, limit_ns: int) -> None:
         """Jump over a stretch with no buffered event at all instead of closing windows one by one."""
         assert self.closed_until is not None
@@ -269,10 +275,11 @@ class EventTimeWindows:
         mine = _gather(parts, "step")
         self._keep("step", later)
         later_steps = _gather([(chunk, None) for chunk in later], "step")
-        # Steps of later windows whose waits began already may be booked now too (cuts.py).
-        waits = np.concatenate((mine["wait_start_ns"], later_steps["wait_start_ns"]))
-        earliest_need = int(waits.min()) if waits.size else start
-        horizon = max(min(earliest_need, start) - self.lookback_ns, start - self.retention_ns)
+        # Steps of later windows whose waits began already may be booked now too (cuts.py). Only a stall
+        # needs reads from before the window (its batch's): without one, the window's own are enough.
+        stalls = [self._stall_starts(steps) for steps in (mine, later_steps) if steps]
+        earliest_need = min((int(s.min()) - self.lookback_ns for s in stalls if s.size), default=start)
+        horizon = max(min(earliest_need, start), start - self.retention_ns)
         context: dict[str, Columns] = {}
         for kind in CONTEXT_KINDS:
             parts = []
