@@ -173,7 +173,9 @@ def pickling_cost(size: int = 64) -> float:
             timings.append((time.perf_counter() - start) / 5000 * 1e6)
         return min(timings)
 
-    return best(NumberedIndices(range(size), 7)) - best(list(range(size)))
+    indices = NumberedIndices(range(size))
+    indices.number = 7
+    return best(indices) - best(list(range(size)))
 
 
 class Epoch(NamedTuple):
