@@ -37,13 +37,15 @@ def timed_steps(items: Iterator[Any], channel: Channel) -> Iterator[Any]:
     batch alone. Other items are numbered in arrival order from 0.
     """
     clock, record = time.monotonic_ns, channel.step
-    index, handed_over = 0, -1
+    index = 0
     wait_start = clock()
     try:
         for item in items:
             wait_end = clock()
             if type(item) is tuple and len(item) == 4 and type(item[0]) is bytes and item[0] == TAG:
                 _, index, item, handed_over = item  # noqa: PLW2901
+            else:
+                handed_over = -1
             try:
                 yield item
             finally:
