@@ -9,6 +9,7 @@ Example counts stay small: each example simulates one to two minutes of a traini
 from __future__ import annotations
 
 import itertools
+from collections import defaultdict
 
 import numpy as np
 import pytest
@@ -116,6 +117,9 @@ def test_cpu_bound_preprocessing_with_warm_cache(seed: int, preprocess: float, w
 
 @FEW
 @given(seed=seeds, outage_start=st.floats(35.0, 50.0))
+# A batch's first reads were in long before its last, hung in the outage, ended: booking the wait early on
+# them once called 24 s of the outage preprocessing.
+@example(seed=4055, outage_start=39.85442875597991)
 def test_hub_outage_mid_run(seed: int, outage_start: float) -> None:
     outage = (outage_start, outage_start + 30.0)
     spec = JobSpec(0, steps=2000, new_item_fraction=0.05)
@@ -216,11 +220,20 @@ def phase_changes(phases: list[tuple[float, str]]) -> int:
 @FEW
 @given(seed=seeds)
 def test_a_steady_job_with_a_partial_hit_ratio_keeps_its_phase(seed: int) -> None:
-    """11 % of reads are of never-seen items: each window's hit ratio wobbles around 0.89, across the
-    steady threshold (0.9); the phase may settle once but never flaps, and nothing is a regression."""
+    """11 % of reads are of never-seen items: the hit ratio over each span the warm-up detector judges
+    (5 s) wobbles around 0.89, across the steady threshold (0.9); the phase may settle once but never
+    flaps, and nothing is a regression."""
     spec = JobSpec(0, steps=1500, new_item_fraction=0.11)
     outcome = correlate(Scenario([spec], cache_bytes=800 * MB, prewarm=True, seed=seed))
-    ratios = [j.hit_ratio for w in outcome.windows for j in w.jobs if j.hit_ratio is not None]
+    span = CorrelatorSettings().warmup.span_s
+    hits: dict[int, list[float]] = defaultdict(lambda: [0.0, 0.0])
+    for w in outcome.windows:
+        for j in w.jobs:
+            if j.hit_ratio is not None:
+                tally = hits[int((w.start_ns - BASE_NS) / 1e9 // span)]
+                tally[0] += j.hit_ratio * j.reads
+                tally[1] += j.reads
+    ratios = [hit / reads for hit, reads in hits.values() if reads]
     assert min(ratios) > 0.8 and max(ratios) < 0.95
     assert phase_changes(outcome.phases(0)) <= 1
     assert job_state(outcome, 0)[1] == 0

@@ -157,10 +157,14 @@ def test_both_report_modes_of_one_run_agree_on_its_phases(tmp_path: Path) -> Non
 
     outcome = Demo(settings).run(while_running=read_prometheus)
     from_windows = run_from_windows(outcome.windows, JOB)
-    prometheus_phases, window_phases = phase_starts(from_prometheus[0]), phase_starts(from_windows)
+    prometheus_phases = phase_starts(from_prometheus[0])
+    # The window file also holds the windows published after Prometheus was read (the job's last ones, held
+    # until the agent stopped): compare what both had.
+    read_until = from_prometheus[0].phases[-1][1]
+    window_phases = [(phase, start) for phase, start in phase_starts(from_windows) if start < read_until]
     print("prometheus:", prometheus_phases, "\nwindows:", window_phases)
     assert from_prometheus[0].gpu_utilization.t.size > 0  # the job's GPUs, found through the correlator's map
     assert [p for p, _ in prometheus_phases] == [p for p, _ in window_phases]
     assert outcome.started - settings.window_seconds <= window_phases[0][1] <= outcome.ended  # a wall-clock time
     for (phase, seen), (_, recorded) in zip(prometheus_phases, window_phases, strict=True):
-        assert abs(seen - recorded) <= settings.window_seconds, (phase, seen, recorded)
+        assert abs(seen - recorded) <= settings.window_seconds + 0.001, (phase, seen, recorded)  # Prometheus: ms

@@ -28,7 +28,9 @@ from tests.conftest import ROOT, require_binary
 from tests.scenarios.generator import BASE_NS
 
 S = 10**9
-REMOTE, PREPROCESS, OTHER = (CAUSES.index(cause) for cause in ("remote_fetch", "preprocess", "other"))
+REMOTE, PREPROCESS = (CAUSES.index(cause) for cause in ("remote_fetch", "preprocess"))
+# The windows these cases are drawn on (the defaults are shorter: the cases read more easily on 5 s).
+FIVE_S = CorrelatorSettings(window_s=5.0, lateness_s=5.0)
 
 
 def ns(seconds: float) -> int:
@@ -87,7 +89,7 @@ def outage_run() -> tuple[list[WindowResult], list[Publication]]:
     results: list[WindowResult] = []
     published: list[Publication] = []
     hold = WindowHold(60.0, [published.append], wall_offset=lambda: 0)
-    correlator = CorrelatorPipeline(CorrelatorSettings(), listeners=[results.append, hold.add])
+    correlator = CorrelatorPipeline(FIVE_S, listeners=[results.append, hold.add])
     correlator.run(in_time_order([gpu_idle_while(2.0, 32.0, 45.0), regular(0, 0, 0.0, 2.0), miss(0, 0, 20, 2.0, 31.5),
                                   steps(0, 0, [(2.0, 32.0, 32.1)], first_batch=20),
                                   regular(0, 0, 32.1, 45.0, first_batch=21)]))
@@ -106,12 +108,13 @@ def by_window(parts: list[WindowResult]) -> dict[float, np.ndarray]:
 
 def test_a_30_s_stall_is_booked_in_the_windows_it_spans_and_each_piece_sums_to_itself() -> None:
     results, published = outage_run()
-    # The step arrives at 32.1 s, before [25, 30) closes: that close books the wait up to 30 s at once, its
-    # pieces in earlier windows alongside; [30, 35), the step's own window, books only the rest.
+    # The step arrives at 32.1 s, before [25, 30) closes, but its batch was handed over at 32 s, past that
+    # close's watermark (30 s): its read might still be on its way, so [30, 35), the step's own window, books
+    # the wait, its pieces in the earlier windows alongside.
     booked_in = next(r for r in results if r.earlier)
-    assert (booked_in.start_ns - BASE_NS) / S == 25.0
-    assert [(p.start_ns - BASE_NS) / S for p in booked_in.earlier] == [0.0, 5.0, 10.0, 15.0, 20.0]
-    assert sum(r.steps for r in booked_in.ranks) == 0  # the step itself counts in its own window
+    assert (booked_in.start_ns - BASE_NS) / S == 30.0
+    assert [(p.start_ns - BASE_NS) / S for p in booked_in.earlier] == [0.0, 5.0, 10.0, 15.0, 20.0, 25.0]
+    assert sum(r.steps for p in booked_in.earlier for r in p.ranks) == 0  # the step counts in its own window
     pieces = by_window([p for r in results for p in (r, *r.earlier)])
     want = {0.0: 3.0, 5.0: 5.0, 10.0: 5.0, 15.0: 5.0, 20.0: 5.0, 25.0: 5.0, 30.0: 2.0}
     for start, seconds in want.items():
@@ -140,7 +143,7 @@ def test_a_30_s_stall_is_booked_in_the_windows_it_spans_and_each_piece_sums_to_i
 
 def test_a_stall_within_its_window_is_booked_whole_there() -> None:
     results: list[WindowResult] = []
-    correlator = CorrelatorPipeline(CorrelatorSettings(), listeners=[results.append])
+    correlator = CorrelatorPipeline(FIVE_S, listeners=[results.append])
     correlator.run([regular(0, 0, 0.0, 6.0), miss(0, 0, 99, 6.0, 6.3), steps(0, 0, [(6.0, 6.4, 6.5)], 99),
                     regular(0, 0, 6.5, 12.0, first_batch=100)])
     assert not any(r.earlier for r in results)
@@ -156,7 +159,7 @@ def _job_windows(published: list[Publication], job: int) -> list[float]:
 def test_a_jobs_window_waits_for_its_silent_rank_and_another_jobs_does_not() -> None:
     published: list[Publication] = []
     hold = WindowHold(60.0, [published.append], wall_offset=lambda: 0)
-    correlator = CorrelatorPipeline(CorrelatorSettings(), listeners=[hold.add])
+    correlator = CorrelatorPipeline(FIVE_S, listeners=[hold.add])
     # Job 0: rank 0 steps on; rank 1 waits from 10.5 s to 40 s for one batch. Job 1 steps on.
     batches = [regular(0, 0, 0.0, 60.0), regular(1, 0, 0.0, 60.0), regular(0, 1, 0.0, 10.5)]
     for batch in in_time_order([_until(batch, 30.0) for batch in batches]):
@@ -185,7 +188,7 @@ def test_the_hold_limit_releases_a_window_whose_rank_never_returns() -> None:
             released_at[(publication.result.start_ns - BASE_NS) / S] = (closing[0] - BASE_NS) / S
 
     hold = WindowHold(20.0, [note], wall_offset=lambda: 0)
-    correlator = CorrelatorPipeline(CorrelatorSettings(), listeners=[lambda r: closing.__setitem__(0, r.end_ns),
+    correlator = CorrelatorPipeline(FIVE_S, listeners=[lambda r: closing.__setitem__(0, r.end_ns),
                                                                      hold.add])
     correlator.emit(regular(0, 1, 0.0, 10.5))  # rank 1 stops at 10.5 s and never returns
     for start in range(0, 60):
@@ -323,13 +326,22 @@ def _samples(prometheus: str, series: str) -> list[tuple[float, float]]:
     return [(float(at), float(value)) for at, value in reply[0]["values"]] if reply else [(0.0, 0.0)]
 
 
-@pytest.mark.parametrize("read_of_its_batch", [True, False])  # begun before the window's end
-def test_a_buffered_step_stalled_across_the_closing_edge_is_booked_at_once_once_its_batch_began(
-        read_of_its_batch: bool) -> None:
-    """Rank 0 (which tags its reads) waits 4.6 s to 5.4 s; the step is at hand when [0, 5) closes. With a read
-    of its batch begun by then its wait up to 5 s is booked at once, and [0, 5) goes out at its own close;
-    when the read begins only at 5.1 s (the worker had not started the batch), [0, 5) waits for [5, 10) to
-    close. Either way the stall is booked once, split at 5 s, as the critical path has it."""
+def step_handed_over_at(job: int, rank: int, batch: int, wait: tuple[float, float, float],
+                        ready_s: float) -> EventBatch:
+    one = steps(job, rank, [wait], batch)
+    return EventBatch("step", {**one.columns, "ready_ns": np.array([ns(ready_s)], np.int64)})
+
+
+@pytest.mark.parametrize("wait_end", [5.4, 6.4])
+def test_a_buffered_step_stalled_across_the_closing_edge_is_booked_at_once_once_its_batch_was_handed_over(
+        wait_end: float) -> None:
+    """Rank 0 waits from 4.6 s for batch 46, whose first read ended at 4.5 s and whose second misses from 4.7 s
+    until 0.05 s before the batch is handed over, 0.05 s before the wait ends; the step is at hand when [0, 5)
+    closes (5 s windows, 1 s lateness). Handed over at 5.35 s, by that close's watermark (5.9 s), every read of
+    the batch is in: the wait up to 5 s is booked at once and [0, 5) goes out at its own close. Handed over at
+    6.35 s, past the watermark (5.5 s), the second read may still be on its way (here it arrives after the
+    close): the first read alone would call the wait preprocessing, so [0, 5) waits for [5, 10) to close.
+    Either way the stall is booked once, split at 5 s, the miss as remote fetch on both sides."""
     released_by: dict[float, float] = {}
     closing = [0]
     results: list[WindowResult] = []
@@ -340,17 +352,17 @@ def test_a_buffered_step_stalled_across_the_closing_edge_is_booked_at_once_once_
     hold = WindowHold(60.0, [note], wall_offset=lambda: 0)
     correlator = CorrelatorPipeline(CorrelatorSettings(window_s=5.0, lateness_s=1.0),
                                     listeners=[lambda r: closing.__setitem__(0, r.end_ns), results.append, hold.add])
-    batches = [regular(0, 0, 0.0, 4.6), steps(0, 0, [(4.6, 5.4, 5.5)], 46), regular(0, 0, 5.5, 12.0, 47),
-               miss(0, 0, 45, 4.0, 4.1), miss(0, 0, 46, 4.7 if read_of_its_batch else 5.1, 5.3)]
+    handed_over = wait_end - 0.05
+    batches = [regular(0, 0, 0.0, 4.6), step_handed_over_at(0, 0, 46, (4.6, wait_end, wait_end + 0.1), handed_over),
+               regular(0, 0, wait_end + 0.1, 12.0, 47), miss(0, 0, 45, 4.0, 4.1), miss(0, 0, 46, 4.2, 4.5),
+               miss(0, 0, 46, 4.7, handed_over - 0.05)]
     correlator.run(in_time_order(batches))
     hold.flush()
-    assert released_by[0.0] == (5.0 if read_of_its_batch else 10.0)
+    assert released_by[0.0] == (5.0 if wait_end < 6.0 else 10.0)
     pieces = by_window([p for r in results for p in (r, *r.earlier)])
-    assert pieces[0.0].sum() == pytest.approx(0.4) and pieces[5.0].sum() == pytest.approx(0.4)
-    if read_of_its_batch:
-        assert pieces[0.0][REMOTE] == pytest.approx(0.3) and pieces[5.0][REMOTE] == pytest.approx(0.3)
-    else:
-        assert pieces[0.0][OTHER] == pytest.approx(0.4) and pieces[5.0][REMOTE] == pytest.approx(0.2)
+    assert pieces[0.0].sum() == pytest.approx(0.4) and pieces[5.0].sum() == pytest.approx(wait_end - 5.0)
+    assert pieces[0.0][REMOTE] == pytest.approx(0.3)
+    assert pieces[5.0][REMOTE] == pytest.approx(wait_end - 5.0 - 0.1)
     steps_by_window = {(r.start_ns - BASE_NS) / S: sum(row.steps for row in r.ranks) for r in results}
     assert steps_by_window[0.0] == 46  # the stalled step counts once, in its own window
     assert sum(steps_by_window.values()) == sum(len(b) for b in batches if b.kind == "step")
@@ -362,3 +374,32 @@ def test_no_shipped_scrape_configuration_turns_honor_timestamps_off() -> None:
                ROOT / "stallwatch/demo/stack.py", *ROOT.glob("deploy/**/*.y*ml")]
     for path in shipped:
         assert not re.search(r"honor_?timestamps\W+false", path.read_text(), re.IGNORECASE), path
+
+
+def gpu_busy_except(start_s: float, end_s: float, stamps: list[float]) -> EventBatch:
+    """GPU 0 sampled at `stamps`, each sample the busy share since the one before: idle within [start_s, end_s]."""
+    begins = [0.0, *stamps[:-1]]
+    util = [1.0 - max(0.0, min(ts, end_s) - max(begin, start_s)) / (ts - begin)
+            for begin, ts in zip(begins, stamps, strict=True)]
+    return EventBatch("gpu_util", {"ts_ns": np.array([ns(t) for t in stamps], np.int64),
+                                   "period_ns": np.full(len(stamps), S // 4, np.int64),
+                                   "gpu": np.zeros(len(stamps), np.int16), "util": np.array(util, np.float32)})
+
+
+@pytest.mark.parametrize("gpu_gap_s", [2.0, 0.0])
+def test_a_window_waits_for_the_gpu_sample_after_a_driver_gap(gpu_gap_s: float) -> None:
+    """Rank 0 waits from 2.2 s to 2.9 s; GPU 0 is sampled every 0.25 s but the driver skips 2.75 s to 3.75 s, so
+    the sample at 4 s covers 2.5 s to 4 s. 1 s windows, 0.5 s lateness: [2, 3) is due once events reach 3.5 s,
+    before that sample arrives. Waiting for it, the GPU idles the whole 0.7 s of the stall; not waiting
+    (`gpu_gap_s=0`), the 0.4 s the late sample covers are lost for good."""
+    results: list[WindowResult] = []
+    settings = CorrelatorSettings(window_s=1.0, lateness_s=0.5, gpu_gap_s=gpu_gap_s)
+    correlator = CorrelatorPipeline(settings, listeners=[results.append])
+    stamps = [0.25 * k for k in range(1, 25) if not 2.5 < 0.25 * k < 4.0]
+    correlator.run(in_time_order([regular(0, 0, 0.0, 2.2), steps(0, 0, [(2.2, 2.9, 3.0)], 22),
+                                  regular(0, 0, 3.0, 6.0, 23), miss(0, 0, 22, 2.2, 2.85),
+                                  gpu_busy_except(2.2, 2.9, stamps)]))
+    idle = sum(sum(g.idle_s) for r in results for part in (r, *r.earlier) for g in part.gpus)
+    stalled = sum(sum(row.stall_s) for r in results for part in (r, *r.earlier) for row in part.ranks)
+    assert stalled == pytest.approx(0.7)
+    assert idle == pytest.approx(0.7 if gpu_gap_s else 0.3, abs=1e-3)

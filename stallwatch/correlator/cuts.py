@@ -9,9 +9,11 @@ so a piece's causes sum to the piece, and the pieces to the stall.
 A step already buffered for a later window whose stall began before the closing window's end is booked
 early (`EarlyBooking`): its wait up to that end goes into the closing window (and the earlier ones it
 reaches) at once, so that window need not wait for the next to close; the step's own window later books
-only the rest. A step of a rank that tags its reads is booked early only once a read of its batch is at
-hand: until then the worker had not started the batch, or its read is still under way (the window then
-waits for the step's own window, as without early booking).
+only the rest. Only a step whose batch was handed over (its ready time, else its wait's end) by the
+watermark is booked early: every read of the batch ended by then, so every one is at hand. A read at hand
+says nothing of the others: a batch of several items whose last read hangs in a hub outage has its first
+reads in long before, and booking on them would call the outage preprocessing. A step not booked early
+waits for its own window, as without early booking.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import numpy as np
 import numpy.typing as npt
 
 from stallwatch.correlator.attribution import Attribution, Reads, Steps, attribute
-from stallwatch.correlator.intervals import I64, composite_key
+from stallwatch.correlator.intervals import I64
 
 
 @dataclass(frozen=True)
@@ -97,26 +99,15 @@ class EarlyBooking:
                     del self._until[key]
         return begin
 
-    def book(self, later: Steps, stalled: npt.NDArray[np.bool_], reads: Reads, end_ns: int) -> Steps:
-        """The later steps' stall parts before `end_ns` not booked yet, as rows with no compute, now booked."""
+    def book(self, later: Steps, stalled: npt.NDArray[np.bool_], end_ns: int, watermark_ns: int) -> Steps:
+        """The later steps' stall parts before `end_ns` not booked yet, as rows with no compute, now booked:
+        those whose batch was handed over by the watermark."""
         begin = self.unbooked_from(later, stalled, release=False)
-        due = stalled & (begin < end_ns) & _batch_started(later, reads)
-        rows = np.flatnonzero(due)
+        handed_over = np.where(later.ready >= 0, later.ready, later.wait_end)
+        rows = np.flatnonzero(stalled & (begin < end_ns) & (handed_over <= watermark_ns))
         until = np.minimum(later.wait_end[rows], end_ns)
         for row, booked in zip(rows.tolist(), until.tolist(), strict=True):
             self._until[(int(later.job[row]), int(later.rank[row]), int(later.batch[row]),
                          int(later.wait_start[row]))] = booked
         piece = later.take(rows)
         return dataclasses.replace(piece, wait_start=begin[rows], wait_end=until, compute_end=until)
-
-
-def _batch_started(steps: Steps, reads: Reads) -> npt.NDArray[np.bool_]:
-    """Per step, whether its attribution up to now is final: a read of its batch is at hand, or its rank tags no
-    read here (the overlap rule decides, as it will later), or the step is untagged."""
-    m = len(steps)
-    tagged = reads.batch >= 0
-    owner = composite_key(np.concatenate((steps.job, reads.job)), np.concatenate((steps.rank, reads.rank)))
-    key = composite_key(owner, np.concatenate((steps.batch, reads.batch)) + 1)
-    started: npt.NDArray[np.bool_] = ((steps.batch < 0) | ~np.isin(owner[:m], owner[m:][tagged])
-                                      | np.isin(key[:m], key[m:][tagged]))
-    return started

@@ -61,7 +61,8 @@ class CorrelatorPipeline:
         self.windows = EventTimeWindows(window_ns=seconds_to_ns(s.window_s), lateness_ns=seconds_to_ns(s.lateness_s),
                                         lookback_ns=seconds_to_ns(s.lookback_s),
                                         retention_ns=seconds_to_ns(s.retention_s),
-                                        max_buffered_events=s.max_buffered_events)
+                                        max_buffered_events=s.max_buffered_events,
+                                        gpu_gap_ns=seconds_to_ns(s.gpu_gap_s))
         self.analyse = WindowAnalyser(self.settings)
         self.malformed: Counter[str] = Counter()  # events dropped with their batch, by kind
         self._event_time_watermark = event_time_watermark

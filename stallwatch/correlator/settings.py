@@ -15,11 +15,14 @@ from stallwatch.flags import bounded_float, byte_size, non_negative_float, posit
 
 @dataclass(frozen=True)
 class CorrelatorSettings:
-    window_s: float = 5.0
-    lateness_s: float = 5.0
+    window_s: float = 0.5
+    lateness_s: float = 1.0
     stall_threshold_s: float = 0.001
     lookback_s: float = 2.0  # how far before a stall a batch's reads are looked for (> any preprocess time)
     retention_s: float = 60.0  # the longest stall whose reads and GPU samples are still at hand
+    # How long past the watermark a window waits for a GPU's next utilization sample (drivers skip a
+    # second of samples at times; the agent polls every 0.5 s).
+    gpu_gap_s: float = 2.0
     # Per kind. Bounds the window store's memory (a read is 51 bytes, about half once merged): 10 s of
     # window and lateness at the nominal 50k events/s with room to spare; past it, a flood's batches are
     # shed and counted.
@@ -49,6 +52,10 @@ def add_arguments(group: argparse._ArgumentGroup, prefix: str) -> None:
     group.add_argument(f"--{prefix}retention", dest="correlator_retention", type=positive_float,
                        default=defaults.retention_s, metavar="SECONDS",
                        help="reads and GPU samples kept for long stalls; bounds memory (default: %(default)s)")
+    group.add_argument(f"--{prefix}gpu-gap", dest="correlator_gpu_gap", type=non_negative_float,
+                       default=defaults.gpu_gap_s, metavar="SECONDS",
+                       help="how long past the lateness a window waits for each GPU's next utilization sample "
+                       "(default: %(default)s)")
     group.add_argument(f"--{prefix}max-buffered-events", dest="correlator_max_buffered_events", type=positive_int,
                        default=defaults.max_buffered_events, metavar="EVENTS",
                        help="events of each kind the windows hold; past it the oldest used context goes, then "
@@ -74,6 +81,7 @@ def from_options(options: argparse.Namespace) -> CorrelatorSettings:
         lateness_s=options.correlator_lateness,
         stall_threshold_s=options.correlator_stall_threshold,
         retention_s=options.correlator_retention,
+        gpu_gap_s=options.correlator_gpu_gap,
         max_buffered_events=options.correlator_max_buffered_events,
         cache_capacity_bytes=options.correlator_cache_capacity,
         whatif_sample_rate=options.correlator_whatif_sample_rate,

@@ -103,7 +103,8 @@ class WindowAnalyser:
         # This window's steps (less what earlier windows booked of them), then the stall parts of later steps
         # booked now: counted as waits here, not as steps.
         own = dataclasses.replace(steps, wait_start=self._booking.unbooked_from(steps, stalled, release=True))
-        early = self._booking.book(later, _stalled(later, threshold), reads, end) if later else own.take(slice(0, 0))
+        early = (self._booking.book(later, _stalled(later, threshold), end, window.watermark_ns) if later
+                 else own.take(slice(0, 0)))
         rows = Steps(*(np.concatenate((a, b)) for a, b in zip(own.columns(), early.columns(), strict=True)))
         n = len(rows)
         cut = cut_at_windows(rows, np.concatenate((stalled, np.ones(len(early), dtype=bool))), start, end - start)

@@ -5,6 +5,11 @@ spoke request by `end_ns`, a GPU sample by `ts_ns`. A window [start, end) closes
 (the newest event time seen, or the agent's clock, minus the allowed lateness) passes its end; an
 event whose time falls in a window already closed is late: counted by kind, then dropped.
 
+A GPU's idle time in a stall comes from its next utilization sample (a sample is the mean since the one
+before it), and the driver skips samples, a second and more at times: a window also waits until every
+GPU sampled lately has a sample past its end, for at most `gpu_gap` past the watermark. A GPU that
+stopped sampling is waited for no longer once its last sample is `gpu_gap` old.
+
 A closing window hands over its steps, the steps buffered for later windows, and the context they need:
 the reads, spoke requests and GPU samples ending from `lookback` before its earliest stall (or that of a
 buffered step) up to the watermark, because a stall can
@@ -32,6 +37,7 @@ import numpy.typing as npt
 from stallwatch.eventbatch import SCHEMAS, Columns
 
 CONTEXT_KINDS = ("read", "spoke_request", "gpu_util")
+END_OF_INPUT = np.iinfo(np.int64).max  # the watermark of a flush: nothing more will come
 # When an event began: one that began after a window's end cannot overlap that window's stalls. A GPU
 # sample's real period reaches back to the sample before it, past the period it carries (bounded by
 # the agent), so GPU samples are all kept.
@@ -109,6 +115,8 @@ class WindowInput:
     steps: Columns
     context: Mapping[str, Columns]
     final: bool  # closed by a flush at the end of input rather than by the watermark
+    # Every event up to this time is at hand (lateness allowing); END_OF_INPUT after a flush.
+    watermark_ns: int
     # The steps already buffered for later windows: how far each rank's timeline is known (window_analysis.py).
     later_steps: Columns = field(default_factory=dict)
 
@@ -132,6 +140,7 @@ class EventTimeWindows:
     lookback_ns: int
     retention_ns: int
     max_buffered_events: int  # per kind
+    gpu_gap_ns: int = 0
     closed_until: int | None = None
     late: Counter[str] = field(default_factory=Counter)
     shed: Counter[str] = field(default_factory=Counter)  # events dropped whole-batch at the cap, by kind
@@ -139,6 +148,7 @@ class EventTimeWindows:
     _buffered: Counter[str] = field(default_factory=Counter)
     _unmerged: Counter[str] = field(default_factory=Counter)  # events in the chunks after the last merged one
     _newest: int | None = None
+    _gpu_sampled: dict[int, int] = field(default_factory=dict)  # per GPU, its newest sample's stamp
 
     def add(self, kind: str, columns: Columns) -> None:
         times = columns[SCHEMAS[kind].event_time].astype(np.int64, copy=False)
@@ -166,6 +176,11 @@ class EventTimeWindows:
             self._unmerged[kind] = 0
         newest = int(times.max())
         self._newest = newest if self._newest is None else max(self._newest, newest)
+        if kind == "gpu_util":
+            order = np.argsort(columns["gpu"], kind="stable")
+            gpus, first = np.unique(columns["gpu"][order], return_index=True)
+            for gpu, ts in zip(gpus.tolist(), np.maximum.reduceat(times[order], first).tolist(), strict=True):
+                self._gpu_sampled[gpu] = max(ts, self._gpu_sampled.get(gpu, ts))
 
     @property
     def newest_event_ns(self) -> int | None:
@@ -204,10 +219,17 @@ class EventTimeWindows:
         closed: list[WindowInput] = []
         while self.closed_until is not None and self.closed_until + self.window_ns <= watermark_ns:
             self._skip_empty(watermark_ns)
-            if self.closed_until + self.window_ns > watermark_ns:
+            end = self.closed_until + self.window_ns
+            if end > watermark_ns or not self._gpus_sampled_past(end, watermark_ns):
                 break
-            closed.append(self._close(final=False))
+            closed.append(self._close(final=False, watermark_ns=watermark_ns))
         return closed
+
+    def _gpus_sampled_past(self, end_ns: int, watermark_ns: int) -> bool:
+        """Whether every GPU sampled within `gpu_gap` before `end_ns` has a sample past it, or the wait is over."""
+        if watermark_ns >= end_ns + self.gpu_gap_ns:
+            return True
+        return all(ts >= end_ns or ts < end_ns - self.gpu_gap_ns for ts in self._gpu_sampled.values())
 
     def flush(self) -> list[WindowInput]:
         """At the end of input: close every window that holds a buffered event."""
@@ -216,7 +238,8 @@ class EventTimeWindows:
             return closed
         while self.closed_until is not None and self.closed_until <= self._newest:
             self._skip_empty(self._newest + 1)
-            closed.append(self._close(final=self.closed_until + self.window_ns > self._newest))
+            final = self.closed_until + self.window_ns > self._newest
+            closed.append(self._close(final=final, watermark_ns=END_OF_INPUT))
         return closed
 
     def _skip_empty(self, limit_ns: int) -> None:
@@ -227,7 +250,7 @@ class EventTimeWindows:
         if earliest >= self.closed_until + 2 * self.window_ns:
             self.closed_until = max(self.closed_until, (earliest // self.window_ns - 1) * self.window_ns)
 
-    def _close(self, final: bool) -> WindowInput:
+    def _close(self, final: bool, watermark_ns: int) -> WindowInput:
         assert self.closed_until is not None
         start, end = self.closed_until, self.closed_until + self.window_ns
         # Chunk by chunk, never one concatenation of everything buffered: a close then costs about
@@ -268,4 +291,4 @@ class EventTimeWindows:
         keep_from = end - self.retention_ns
         for kind in CONTEXT_KINDS:
             self._keep(kind, [c for c in self._buffers[kind] if c.high >= keep_from])
-        return WindowInput(start, end, mine, context, final, later_steps)
+        return WindowInput(start, end, mine, context, final, watermark_ns, later_steps)

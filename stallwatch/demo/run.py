@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from stallwatch import catalogue as c
+from stallwatch.correlator.settings import CorrelatorSettings
 from stallwatch.demo.agent import AgentSetup, start_node_agent
 from stallwatch.demo.cluster import ClusterDemo, ClusterSettings
 from stallwatch.demo.hub import Hub, start_hub
@@ -73,7 +74,7 @@ class Settings:
     batch_size: int = 2
     outage: bool = False
     outage_seconds: float = 30.0
-    window_seconds: float = 5.0
+    window_seconds: float = CorrelatorSettings().window_s
     price_per_gb: float = 0.02
     workdir: Path = field(default_factory=lambda: Path("stallwatch-demo"))
     quiet: bool = False
@@ -190,7 +191,7 @@ class Demo:
             self._stack.callback(stop_process, trainer)
             self._follow(trainer, agent_url, hub, started)
             ended = time.time()
-            time.sleep(s.window_seconds + 2)  # let the correlator close the last window
+            time.sleep(s.window_seconds + CorrelatorSettings().lateness_s + 2)  # the last windows close, get scraped
             if s.outage and self.webhook is not None and not self.alerts:
                 self.say("\n  waiting for the stall alert to travel through Prometheus and Alertmanager")
                 deadline = time.monotonic() + ALERT_GRACE_SECONDS
