@@ -32,6 +32,7 @@ class Case:
     series: dict[str, str]
     at: str
     firing: tuple[tuple[dict[str, str], str], ...] = ()  # (labels without severity, description); () = quiet
+    interval: str = "1m"  # between two input samples
 
 
 def s(metric: c.AnyMetricDef, *labels: str, suffix: str = "") -> str:
@@ -67,24 +68,26 @@ CASES = (
         s(c.WARMUP_PHASE, 'training_job="train"', N1, 'phase="transition"'): "0x10 1x10 0x20",
         s(c.WARMUP_PHASE, 'training_job="train"', N1, 'phase="steady"'): "0x20 1x20",
     }, "35m"),
+    # The job rules read the correlator's counters `correlator_lag` back, over `job_stall_window` (1m): their
+    # input is sampled every 15 s, as the agents are scraped, so that window always holds several samples.
     Case("StallwatchNodeStallsCostJob", {
         # Node b's rank 2 waits for remote fetches 30 % of its time; every GPU of the job waits with it.
-        s(c.STALL_SECONDS, 'training_job="train"', NODE_A, 'rank="0"', 'cause="preprocess"'): "0+0.3x30",
-        s(c.STALL_SECONDS, 'training_job="train"', NODE_A, 'rank="1"', 'cause="preprocess"'): "0+0.6x30",
-        s(c.STALL_SECONDS, 'training_job="train"', NODE_B, 'rank="2"', 'cause="remote_fetch"'): "0+15x30",
-        s(c.STALL_SECONDS, 'training_job="train"', NODE_B, 'rank="2"', 'cause="other"'): "0+3x30",
-        s(c.STALL_SECONDS, 'training_job="train"', NODE_B, 'rank="3"', 'cause="remote_fetch"'): "0+3x30",
-        s(c.JOB_STALL_SECONDS, 'training_job="train"', NODE_A): "0+0.6x30",
-        s(c.JOB_STALL_SECONDS, 'training_job="train"', NODE_B): "0+18x30",
+        s(c.STALL_SECONDS, 'training_job="train"', NODE_A, 'rank="0"', 'cause="preprocess"'): "0+0.075x120",
+        s(c.STALL_SECONDS, 'training_job="train"', NODE_A, 'rank="1"', 'cause="preprocess"'): "0+0.15x120",
+        s(c.STALL_SECONDS, 'training_job="train"', NODE_B, 'rank="2"', 'cause="remote_fetch"'): "0+3.75x120",
+        s(c.STALL_SECONDS, 'training_job="train"', NODE_B, 'rank="2"', 'cause="other"'): "0+0.75x120",
+        s(c.STALL_SECONDS, 'training_job="train"', NODE_B, 'rank="3"', 'cause="remote_fetch"'): "0+0.75x120",
+        s(c.JOB_STALL_SECONDS, 'training_job="train"', NODE_A): "0+0.15x120",
+        s(c.JOB_STALL_SECONDS, 'training_job="train"', NODE_B): "0+4.5x120",
     }, "20m", (({"training_job": "train", "instance": "b:9842", "node": "b"},
                 "Input stalls on node b cost job train 30% of its GPU time: all of its GPUs wait for that node's "
-                "slowest rank."),)),
+                "slowest rank."),), interval="15s"),
     Case("StallwatchNodeStallsCostJob", {
         # Each node's ranks stall 6 % of the time: under the threshold, though the two nodes' sum is over it;
         # node b's 30 % lasted 5 minutes, shorter than the alert's `for`.
-        s(c.JOB_STALL_SECONDS, 'training_job="train"', NODE_A): "0+3.6x30",
-        s(c.JOB_STALL_SECONDS, 'training_job="train"', NODE_B): "0+3.6x14 50.4+18x5 140.4+3.6x10",
-    }, "20m"),
+        s(c.JOB_STALL_SECONDS, 'training_job="train"', NODE_A): "0+0.9x120",
+        s(c.JOB_STALL_SECONDS, 'training_job="train"', NODE_B): "0+0.9x56 50.4+4.5x20 140.4+0.9x40",
+    }, "20m", interval="15s"),
     Case("StallwatchSpokeHitRatioRegressed", {  # 90 % for an hour, then 50 %
         s(c.SPOKE_REQUESTS, 'spoke="s1"', N1, 'result="hit"'): "0+90x60 5450+50x60",
         s(c.SPOKE_REQUESTS, 'spoke="s1"', N1, 'result="miss"'): "0+10x60 610+50x60",
@@ -214,7 +217,7 @@ def promtool_test(case: Case) -> dict[str, object]:
         for labels, description in case.firing
     ]
     return {
-        "interval": "1m",
+        "interval": case.interval,
         "input_series": [{"series": series, "values": values} for series, values in case.series.items()],
         "alert_rule_test": [{"eval_time": case.at, "alertname": case.alert, "exp_alerts": expected}],
     }

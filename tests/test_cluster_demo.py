@@ -22,10 +22,6 @@ def outcome(tmp_path_factory: pytest.TempPathFactory) -> ClusterOutcome:
     return ClusterDemo(ClusterSettings(steps=200, quiet=True, workdir=work)).run()
 
 
-@pytest.mark.xfail(strict=True, reason="known regression: the correlator's series now carry their events' times "
-                   "but reach Prometheus a publication lag later, so the job-stall recording rules, evaluated before "
-                   "the last lag's samples arrive, under-count (measured -26.7 %); the rules' rates of correlator "
-                   "series need an offset of the publication lag")
 def test_the_job_level_cost_matches_the_ground_truth(outcome: ClusterOutcome) -> None:
     print(f"job-level cost {outcome.estimate_gpu_seconds:.1f} GPU-s, ground truth {outcome.truth_gpu_seconds:.1f} "
           f"GPU-s, error {outcome.error:+.1%}")

@@ -143,6 +143,17 @@ def test_the_jobs_gpu_panels_show_only_the_jobs_gpus() -> None:
     assert all("and on (instance, gpu)" in q and job_map in q for q in queries), queries
 
 
+def test_recorded_job_series_are_drawn_back_at_the_time_they_cover() -> None:
+    """The job rules read the correlator's series `correlator_lag` back: every recorded series a dashboard
+    draws is offset forward by as much, so it lines up with the GPU series of its time."""
+    lag = Thresholds().correlator_lag
+    recorded = re.compile(r"(?<![\w:])[a-z_]+:stallwatch_\w+:\w+\{[^}]*\}(\[[^\]]*\])?( offset -\w+)?")
+    found = [match for dashboard in DASHBOARDS.values() for expr in expressions(dashboard)
+             for match in recorded.finditer(expr)]
+    assert len(found) >= 6
+    assert all(match.group(2) == f" offset -{lag}" for match in found), [m.group(0) for m in found]
+
+
 def test_rates_of_seconds_are_shown_as_shares_not_seconds() -> None:
     # rate() of a *_seconds_total is seconds per second: a share of time, never the unit `s`.
     for dashboard in DASHBOARDS.values():

@@ -10,7 +10,7 @@ import yaml
 
 from stallwatch import catalogue as c
 from stallwatch.mixin import rules
-from stallwatch.mixin.config import Thresholds
+from stallwatch.mixin.config import Thresholds, duration_seconds
 from tests.conftest import ROOT
 
 T = Thresholds()
@@ -37,10 +37,16 @@ JOB = {c.JOB_LABEL: "train"}
 NODE_B = {**JOB, "instance": "b:9842", "node": "b"}
 
 
+# The rules read the correlator's series `correlator_lag` back (their samples arrive that late): evaluated
+# then, they give the rates over the minute from 19m to 20m, two samples apart. Evaluated every second, so
+# that instant is an evaluation's whatever the lag.
+AT = f"{20 * 60 + round(duration_seconds(T.correlator_lag))}s"
+
+
 def expect(expr: str, *samples: tuple[dict[str, str], float]) -> dict[str, object]:
-    """`expr` evaluated at 20m gives these samples; a plain series name comes back with its __name__."""
+    """`expr` evaluated at AT gives these samples; a plain series name comes back with its __name__."""
     name = {"__name__": expr} if expr.replace(":", "_").isidentifier() else {}
-    return {"expr": expr, "eval_time": "20m", "exp_samples": [
+    return {"expr": expr, "eval_time": AT, "exp_samples": [
         {"labels": "{" + ", ".join(f'{k}="{v}"' for k, v in {**name, **labels}.items()) + "}", "value": value}
         for labels, value in samples]}
 
@@ -54,7 +60,7 @@ def test_job_cost_is_the_slowest_rank_times_the_jobs_gpus_and_the_gate_is_found(
     tests = tmp_path / "job.test.yaml"
     tests.write_text(yaml.safe_dump({
         "rule_files": [str(ROOT / "alerts/recording-rules.yaml")],
-        "evaluation_interval": "1m",
+        "evaluation_interval": "1s",
         "tests": [{
             "interval": "1m",
             "input_series": [{"series": series, "values": values} for series, values in SERIES.items()],

@@ -20,11 +20,13 @@ from stallwatch.demo.stack import query, start_prometheus
 from stallwatch.eventbatch import EventBatch
 from stallwatch.harness import free_port, wait_for
 from stallwatch.mixin import rules
-from stallwatch.mixin.config import Thresholds
+from stallwatch.mixin.config import Thresholds, correlator_lag
 from tests.conftest import ROOT, require_binary
 
 pytestmark = pytest.mark.slow
-T = Thresholds(job_stall_window="10s")
+SETTINGS = CorrelatorSettings(window_s=1.0, lateness_s=0.5)
+T = Thresholds(job_stall_window="10s", agent_scrape_interval="1s",  # start_prometheus's scrape interval
+               correlator_lag=correlator_lag(SETTINGS, "1s"))
 
 
 def feed(service: LiveCorrelator, stop: threading.Event) -> None:
@@ -43,7 +45,7 @@ def feed(service: LiveCorrelator, stop: threading.Event) -> None:
 def test_recorded_series_reach_the_receiver_and_roll_up_there(tmp_path: Path) -> None:
     binary = require_binary("prometheus", "prometheus")
     shipped = yaml.safe_load((ROOT / "deploy/prometheus/remote-write-thanos.yml").read_text())["remote_write"][0]
-    service = LiveCorrelator(CorrelatorSettings(window_s=1.0, lateness_s=0.5), tick_s=0.1)
+    service = LiveCorrelator(SETTINGS, tick_s=0.1)
     registry = CollectorRegistry()
     registry.register(service)
     port = free_port()

@@ -166,6 +166,15 @@ def test_a_job_filter_keeps_that_jobs_rows(two_jobs: Path) -> None:
         run_from_windows(two_jobs, "llama")
 
 
+def test_over_several_jobs_the_phases_are_left_to_each_job(two_jobs: Path) -> None:
+    """Job 1's phases after job 0's would read as one run's: without --job the report names the jobs instead."""
+    everything, first = run_from_windows(two_jobs), run_from_windows(two_jobs, "0")
+    assert everything.phases == [] and everything.several_jobs == ("0", "1")
+    assert everything.time_to_steady_seconds is None
+    assert first.phases and first.several_jobs == ()
+    assert "Phases: one per job (0, 1): pass --job to see one" in render_html(everything, 0.02)
+
+
 def test_start_and_end_keep_the_windows_that_overlap_them(two_jobs: Path) -> None:
     whole = run_from_windows(two_jobs)
     middle = (whole.start + whole.end) / 2

@@ -37,6 +37,7 @@ class Secured:
     password_file: Path
     node: str  # the agent's `node` label: its host, as the shipped scrape configs set it
     work: Path
+    socket: Path  # the agent's events socket
 
     def access(self, **changes: object) -> Access:
         return Access(**{"basic_auth_user": USER, "basic_auth_password_file": self.password_file,
@@ -54,7 +55,8 @@ def _answers(prometheus: Prometheus, expr: str) -> bool:
 def secured(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Secured]:
     binary = require_binary("prometheus", "prometheus")
     work = tmp_path_factory.mktemp("secured")
-    agent: AgentProcess = start_agent(["--gpu.fake-devices", "2"], work / "agent.log")
+    agent: AgentProcess = start_agent(["--gpu.fake-devices", "2", "--events.socket", str(work / "events.sock")],
+                                      work / "agent.log")
     _, cert = self_signed(work, "127.0.0.1")
     hashed = bcrypt.hashpw(PASSWORD.encode(), bcrypt.gensalt(rounds=4)).decode()
     (work / "web.yml").write_text(yaml.safe_dump({
@@ -73,7 +75,8 @@ def secured(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Secured]:
                                     f"--storage.tsdb.path={work / 'tsdb'}", f"--web.listen-address=127.0.0.1:{port}",
                                     f"--web.config.file={work / 'web.yml'}"], stdout=sink, stderr=subprocess.STDOUT)
     try:
-        setup = Secured(f"https://127.0.0.1:{port}", cert, work / "password", target.rsplit(":", 1)[0], work)
+        setup = Secured(f"https://127.0.0.1:{port}", cert, work / "password", target.rsplit(":", 1)[0], work,
+                        work / "events.sock")
         prometheus = Prometheus(setup.url, setup.access())
         wait_for("Prometheus to scrape the agent's GPUs twice",
                  lambda: _answers(prometheus, f"count_over_time({c.GPU_UTILIZATION.name}[1m]) >= 2"), 60, process, log)
@@ -135,6 +138,31 @@ def test_filters_narrow_every_query_on_a_real_prometheus(secured: Secured) -> No
     # No job ran on this agent: a job's GPUs come from the correlator's map, which names none (and every
     # query, the `@ end()` lookup among them, is one Prometheus accepts).
     assert run(Scope(job="nobody"))[0] == 0
+
+
+def test_over_several_jobs_the_report_names_them_instead_of_running_their_phases_together(secured: Secured) -> None:
+    from stallwatch.client import transport, wire
+
+    client = transport.configure(str(secured.socket))
+    channels = [client.channel(wire.Source(job, 0)) for job in ("alpha", "beta")]
+    prometheus = Prometheus(secured.url, secured.access())
+    phases = f'count({c.WARMUP_PHASE.name}{{{c.JOB_LABEL}=~"alpha|beta"}} == 1)'
+    deadline = time.monotonic() + 60
+    batch = 0
+    while not _answers(prometheus, f"{phases} == 2") and time.monotonic() < deadline:
+        for _ in range(10):
+            end = time.monotonic_ns()
+            for channel in channels:
+                channel.step((batch, end - 2_000_000, end - 1_000_000, end, -1))
+            batch += 1
+            time.sleep(0.02)
+        client.flush_all()
+    assert _answers(prometheus, f"{phases} == 2"), "both jobs' phases reached Prometheus"
+    end = time.time()
+    both = run_from_prometheus(secured.url, end - 120, end, Scope(), secured.access())
+    alpha = run_from_prometheus(secured.url, end - 120, end, Scope(job="alpha"), secured.access())
+    assert both.phases == [] and both.several_jobs == ("alpha", "beta")
+    assert alpha.phases and alpha.several_jobs == ()
 
 
 def phase_starts(run: Run) -> list[tuple[str, float]]:

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from stallwatch import catalogue as c
+from stallwatch.correlator.settings import CorrelatorSettings
 from stallwatch.demo.agent import AgentSetup, start_node_agent
 from stallwatch.demo.hub import Hub, shard_name, start_hub
 from stallwatch.demo.spoke import Nginx, spoke_server_block
@@ -35,11 +36,12 @@ from stallwatch.demo.stack import Server, query, start_prometheus
 from stallwatch.harness import find_binary, free_port, stop_process, wait_for
 from stallwatch.mixin import rules
 from stallwatch.mixin.alerts import render_alerting_rules
-from stallwatch.mixin.config import Thresholds
+from stallwatch.mixin.config import Thresholds, correlator_lag, duration_seconds
 from stallwatch.mixin.rules import render_recording_rules
 
 JOB = "demo"
 J = c.JOB_LABEL
+SCRAPE_INTERVAL_SECONDS = 1  # Prometheus scrapes the agents and evaluates the rules every second
 STEADY_FROM = 0.2  # the share of steps left out at the start: rendezvous, first batches, the series' first scrape
 
 
@@ -73,15 +75,22 @@ class ClusterSettings:
     def world(self) -> int:
         return self.nodes * self.ranks_per_node
 
-    def thresholds(self) -> Thresholds:
-        """The generated rules with windows a run of a minute fills (scrapes and evaluations every second)."""
-        return Thresholds(rate_window="30s", job_stall_window=f"{self.job_stall_window_seconds}s",
-                          node_stall_cost_for="10s")
+    def correlator(self) -> CorrelatorSettings:
+        """The agents' correlator settings: these windows and lateness, the rest the agent's defaults."""
+        return CorrelatorSettings(window_s=self.window_seconds, lateness_s=self.lateness_seconds)
 
-    def publication_lag_seconds(self) -> float:
-        """On average, how long after a stall its seconds reach Prometheus: half a correlator window, the
-        allowed lateness, half a scrape."""
-        return self.window_seconds / 2 + self.lateness_seconds + 0.5
+    def thresholds(self) -> Thresholds:
+        """The generated rules with windows a run of a minute fills (scrapes and evaluations every second),
+        reading the correlator's series as far back as this demo's correlator settings ask."""
+        scrape = f"{SCRAPE_INTERVAL_SECONDS}s"
+        return Thresholds(rate_window="30s", job_stall_window=f"{self.job_stall_window_seconds}s",
+                          node_stall_cost_for="10s", agent_scrape_interval=scrape,
+                          correlator_lag=correlator_lag(self.correlator(), scrape))
+
+    def rules_lag_seconds(self) -> float:
+        """How far the job rules' recorded series lag the stalls they count: they read `correlator_lag`
+        back, and a rate over the sub-window stands for its middle."""
+        return duration_seconds(self.thresholds().correlator_lag) + self.job_stall_window_seconds / 2
 
 
 @dataclass(frozen=True)
@@ -99,12 +108,12 @@ def read_timings(directory: Path, world: int) -> list[list[Step]]:
             for rank in range(world)]
 
 
-def ground_truth_loss(ranks: list[list[Step]], first: int) -> float:
-    """GPU-seconds the job lost in steps `first` onwards: on every GPU, the step's time minus the job's compute
+def ground_truth_loss(ranks: list[list[Step]], first: int, last: int) -> float:
+    """GPU-seconds the job lost in steps `first` to `last`: on every GPU, the step's time minus the job's compute
     (its slowest rank's: no rank can go on before it) and the collective's own time (the all-reduce of the
     last rank to arrive, who waits for nobody)."""
     lost = 0.0
-    for k in range(first, len(ranks[0])):
+    for k in range(first, last + 1):
         step = sum(r[k].end - r[k - 1].end for r in ranks) / len(ranks)
         compute = max(r[k].compute for r in ranks)
         collective = min(r[k].allreduce for r in ranks)
@@ -175,6 +184,7 @@ class ClusterDemo:
         rule_files[1].write_text(render_alerting_rules(t))
         targets = [url.split("//")[1].split("/", maxsplit=1)[0] for url in agents]
         prometheus = start_prometheus(binary, work / "prometheus", targets, rule_files, job=t.agent_scrape_job,
+                                      interval_seconds=SCRAPE_INTERVAL_SECONDS,
                                       node_names={target: node_name(i) for i, target in enumerate(targets)})
         self._stack.callback(prometheus.close)
         wait_for("the first scrape of every agent",
@@ -225,9 +235,14 @@ class ClusterDemo:
         s, t = self.s, self.s.thresholds()
         first = max(1, int(len(ranks[0]) * STEADY_FROM))
         started = max(r[first - 1].end for r in ranks)
-        ended = max(r[-1].end for r in ranks)
-        # A rule's value at time x covers the job_stall_window before x, published with a lag.
-        at = ended + s.publication_lag_seconds() + s.job_stall_window_seconds / 2
+        # A rate over a sub-window stands for its middle, so averaged over the interval it also takes in half a
+        # sub-window on either side: the interval ends that much before the job does, as it starts after
+        # the job started, so that both halves are of training.
+        step_ends = [max(r[k].end for r in ranks) for k in range(len(ranks[0]))]
+        last = max(k for k in range(first, len(step_ends))
+                   if step_ends[k] <= step_ends[-1] - s.job_stall_window_seconds / 2)
+        ended = step_ends[last]
+        at = ended + s.rules_lag_seconds()
         span = f"{round((ended - started) * 1000)}ms"
         selected = f'{{{J}="{JOB}"}}'
         estimate = _values(query(prometheus, f"avg_over_time({rules.job_stall_gpu_seconds_rule(t).record}{selected}"
@@ -243,7 +258,7 @@ class ClusterDemo:
                                            f"[{span}]))", at))
         alerts = _values(query(prometheus, 'ALERTS{alertstate="firing"}'))
         return ClusterOutcome(
-            prometheus, started, ended, at, ground_truth_loss(ranks, first), estimate[0][1] * (ended - started),
+            prometheus, started, ended, at, ground_truth_loss(ranks, first, last), estimate[0][1] * (ended - started),
             {labels["node"]: value for labels, value in per_node}, gate,
             max(causes, key=lambda sample: sample[1])[0]["cause"], [labels for labels, _ in alerts])
 
@@ -258,7 +273,7 @@ class ClusterDemo:
             prometheus = self._start_prometheus(work, agents)
             self._follow(self._start_ranks(work, spokes), prometheus.url)
             timings = read_timings(work / "timings", s.world)
-            settle = max(r[-1].end for r in timings) + s.publication_lag_seconds() + 2 * s.job_stall_window_seconds
+            settle = max(r[-1].end for r in timings) + s.rules_lag_seconds() + s.job_stall_window_seconds
             time.sleep(max(0.0, settle - time.time()))
             outcome = self.measure(prometheus.url, timings)
             self.say(f"job lost {outcome.estimate_gpu_seconds:.1f} GPU-seconds to input stalls in "

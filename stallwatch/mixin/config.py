@@ -7,13 +7,34 @@ every alert shares.
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field, fields
+
+from stallwatch.correlator.settings import CorrelatorSettings
 
 ALERT_PREFIX = "Stallwatch"  # CamelCase alert names share it, as monitoring mixins do
 COMPONENT = "stallwatch"  # on every alert, for Alertmanager routes (deploy/alertmanager/alertmanager.yml)
 
 _DURATION = re.compile(r"^[0-9]+(ms|s|m|h|d)$")
+_UNIT_SECONDS = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def duration_seconds(duration: str) -> float:
+    """A Prometheus duration of one unit (`15s`, `1m`) in seconds."""
+    match = _DURATION.match(duration)
+    if match is None:
+        raise ValueError(f"{duration!r} is not a Prometheus duration such as 5m")
+    return int(duration.removesuffix(match[1])) * _UNIT_SECONDS[match[1]]
+
+
+def correlator_lag(settings: CorrelatorSettings, scrape_interval: str) -> str:
+    """How long after its sample timestamp (its window's end) a correlator series can be read in Prometheus,
+    at most, as a duration in whole seconds: the window closes the lateness after its end, or up to `gpu_gap`
+    later while a GPU's next sample is awaited; the hold keeps it while a stall is under way across its end
+    (one window allowed for that: docs/attribution.md); the next scrape takes it."""
+    closed = settings.lateness_s + settings.gpu_gap_s
+    return f"{math.ceil(closed + settings.window_s + duration_seconds(scrape_interval))}s"
 
 
 def _doc(text: str) -> dict[str, str]:
@@ -78,15 +99,26 @@ class Thresholds:
     node_stall_cost_for: str = field(default="10m", metadata=_doc(
         "How long one node's input stalls cost the job that share before the alert."))
     rate_window: str = field(default="5m", metadata=_doc("Window of the recording rules' rates."))
+    agent_scrape_interval: str = field(default="15s", metadata=_doc(
+        "How often Prometheus scrapes the agents (the chart's ServiceMonitor default); part of `correlator_lag`."))
+    correlator_lag: str = field(default="", metadata=_doc(
+        "How far back the job-level recording rules read the correlator's series (`offset`), so that every "
+        "sample of their window has arrived: the correlator's samples carry their window's end but are "
+        "scrapeable only this long after it. Empty: derived from the correlator's default window, lateness and "
+        "GPU gap and `agent_scrape_interval` (`config.correlator_lag`); the recorded series lag the events by it."))
     runbook_base_url: str = field(default="docs/runbooks.md", metadata=_doc(
         "Where docs/runbooks.md is served; each alert's runbook_url is this plus the alert's anchor."))
 
     def __post_init__(self) -> None:
         for f in fields(self):
             value = getattr(self, f.name)
-            if (f.name.endswith(("_for", "_window", "_budget"))) and not _DURATION.match(value):
+            derived = f.name == "correlator_lag" and not value
+            if f.name.endswith(("_for", "_window", "_budget", "_interval", "_lag")) and not (
+                    derived or _DURATION.match(value)):
                 raise ValueError(f"{f.name}: {value!r} is not a Prometheus duration such as 5m")
             if f.name.endswith("_ratio") and not 0 <= value <= 1:
                 raise ValueError(f"{f.name}: {value} is not a ratio between 0 and 1")
+        if not self.correlator_lag:
+            object.__setattr__(self, "correlator_lag", correlator_lag(CorrelatorSettings(), self.agent_scrape_interval))
         if not self.xid_page or not all(isinstance(x, int) and x > 0 for x in self.xid_page):
             raise ValueError(f"xid_page: {self.xid_page!r} is not a non-empty list of XID numbers")

@@ -101,37 +101,40 @@ def _hit_ratio(hits: str, every: str) -> str:
     return f"{hits} / {every}"
 
 
-def _recorded(rule: RecordingRule) -> str:
-    """A job-level recording rule's series for the chosen cluster and jobs."""
-    return f"{rule.record}{{{CLUSTER}, {JOB}}}"
+def _recorded(rule: RecordingRule, t: Thresholds, over: str = "") -> str:
+    """A job-level recording rule's series for the chosen cluster and jobs (`over` a range, if given), drawn
+    at the time it covers: the job rules read the correlator's series `correlator_lag` back (rules.py), so
+    a negative offset of as much puts each point back beside the GPU series of its time."""
+    window = f"[{over}]" if over else ""
+    return f"{rule.record}{{{CLUSTER}, {JOB}}}{window} offset -{t.correlator_lag}"
 
 
 def job_across_nodes(t: Thresholds) -> Row:
     """Which node gates a multi-node job, why, and what it costs all of the job's GPUs."""
-    ranks = _recorded(rules.rank_stall_rule(t))
+    ranks = _recorded(rules.rank_stall_rule(t), t)
     gating_rank = f"topk by (cluster, {J}) (1, {ranks} > 0)"
     return Row("Job across nodes: which node gates the job, and why", (
         Panel("Share of the job's GPU time lost to input stalls",
               "Every GPU of a synchronous job waits for its slowest rank: what share of the job's GPU time do "
               "input stalls cost (at least, and at most), and how much of it does each node cause?",
               Viz.TIMESERIES, "percentunit", (
-                  Query(_recorded(rules.job_stall_rule(t)), f"{{{{{J}}}}}: all of its GPUs"),
-                  Query(_recorded(rules.job_stall_bound_rule(t)), f"{{{{{J}}}}}: at most (nodes' stalls apart)"),
-                  Query(_recorded(rules.node_stall_rule(t)), f"{{{{{J}}}}}: stalls on {{{{node}}}}"),
+                  Query(_recorded(rules.job_stall_rule(t), t), f"{{{{{J}}}}}: all of its GPUs"),
+                  Query(_recorded(rules.job_stall_bound_rule(t), t), f"{{{{{J}}}}}: at most (nodes' stalls apart)"),
+                  Query(_recorded(rules.node_stall_rule(t), t), f"{{{{{J}}}}}: stalls on {{{{node}}}}"),
               ), thresholds=(t.node_stall_cost_ratio,)),
         Panel("Gating rank's stalls by cause",
               "Which node and rank gate the job at each moment, and on what do they wait (remote fetches "
               "through that node's spoke, cache reads, preprocessing)?", Viz.TIMESERIES, "percentunit",
-              (Query(f"{_recorded(rules.rank_cause_stall_rule(t))} and on (cluster, {J}, instance, node, rank) "
+              (Query(f"{_recorded(rules.rank_cause_stall_rule(t), t)} and on (cluster, {J}, instance, node, rank) "
                      f"{gating_rank}", f"{{{{{J}}}}}: {{{{node}}}} rank {{{{rank}}}} {{{{cause}}}}"),),
               stacked=True),
         Panel("GPU-seconds lost across the job",
               "How many GPU-seconds in the time range did the job lose, all of its GPUs together, because some "
               "rank waited for input?", Viz.STAT, "s",
-              (Query(f"avg_over_time({_recorded(rules.job_stall_gpu_seconds_rule(t))}[{RANGE}]) * $__range_s",
+              (Query(f"avg_over_time({_recorded(rules.job_stall_gpu_seconds_rule(t), t, RANGE)}) * $__range_s",
                      f"{{{{{J}}}}}"),), width=6),
         Panel("GPUs of the job", "How many GPUs (ranks) does the job run on, across all nodes?", Viz.STAT, "short",
-              (Query(_recorded(rules.job_gpus_rule(t)), f"{{{{{J}}}}}"),), width=6),
+              (Query(_recorded(rules.job_gpus_rule(t), t), f"{{{{{J}}}}}"),), width=6),
     ))
 
 

@@ -42,10 +42,12 @@ def selector(metric: AnyMetricDef, *matchers: str, suffix: str = "") -> str:
     return f"{metric.name}{suffix}{body}"
 
 
-def rate(metric: AnyMetricDef, window: str, *matchers: str, suffix: str = "") -> str:
+def rate(metric: AnyMetricDef, window: str, *matchers: str, suffix: str = "", offset: str = "") -> str:
+    """`rate(name{matchers}[window])`, read `offset` back (`offset 25s`) when given."""
     if metric.kind is Kind.GAUGE:
         raise PromQLError(f"rate() of the gauge {metric.name}")
-    return f"rate({selector(metric, *matchers, suffix=suffix)}[{window}])"
+    back = f" offset {offset}" if offset else ""
+    return f"rate({selector(metric, *matchers, suffix=suffix)}[{window}]{back})"
 
 
 def increase(metric: AnyMetricDef, window: str, *matchers: str, suffix: str = "") -> str:

@@ -46,6 +46,11 @@ def spoke_bytes_rule(t: Thresholds) -> RecordingRule:
 # (Prometheus evaluates every node's counters at the same wall-clock instants, so the windows line up
 # across nodes); times the job's GPUs it is the GPU-seconds the job lost. The sum over nodes bounds it
 # from above. docs/attribution.md gives the error bound.
+#
+# The correlator's counters carry their window's end as sample timestamp but reach Prometheus only
+# `correlator_lag` later, so a rule evaluated now would find the newest part of its window still empty
+# and under-count it, for good (a rule is evaluated once). The job rules' rates therefore read their
+# window `correlator_lag` back, once every sample of it is in; the recorded series lag the events by that.
 JOB_KEY = f"cluster, {J}"  # a job's name is unique within its cluster
 RANK_KEY = f"{JOB_KEY}, instance, node, rank"
 STALL = c.STALL_SECONDS.name.removesuffix("_total")
@@ -54,7 +59,8 @@ JOB_STALL = c.JOB_STALL_SECONDS.name.removesuffix("_total")
 
 def rank_cause_stall_rule(t: Thresholds) -> RecordingRule:
     return RecordingRule(f"{J}_node_rank_cause:{STALL}:rate{t.job_stall_window}",
-                         by(f"{RANK_KEY}, cause", "sum", rate(c.STALL_SECONDS, t.job_stall_window)))
+                         by(f"{RANK_KEY}, cause", "sum",
+                            rate(c.STALL_SECONDS, t.job_stall_window, offset=t.correlator_lag)))
 
 
 def rank_stall_rule(t: Thresholds) -> RecordingRule:
@@ -66,7 +72,8 @@ def node_stall_rule(t: Thresholds) -> RecordingRule:
     """Per node, the share of time some local rank of the job stalled: what that node's stalls cost each GPU
     of the job."""
     return RecordingRule(f"{J}_node:{JOB_STALL}:rate{t.job_stall_window}",
-                         by(f"{JOB_KEY}, instance, node", "sum", rate(c.JOB_STALL_SECONDS, t.job_stall_window)))
+                         by(f"{JOB_KEY}, instance, node", "sum",
+                            rate(c.JOB_STALL_SECONDS, t.job_stall_window, offset=t.correlator_lag)))
 
 
 def job_stall_rule(t: Thresholds) -> RecordingRule:

@@ -101,11 +101,16 @@ def run_from_prometheus(url: str, start: float, end: float, scope: Scope = EVERY
     run.hub_bytes_per_second = rates(scope.select(c.SPOKE_BYTES), "source").get("hub", Series.empty())
     run.stall_by_cause = rates(scope.select(c.STALL_SECONDS), "cause")
     phase = scope.select(c.WARMUP_PHASE)
-    run.phases = phase_spans(prometheus.range(by("phase", "max", phase), start, end, step),
-                             _one(prometheus.range(by("", "max", f"timestamp({phase})"), start, end, step)))
-    run.time_to_steady_seconds = latest(scope.select(c.WARMUP_TIME_TO_STEADY))
-    run.warmup_idle_gpu_seconds = latest(scope.select(c.WARMUP_IDLE_GPU_SECONDS))
-    run.warmup_hub_bytes = latest(scope.select(c.WARMUP_HUB_BYTES))
+    seen = f"last_over_time({phase}[{end - start:.0f}s] @ end())"
+    jobs = sorted(labels.get(c.JOB_LABEL, "") for labels, _ in prometheus.instant(by(c.JOB_LABEL, "group", seen), end))
+    if scope.job is None and len(jobs) > 1:
+        run.several_jobs = tuple(jobs)  # one job's phases after another's would read as one run's
+    else:
+        run.phases = phase_spans(prometheus.range(by("phase", "max", phase), start, end, step),
+                                 _one(prometheus.range(by("", "max", f"timestamp({phase})"), start, end, step)))
+        run.time_to_steady_seconds = latest(scope.select(c.WARMUP_TIME_TO_STEADY))
+        run.warmup_idle_gpu_seconds = latest(scope.select(c.WARMUP_IDLE_GPU_SECONDS))
+        run.warmup_hub_bytes = latest(scope.select(c.WARMUP_HUB_BYTES))
     whatif = by("capacity_factor", "max", scope.select(c.CACHE_WHATIF_HIT_RATIO))
     for labels, value in prometheus.instant(whatif, end):
         run.whatif[labels["capacity_factor"]] = value

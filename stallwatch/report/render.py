@@ -83,7 +83,13 @@ def _header(run: Run) -> str:
     spans = ", ".join(f"{html.escape(phase)} {_clock(start)}&ndash;{_clock(end)}" for start, end, phase in run.phases)
     return (f"Run from {_clock(run.start, True)} to {_clock(run.end, not same_day)} UTC "
             f"({run.end - run.start:,.0f} s){scope}."
-            f'<br><span id="phases">Phases: {spans or "none seen"}</span>')
+            f'<br><span id="phases">Phases: {spans or _no_phases(run)}</span>')
+
+
+def _no_phases(run: Run) -> str:
+    if run.several_jobs:
+        return f"one per job ({html.escape(', '.join(run.several_jobs))}): pass --job to see one"
+    return "none seen"
 
 
 def render_html(run: Run, price_per_gb: float) -> str:

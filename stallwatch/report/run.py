@@ -34,6 +34,8 @@ class Run:
     hub_bytes_per_second: Series = field(default_factory=Series.empty)
     stall_by_cause: dict[str, Series] = field(default_factory=dict)
     phases: list[tuple[float, float, str]] = field(default_factory=list)
+    # Phases and warm-up figures are a job's: over several jobs, left empty, and these are the jobs.
+    several_jobs: tuple[str, ...] = ()
     time_to_steady_seconds: float | None = None
     warmup_idle_gpu_seconds: float | None = None
     warmup_hub_bytes: float | None = None

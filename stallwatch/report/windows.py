@@ -88,6 +88,10 @@ def run_from_windows(path: Path, job: str | None = None, start: float | None = N
     run.hub_bytes_per_second = Series(t, total("jobs", lambda j: j["hub_bytes"]) / length)
     for cause in c.CAUSES:
         run.stall_by_cause[cause] = Series(t, total("ranks", lambda r, k=cause: r["stall_s"][k]) / length)
+    jobs = sorted({item["job"] for row in rows for item in row["jobs"]})
+    if job is None and len(jobs) > 1:
+        run.several_jobs = tuple(jobs)  # one job's phases after another's would read as one run's
+        rows = [{**row, "jobs": []} for row in rows]
     for row in rows:
         for item in ours(row["jobs"]):
             if run.phases and run.phases[-1][2] == item["phase"]:
