@@ -173,7 +173,9 @@ def pickling_cost(size: int = 64) -> float:
             timings.append((time.perf_counter() - start) / 5000 * 1e6)
         return min(timings)
 
-    return best(NumberedIndices(range(size), 7)) - best(list(range(size)))
+    indices = NumberedIndices(range(size))
+    indices.number = 7
+    return best(indices) - best(list(range(size)))
 
 
 class Epoch(NamedTuple):
@@ -181,6 +183,8 @@ class Epoch(NamedTuple):
     cpu_seconds: float  # the trainer's and its workers': what the client adds to
     trainer_cpu_seconds: float  # the trainer's part of it (this process's, its queue threads included)
     step_seconds: float  # wall clock in the training steps; the rest of `seconds` is waiting in `next()`
+    main_thread_cpu_seconds: float  # the trainer's main thread's; the rest of the trainer's is its other
+    # threads' (the index queues' feeder threads, which pickle each batch's indices, and the flush thread)
 
 
 class Round(NamedTuple):
@@ -296,6 +300,7 @@ def pipeline_rounds(
 
     def epoch(loader: DataLoader[numpy.ndarray]) -> Epoch:
         trainer_start, workers_start = used(loader)  # outside the timed span
+        main_start = time.thread_time()
         start = time.perf_counter()
         stepping = 0.0
         for batch in loader:
@@ -305,8 +310,10 @@ def pipeline_rounds(
                 activations = torch.tanh(activations @ weights)
             stepping += time.perf_counter() - step_start
         elapsed = time.perf_counter() - start
+        main = time.thread_time() - main_start
         trainer, workers = used(loader)
-        return Epoch(elapsed, trainer - trainer_start + workers - workers_start, trainer - trainer_start, stepping)
+        return Epoch(elapsed, trainer - trainer_start + workers - workers_start, trainer - trainer_start, stepping,
+                     main)
 
     def built() -> DataLoader[numpy.ndarray]:  # both alike; persistent: no worker start-up per epoch
         return DataLoader(Samples(), batch_size=64, collate_fn=stack, num_workers=2, persistent_workers=True)
@@ -322,6 +329,10 @@ def pipeline_rounds(
             for side, result in this_round:
                 epochs[side].append(result)
     return measured, epochs[PLAIN], epochs[INSTRUMENTED]
+
+
+def other_threads(epoch: Epoch) -> float:
+    return epoch.trainer_cpu_seconds - epoch.main_thread_cpu_seconds
 
 
 def main() -> int:
@@ -365,12 +376,16 @@ def main() -> int:
     print(f"DataLoader pipeline (2 persistent workers, batch 64, {args.samples} samples an epoch), plain against "
           f"{side}: {args.rounds} rounds of four epochs (ABBA, BAAB), after {args.warmup} discarded")
     for name, epochs in (("plain", plain_epochs), ("second plain" if args.control else "with client", client_epochs)):
+        def micro(value: Callable[[Epoch], float], epochs: list[Epoch] = epochs) -> float:
+            """µs a sample, the median of the epochs."""
+            return 1e6 * statistics.median(value(e) / args.samples for e in epochs)
+
         print(f"  {name:12s} {statistics.median(args.samples / e.seconds for e in epochs):10.0f} samples/s, "
-              f"{1e6 * statistics.median(e.cpu_seconds / args.samples for e in epochs):6.2f} µs CPU a sample, of "
-              f"which the trainer {1e6 * statistics.median(e.trainer_cpu_seconds / args.samples for e in epochs):6.2f}"
-              f"; steps {1e6 * statistics.median(e.step_seconds / args.samples for e in epochs):6.2f}, waits "
-              f"{1e6 * statistics.median((e.seconds - e.step_seconds) / args.samples for e in epochs):6.2f} µs a "
-              "sample (medians of the epochs)")
+              f"{micro(lambda e: e.cpu_seconds):6.2f} µs CPU a sample, of which the trainer "
+              f"{micro(lambda e: e.trainer_cpu_seconds):6.2f} (its main thread "
+              f"{micro(lambda e: e.main_thread_cpu_seconds):6.2f}, its other threads {micro(other_threads):5.2f}); "
+              f"steps {micro(lambda e: e.step_seconds):6.2f}, waits {micro(lambda e: e.seconds - e.step_seconds):6.2f}"
+              " µs a sample (medians of the epochs)")
     for name, field in (("throughput", 0), ("CPU a sample", 1)):
         change = spread([measured[field] for measured in rounds])
         print(f"  {name} change, median of the rounds {change.median:+.2f} % (95 % CI {change.low:+.2f} .. "

@@ -40,14 +40,15 @@ def test_round_change_cancels_a_linear_drift(number: int) -> None:
     epochs = []
     for place, side in enumerate(round_order(number)):
         cost = 1.01 if side == INSTRUMENTED else 1.0
-        epochs.append((side, Epoch(0.05 * cost * (1 + 0.1 * place), 0.08 * cost, 0.03 * cost, 0.04 * cost)))
+        seconds = 0.05 * cost * (1 + 0.1 * place)
+        epochs.append((side, Epoch(seconds, 0.08 * cost, 0.03 * cost, 0.04 * cost, 0.02 * cost)))
     change = round_change(epochs)
     assert change.throughput == pytest.approx(100 * (1 / 1.01 - 1))
     assert change.cpu_per_sample == pytest.approx(1.0)
 
 
 def test_round_change_without_difference_is_zero() -> None:
-    epochs = [(side, Epoch(0.04 + 0.001 * place, 0.07, 0.03, 0.03)) for place, side in enumerate(round_order(0))]
+    epochs = [(side, Epoch(0.04 + 0.001 * place, 0.07, 0.03, 0.03, 0.02)) for place, side in enumerate(round_order(0))]
     assert round_change(epochs) == (pytest.approx(0.0), pytest.approx(0.0))
 
 
@@ -79,4 +80,5 @@ def test_pipeline_runs_real_loaders_and_pairs_every_epoch(control: bool) -> None
     assert len(rounds) == 3 and len(plain) == len(compared) == 6
     for epoch in plain + compared:
         assert epoch.seconds > epoch.step_seconds > 0 and epoch.cpu_seconds >= epoch.trainer_cpu_seconds > 0
+        assert epoch.trainer_cpu_seconds >= epoch.main_thread_cpu_seconds > 0
     assert all(math.isfinite(value) for change in rounds for value in change)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable, Iterator
-from typing import Any, Generic, NamedTuple, TypeVar
+from typing import Any, Generic, TypeVar
 
 from stallwatch.client.identity import source_from_environment
 from stallwatch.client.transport import Channel, sender
@@ -12,15 +12,17 @@ from stallwatch.client.transport import Channel, sender
 T = TypeVar("T")
 
 
-class TaggedBatch(NamedTuple):
-    """A batch and the number its worker built it under (the PyTorch integration's collate returns these).
+# A batch and the number its worker built it under, as the PyTorch integration's collate returns it:
+# `(TAG, number, batch, handed_over_ns)`, the last when the worker finished the batch (the trainer's
+# wait after it is delivery; -1 unknown). A plain tuple with a bytes marker rather than a class of
+# our own: unpickling a class's instance in the trainer looks the class up by name, ~1 µs a batch
+# (measured), and a tuple of builtins needs no lookup; `pin_memory` keeps tuples as tuples.
+TAG = b"\0stallwatch.tagged-batch"
+TaggedBatch = tuple[bytes, int, Any, int]
 
-    A named tuple because `pin_memory` keeps named tuples as they are (it turns plain tuples into lists).
-    """
 
-    number: int
-    batch: Any
-    handed_over_ns: int = -1  # when the worker finished the batch: the trainer's wait after it is delivery
+def tagged(number: int, batch: Any, handed_over_ns: int = -1) -> TaggedBatch:
+    return (TAG, number, batch, handed_over_ns)
 
 
 def timed_steps(items: Iterator[Any], channel: Channel) -> Iterator[Any]:
@@ -31,17 +33,19 @@ def timed_steps(items: Iterator[Any], channel: Channel) -> Iterator[Any]:
     items are exhausted, or when the loop leaves early (`break`, an exception): the generator is
     closed then and its `finally` records the step. The buffered events are flushed at the end.
 
-    A `TaggedBatch` is unwrapped: its step records the batch's own number and the loop gets the
+    A tagged batch (`tagged`) is unwrapped: its step records the batch's own number and the loop gets the
     batch alone. Other items are numbered in arrival order from 0.
     """
     clock, record = time.monotonic_ns, channel.step
-    index, handed_over = 0, -1
+    index = 0
     wait_start = clock()
     try:
         for item in items:
             wait_end = clock()
-            if type(item) is TaggedBatch:
-                index, item, handed_over = item  # noqa: PLW2901
+            if type(item) is tuple and len(item) == 4 and type(item[0]) is bytes and item[0] == TAG:
+                _, index, item, handed_over = item  # noqa: PLW2901
+            else:
+                handed_over = -1
             try:
                 yield item
             finally:

@@ -1,0 +1,62 @@
+"""What the PyTorch integration adds to each batch's trip between trainer and worker: numbered indices
+and tagged batches round-trip intact and cost as few class lookups as they can (each is ~1 µs of the
+trainer's time a batch, measured in benchmarks/client_overhead.py)."""
+
+from __future__ import annotations
+
+import pickletools
+from multiprocessing.reduction import ForkingPickler
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from stallwatch.client import reads, transport, wire
+from stallwatch.client.loop import tagged, timed_steps
+from stallwatch.client.torch import NumberedIndices
+
+
+def globals_looked_up(payload: bytes) -> int:
+    return sum(1 for opcode, _, _ in pickletools.genops(payload) if opcode.name in ("GLOBAL", "STACK_GLOBAL"))
+
+
+def as_a_loader_queue_sends(item: Any) -> Any:
+    payload = bytes(ForkingPickler.dumps(item))
+    return payload, ForkingPickler.loads(payload)
+
+
+def test_numbered_indices_arrive_whole_with_their_number_and_set_the_batch() -> None:
+    indices = NumberedIndices([5, 3, 9])
+    indices.number = 41
+    reads.set_batch(-1)
+    payload, (send_index, arrived) = as_a_loader_queue_sends((7, indices))
+    assert send_index == 7 and arrived == [5, 3, 9] and type(arrived) is NumberedIndices and arrived.number == 41
+    assert reads.current_batch() == 41  # the worker's reads that follow serve batch 41
+    assert globals_looked_up(payload) == 1  # the class alone: no rebuilding function beside it
+
+
+def test_a_tagged_batch_is_builtins_only_and_keeps_the_users_batch() -> None:
+    batch = (torch.arange(4), ["a", "b"])
+    _, arrived = as_a_loader_queue_sends((3, tagged(12, batch, 999)))
+    assert globals_looked_up(bytes(ForkingPickler.dumps((3, tagged(12, [1, 2], 999))))) == 0
+    send_index, (_, number, user_batch, handed_over) = arrived
+    assert (send_index, number, handed_over) == (3, 12, 999)
+    assert torch.equal(user_batch[0], batch[0]) and user_batch[1] == batch[1]
+
+
+class Kept(transport.Channel):
+    """Keeps the step rows instead of sending them."""
+
+    __slots__ = ("kept",)
+
+    def step(self, row: wire.Step) -> None:
+        self.kept.append(row)
+
+
+def test_only_tagged_batches_are_unwrapped_and_a_users_own_tuples_pass_as_they_are(tmp_path: Path) -> None:
+    channel = Kept(transport.Sender(str(tmp_path / "no-agent.sock")), wire.Source("job", 0))
+    channel.kept = recorded = []
+    own = (torch.zeros(2), 12, "x", 999)  # four items, like a tagged batch, but the user's
+    items = [tagged(40, "first", 7), own, (b"other", 1, 2, 3), tagged(41, "last")]
+    assert list(timed_steps(iter(items), channel)) == ["first", own, (b"other", 1, 2, 3), "last"]
+    assert [(row[0], row[4]) for row in recorded] == [(40, 7), (41, -1), (42, -1), (41, -1)]
