@@ -31,7 +31,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import numpy
 import psutil
@@ -71,6 +71,25 @@ def best_per_item(run: Callable[[list[int]], None], events: int, repeats: int = 
     return min(timings)
 
 
+def paired_ratios(run: Callable[[list[int]], None], against: Callable[[list[int]], None], events: int,
+                  rounds: int = 41) -> list[float]:
+    """Per round, the time of `run` over `events` items divided by that of `against` over as many, the two
+    timed one after the other (in alternating order), so that both meet the same moment of the machine: a
+    ratio of two best-of-7 figures moved by a tenth from one run to the next on this 2-core machine."""
+    chunk = list(range(8 * wire.MAX_EVENTS))
+    ratios = []
+    for round_number in range(rounds):
+        elapsed = {run: 0, against: 0}
+        for side in (run, against) if round_number % 2 == 0 else (against, run):
+            for _ in range(max(1, events // len(chunk))):
+                start = time.perf_counter_ns()
+                side(chunk)
+                elapsed[side] += time.perf_counter_ns() - start
+                time.sleep(0.005)
+        ratios.append(elapsed[run] / elapsed[against])
+    return ratios
+
+
 class FailedFlushes(logging.Handler):
     """Counts the flushes the transport logged as failed (it carries on; a batch that fails to pack is
     also counted as dropped): a cost measured with such batches would be the cost of failing."""
@@ -83,7 +102,7 @@ class FailedFlushes(logging.Handler):
         self.count += 1
 
 
-def per_event(events: int) -> dict[str, float]:
+def per_event(events: int) -> dict[str, Any]:
     channel = transport.sender().channel(wire.Source("bench", 0))
     failures = FailedFlushes()
     transport.log.addHandler(failures)
@@ -122,6 +141,7 @@ def per_event(events: int) -> dict[str, float]:
         "read_key (per dataset read)": best_per_item(keyed, events),
     }
     results["monitor() overhead per step"] = results["loop through monitor()"] - results["bare loop"]
+    results["record / observe, paired rounds"] = spread(paired_ratios(recorded, observed, events // 10))
     results["events dropped (must be 0)"] = channel.dropped_total
     results["flushes failed (must be 0)"] = failures.count
     transport.log.removeHandler(failures)
@@ -360,13 +380,16 @@ def main() -> int:
     print(f"per event ({args.events:,} events, best of 7, CPU count {os.cpu_count()}):")
     dropped = costs.pop("events dropped (must be 0)")
     failed = costs.pop("flushes failed (must be 0)")
+    paired = costs.pop("record / observe, paired rounds")
     for name, nanoseconds in costs.items():
         print(f"  {name:42s} {nanoseconds / 1000:8.3f} µs")
     print(f"  events the drain could not take (dropped)  {dropped:8.0f}")
     print(f"  flushes that failed (must be 0)            {failed:8.0f}")
     observe = costs["Histogram.observe"]
     record = costs["record one event (append + pack + send)"]
-    print(f"  record one event / Histogram.observe       {record / observe:8.2f}x")
+    print(f"  record one event / Histogram.observe       {record / observe:8.2f}x (the best of each)")
+    print(f"  the same, median of paired rounds          {paired.median:8.2f}x (95 % CI {paired.low:.2f} .. "
+          f"{paired.high:.2f}; quartiles {paired.first_quartile:.2f} .. {paired.third_quartile:.2f})")
     print(f"  monitor() step overhead / Histogram.observe {costs['monitor() overhead per step'] / observe:7.2f}x")
     print("per batch of 64, DataLoader without workers (CPU, best of 7):")
     print(f"  plain {batch_plain:6.2f} µs, instrumented {batch_instrumented:6.2f} µs: instrument() adds "

@@ -53,7 +53,7 @@ ABSENT_RETRY_NS = 1_000_000_000
 # A batch that met a full queue is retried for this long. A retry almost always succeeds within
 # milliseconds; this bounds the rare long wait (a starved agent), near the correlator's lateness.
 RETRY_BUDGET_NS = 400_000_000
-MAX_PENDING_EVENTS = 64 * wire.MAX_EVENTS  # ~1.3 MB of encoded reads per process
+MAX_PENDING_EVENTS = 32 * wire.MAX_EVENTS  # ~1.3 MB of encoded reads per process
 RETRY_POLL_MS = 50
 _FULL = wire.MAX_EVENTS  # events a channel holds before it flushes
 EXIT_DRAIN_S = 0.2

@@ -83,9 +83,12 @@ OVERFLOW_NAME = "__other__"
 # The source attribute naming its GPU as NVML does: `GPU-<uuid>`, or a MIG device's `MIG-...` id.
 # The header's gpu stays the client's guess at the physical index (-1 unknown), for agents before it.
 GPU_UUID = "gpu_uuid"
-# Events per datagram: at 41 bytes a read, a full batch stays near 21 KB, far below the socket's
-# send buffer (net.core.wmem_default, 208 KB here), and sending costs one syscall per 512 events.
-MAX_EVENTS = 512
+# Events per datagram: at 41 bytes a read, a full batch stays near 42 KB, a fifth of the socket's send
+# buffer (net.core.wmem_default, 208 KB here). Each datagram costs a syscall and a wake-up of the agent's
+# receiver on another core, tens of microseconds in a VM: 1,024 events a datagram made recording one
+# event 10-20 % cheaper than 512 (docs/benchmarks.md), and the agent's 10-datagram queue holds twice the
+# events.
+MAX_EVENTS = 1024
 
 Step = tuple[int, int, int, int, int]
 Read = tuple[int, int, int, int, int, int]
