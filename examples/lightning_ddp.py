@@ -31,7 +31,11 @@ class Regression(lightning.LightningModule):
         self.seen: list[int] = []
 
     def train_dataloader(self) -> DataLoader[Any]:
-        loader = DataLoader(SampleFiles(self.data), batch_size=4, shuffle=True, num_workers=1)
+        # Persistent workers, as DDP jobs run them: forked once, before the rank's threads (gloo's, the
+        # queue feeders, stallwatch's flush thread) are busy; a worker forked anew each epoch from that
+        # many threads hung in the child, in C before Python's own after-fork (seen about once in 15 runs).
+        loader = DataLoader(SampleFiles(self.data), batch_size=4, shuffle=True, num_workers=1,
+                            persistent_workers=True)
         return instrument(loader) if self.stallwatch == "instrument" else loader
 
     def val_dataloader(self) -> DataLoader[Any]:  # in memory; its waits are not training stalls
