@@ -74,6 +74,12 @@ class Attribution:
     cause_ns: I64  # shape (steps, len(CAUSES)); all zero where not stalled
 
 
+def is_stall(wait_start: I64, wait_end: I64, threshold_ns: int) -> npt.NDArray[np.bool_]:
+    """Which loader waits are stalls: longer than the threshold."""
+    stalled: npt.NDArray[np.bool_] = np.maximum(wait_end - wait_start, 0) > threshold_ns
+    return stalled
+
+
 def attribute(steps: Steps, reads: Reads, threshold_ns: int, stalled: npt.NDArray[np.bool_] | None = None
               ) -> Attribution:
     """`stalled`, when given, says which rows are stalls instead of the threshold: a piece of a long stall cut

@@ -13,7 +13,7 @@ import numpy as np
 import numpy.typing as npt
 
 from stallwatch.catalogue import CAUSES
-from stallwatch.correlator.attribution import Attribution, Reads, Steps, gpu_idle_in_stalls
+from stallwatch.correlator.attribution import Attribution, Reads, Steps, gpu_idle_in_stalls, is_stall
 from stallwatch.correlator.cuts import CutSteps, EarlyBooking, attribute_cut, cut_at_windows
 from stallwatch.correlator.intervals import composite_key
 from stallwatch.correlator.results import GpuRow, JobRow, RankRow, Spans, WhatIfCurve, WindowResult, stalled_seconds
@@ -48,8 +48,7 @@ def _spans(steps: Steps, stalled: npt.NDArray[np.bool_]) -> dict[int, Spans]:
 
 
 def _stalled(steps: Steps, threshold_ns: int) -> npt.NDArray[np.bool_]:
-    stalled: npt.NDArray[np.bool_] = np.maximum(steps.wait_end - steps.wait_start, 0) > threshold_ns
-    return stalled
+    return is_stall(steps.wait_start, steps.wait_end, threshold_ns)
 
 
 def _known_until(steps: Steps, later: Steps | None, booking: EarlyBooking,

@@ -34,6 +34,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from stallwatch.correlator.attribution import is_stall
 from stallwatch.eventbatch import SCHEMAS, Columns
 
 CONTEXT_KINDS = ("read", "spoke_request", "gpu_util")
@@ -177,11 +178,10 @@ class EventTimeWindows:
             self._unmerged[kind] = 0
         newest = int(times.max())
         self._newest = newest if self._newest is None else max(self._newest, newest)
-        if kind == "gpu_util":
-            order = np.argsort(columns["gpu"], kind="stable")
-            gpus, first = np.unique(columns["gpu"][order], return_index=True)
-            for gpu, ts in zip(gpus.tolist(), np.maximum.reduceat(times[order], first).tolist(), strict=True):
-                self._gpu_sampled[gpu] = max(ts, self._gpu_sampled.get(gpu, ts))
+        if kind == "gpu_util":  # a node's few GPUs
+            for gpu in np.unique(columns["gpu"]).tolist():
+                newest_here = int(times[columns["gpu"] == gpu].max())
+                self._gpu_sampled[gpu] = max(newest_here, self._gpu_sampled.get(gpu, newest_here))
 
     @property
     def newest_event_ns(self) -> int | None:
@@ -244,8 +244,8 @@ class EventTimeWindows:
         return closed
 
     def _stall_starts(self, steps: Columns) -> npt.NDArray[np.int64]:
-        waits = steps["wait_end_ns"] - steps["wait_start_ns"]
-        starts: npt.NDArray[np.int64] = steps["wait_start_ns"][waits > self.stall_threshold_ns]
+        starts: npt.NDArray[np.int64] = steps["wait_start_ns"][
+            is_stall(steps["wait_start_ns"], steps["wait_end_ns"], self.stall_threshold_ns)]
         return starts
 
     def _skip_empty(self, limit_ns: int) -> None:

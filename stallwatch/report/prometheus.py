@@ -101,11 +101,11 @@ def run_from_prometheus(url: str, start: float, end: float, scope: Scope = EVERY
     run.hub_bytes_per_second = rates(scope.select(c.SPOKE_BYTES), "source").get("hub", Series.empty())
     run.stall_by_cause = rates(scope.select(c.STALL_SECONDS), "cause")
     phase = scope.select(c.WARMUP_PHASE)
-    seen = f"last_over_time({phase}[{end - start:.0f}s] @ end())"
-    jobs = sorted(labels.get(c.JOB_LABEL, "") for labels, _ in prometheus.instant(by(c.JOB_LABEL, "group", seen), end))
-    if scope.job is None and len(jobs) > 1:
-        run.several_jobs = tuple(jobs)  # one job's phases after another's would read as one run's
-    else:
+    if scope.job is None:  # over several jobs, their phases are each job's: which jobs are there?
+        seen = by(c.JOB_LABEL, "group", f"last_over_time({phase}[{end - start:.0f}s] @ end())")
+        jobs = sorted(labels.get(c.JOB_LABEL, "") for labels, _ in prometheus.instant(seen, end))
+        run.several_jobs = tuple(jobs) if len(jobs) > 1 else ()
+    if not run.several_jobs:
         run.phases = phase_spans(prometheus.range(by("phase", "max", phase), start, end, step),
                                  _one(prometheus.range(by("", "max", f"timestamp({phase})"), start, end, step)))
         run.time_to_steady_seconds = latest(scope.select(c.WARMUP_TIME_TO_STEADY))

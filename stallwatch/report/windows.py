@@ -65,8 +65,8 @@ def run_from_windows(path: Path, job: str | None = None, start: float | None = N
     """A run from `--correlator.record-windows` lines (times in unix seconds): the job's rows only if given,
     the windows that overlap [start, end] if given."""
     rows = _read_rows(path, start, end)
-    if job is not None and not any(item["job"] == job for row in rows for item in row["jobs"]):
-        jobs = sorted({item["job"] for row in rows for item in row["jobs"]})
+    jobs = sorted({item["job"] for row in rows for item in row["jobs"]})
+    if job is not None and job not in jobs:
         raise ValueError(f"{path}: no windows of job {job!r} (jobs: {', '.join(jobs) or 'none'})")
     t = np.array([(row["start_s"] + row["end_s"]) / 2 for row in rows])
     length = np.array([row["end_s"] - row["start_s"] for row in rows])
@@ -88,12 +88,10 @@ def run_from_windows(path: Path, job: str | None = None, start: float | None = N
     run.hub_bytes_per_second = Series(t, total("jobs", lambda j: j["hub_bytes"]) / length)
     for cause in c.CAUSES:
         run.stall_by_cause[cause] = Series(t, total("ranks", lambda r, k=cause: r["stall_s"][k]) / length)
-    jobs = sorted({item["job"] for row in rows for item in row["jobs"]})
     if job is None and len(jobs) > 1:
         run.several_jobs = tuple(jobs)  # one job's phases after another's would read as one run's
-        rows = [{**row, "jobs": []} for row in rows]
     for row in rows:
-        for item in ours(row["jobs"]):
+        for item in [] if run.several_jobs else ours(row["jobs"]):
             if run.phases and run.phases[-1][2] == item["phase"]:
                 run.phases[-1] = (run.phases[-1][0], row["end_s"], item["phase"])
             else:
