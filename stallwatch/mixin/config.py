@@ -17,7 +17,7 @@ ALERT_PREFIX = "Stallwatch"  # CamelCase alert names share it, as monitoring mix
 COMPONENT = "stallwatch"  # on every alert, for Alertmanager routes (deploy/alertmanager/alertmanager.yml)
 
 _DURATION = re.compile(r"^[0-9]+(ms|s|m|h|d)$")
-_UNIT_SECONDS = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, "d": 86400}
+UNIT_SECONDS = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, "d": 86400}  # of a Prometheus duration
 
 
 def duration_seconds(duration: str) -> float:
@@ -25,7 +25,7 @@ def duration_seconds(duration: str) -> float:
     match = _DURATION.match(duration)
     if match is None:
         raise ValueError(f"{duration!r} is not a Prometheus duration such as 5m")
-    return int(duration.removesuffix(match[1])) * _UNIT_SECONDS[match[1]]
+    return int(duration.removesuffix(match[1])) * UNIT_SECONDS[match[1]]
 
 
 def correlator_lag(settings: CorrelatorSettings, scrape_interval: str) -> str:

@@ -7,8 +7,9 @@ import re
 from collections.abc import Sequence
 from datetime import UTC, datetime
 
+from stallwatch.mixin.config import UNIT_SECONDS
+
 RELATIVE = re.compile(r"^-(\d+(?:\.\d+)?)([smhd])$")
-UNIT_SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 TIME_FLAGS = ("--start", "--end")
 FORMS = "ISO 8601 (2026-12-03T08:00:00Z; no offset means UTC), unix seconds, or -15m, -2h, -1d, now"
 
