@@ -51,8 +51,8 @@ def _stalled(steps: Steps, threshold_ns: int) -> npt.NDArray[np.bool_]:
     return is_stall(steps.wait_start, steps.wait_end, threshold_ns)
 
 
-def _known_until(steps: Steps, later: Steps | None, booking: EarlyBooking,
-                 threshold_ns: int) -> dict[tuple[int, int], int]:
+def _known_until(steps: Steps, later: Steps | None, later_stalled: npt.NDArray[np.bool_],
+                 booking: EarlyBooking) -> dict[tuple[int, int], int]:
     """Per (job, rank) with steps here or buffered for later windows: up to when its timeline is known.
 
     A rank's next wait starts after its latest compute end, so nothing of it before that is still to come,
@@ -64,9 +64,8 @@ def _known_until(steps: Steps, later: Steps | None, booking: EarlyBooking,
     known = np.full(len(keys), np.iinfo(np.int64).min, dtype=np.int64)
     np.maximum.at(known, group, both.compute_end)
     if later is not None:
-        stalled = _stalled(later, threshold_ns)
-        begin = booking.unbooked_from(later, stalled, release=False)
-        pending = stalled & (begin < later.wait_end)
+        begin = booking.unbooked_from(later, later_stalled, release=False)  # after this window's booking
+        pending = later_stalled & (begin < later.wait_end)
         earliest = np.full(len(keys), np.iinfo(np.int64).max, dtype=np.int64)
         np.minimum.at(earliest, group[len(steps):][pending], begin[pending])
         known = np.minimum(known, earliest)
@@ -99,10 +98,11 @@ class WindowAnalyser:
         threshold = seconds_to_ns(s.stall_threshold_s)
         stalled = _stalled(steps, threshold)
         later = _steps(window.later_steps) if window.later_steps else None
+        later_stalled = _stalled(later, threshold) if later else np.zeros(0, dtype=bool)
         # This window's steps (less what earlier windows booked of them), then the stall parts of later steps
         # booked now: counted as waits here, not as steps.
         own = dataclasses.replace(steps, wait_start=self._booking.unbooked_from(steps, stalled, release=True))
-        early = (self._booking.book(later, _stalled(later, threshold), end, window.watermark_ns) if later
+        early = (self._booking.book(later, later_stalled, end, window.watermark_ns) if later
                  else own.take(slice(0, 0)))
         rows = Steps(*(np.concatenate((a, b)) for a, b in zip(own.columns(), early.columns(), strict=True)))
         n = len(rows)
@@ -134,7 +134,7 @@ class WindowAnalyser:
         curve = WhatIfCurve(self.whatif.sample_rate, self.whatif.keys) if self.whatif.references else None
         earlier = tuple(self._earlier_piece(cut, attribution, idle, n, piece_start, end - start)
                         for piece_start in np.unique(cut.window_start).tolist())
-        known = _known_until(steps, later, self._booking, threshold)
+        known = _known_until(steps, later, later_stalled, self._booking)
         return WindowResult(start, end, ranks, gpus, jobs, whatif, retired, curve, spans, earlier, known)
 
     def _earlier_piece(self, cut: CutSteps, attribution: Attribution, idle: np.ndarray, n: int, window_start: int,
