@@ -1,6 +1,6 @@
 """What the PyTorch integration adds to each batch's trip between trainer and worker: numbered indices
-and tagged batches round-trip intact and cost as few class lookups as they can (each is ~1 µs of the
-trainer's time a batch, measured in benchmarks/client_overhead.py)."""
+and tagged batches round-trip intact as builtins only (a class to look up or a Python method to call
+is ~1 µs of the trainer's threads a batch, measured in benchmarks/client_overhead.py)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import torch
 
 from stallwatch.client import reads, transport, wire
 from stallwatch.client.loop import tagged, timed_steps
-from stallwatch.client.torch import NumberedIndices
+from stallwatch.client.torch import NUMBERED, unnumbered
 
 
 def globals_looked_up(payload: bytes) -> int:
@@ -25,14 +25,22 @@ def as_a_loader_queue_sends(item: Any) -> Any:
     return payload, ForkingPickler.loads(payload)
 
 
-def test_numbered_indices_arrive_whole_with_their_number_and_set_the_batch() -> None:
-    indices = NumberedIndices([5, 3, 9])
-    indices.number = 41
+def test_numbered_indices_are_builtins_and_arrive_whole_setting_the_batch() -> None:
+    payload, task = as_a_loader_queue_sends((7, ([5, 3, 9], 41, NUMBERED)))
+    assert globals_looked_up(payload) == 0
     reads.set_batch(-1)
-    payload, (send_index, arrived) = as_a_loader_queue_sends((7, indices))
-    assert send_index == 7 and arrived == [5, 3, 9] and type(arrived) is NumberedIndices and arrived.number == 41
+    assert unnumbered(task) == (7, [5, 3, 9])
     assert reads.current_batch() == 41  # the worker's reads that follow serve batch 41
-    assert globals_looked_up(payload) == 1  # the class alone: no rebuilding function beside it
+
+
+def test_torchdatas_task_shape_is_unnumbered_too_and_other_messages_pass_unchanged() -> None:
+    reads.set_batch(-1)
+    snapshot = {"state": 1}
+    assert unnumbered((8, (([1, 2], 42, NUMBERED), snapshot))) == (8, ([1, 2], snapshot))
+    assert reads.current_batch() == 42
+    for message in (None, (3, [1, 2]), (3, ([1], 43, b"other")), (4, ([1], 44, torch.zeros(3))), (5, ([1], None))):
+        assert unnumbered(message) is message
+    assert reads.current_batch() == 42
 
 
 def test_a_tagged_batch_is_builtins_only_and_keeps_the_users_batch() -> None:
@@ -45,18 +53,17 @@ def test_a_tagged_batch_is_builtins_only_and_keeps_the_users_batch() -> None:
 
 
 class Kept(transport.Channel):
-    """Keeps the step rows instead of sending them."""
+    """Keeps its events instead of sending them."""
 
-    __slots__ = ("kept",)
+    __slots__ = ()
 
-    def step(self, row: wire.Step) -> None:
-        self.kept.append(row)
+    def flush(self) -> None:
+        pass
 
 
 def test_only_tagged_batches_are_unwrapped_and_a_users_own_tuples_pass_as_they_are(tmp_path: Path) -> None:
     channel = Kept(transport.Sender(str(tmp_path / "no-agent.sock")), wire.Source("job", 0))
-    channel.kept = recorded = []
     own = (torch.zeros(2), 12, "x", 999)  # four items, like a tagged batch, but the user's
     items = [tagged(40, "first", 7), own, (b"other", 1, 2, 3), tagged(41, "last")]
     assert list(timed_steps(iter(items), channel)) == ["first", own, (b"other", 1, 2, 3), "last"]
-    assert [(row[0], row[4]) for row in recorded] == [(40, 7), (41, -1), (42, -1), (41, -1)]
+    assert [(row[0], row[4]) for row in channel.steps] == [(40, 7), (41, -1), (42, -1), (41, -1)]

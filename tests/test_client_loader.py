@@ -13,7 +13,7 @@ import torch
 from torch.utils.data import BatchSampler, DataLoader, Dataset, DistributedSampler, IterableDataset, get_worker_info
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from stallwatch.client import transport
+from stallwatch.client import reads, transport
 from stallwatch.client.torch import instrument
 
 
@@ -127,7 +127,7 @@ def test_the_loader_is_the_same_object_with_every_attribute_as_it_was() -> None:
 def test_a_copied_or_pickled_loader_is_still_instrumented() -> None:
     loader = instrument(DataLoader(Numbers(), batch_size=5), job="copied")
     for restored in (copy.copy(loader), copy.deepcopy(loader), pickle.loads(pickle.dumps(loader))):
-        assert type(restored) is type(loader) and restored.__dict__["_stallwatch"].source.job == "copied"
+        assert type(restored) is type(loader) and restored.__dict__["_stallwatch"].job == "copied"
         assert batches(restored) == batches(loader)
 
 
@@ -151,3 +151,14 @@ def test_a_stateful_loader_resumes_where_it_stopped(workers: int) -> None:
     head, rest = resumed(instrument)
     assert (head, rest) == (plain_head, plain_rest)
     assert len(plain_head) + len(plain_rest) == 8 and plain_rest  # resumed mid-epoch, not from the start
+
+
+def test_two_loaders_of_one_process_never_give_two_batches_one_number() -> None:
+    """A rank's training and validation loaders record as the same source: a batch number names one batch
+    of either, so their reads are never joined to the other loader's steps."""
+    train, validation = (instrument(DataLoader(Numbers(), batch_size=5), job="two", rank=0) for _ in range(2))
+    numbers = []
+    for loader in (train, validation, train):
+        for _ in loader:
+            numbers.append(reads.current_batch())  # no workers: the batch being served in this process
+    assert len(numbers) == 15 and len(set(numbers)) == 15

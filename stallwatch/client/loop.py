@@ -7,7 +7,7 @@ from collections.abc import Iterable, Iterator
 from typing import Any, Generic, TypeVar
 
 from stallwatch.client.identity import source_from_environment
-from stallwatch.client.transport import Channel, sender
+from stallwatch.client.transport import FULL, Channel, sender
 
 T = TypeVar("T")
 
@@ -36,7 +36,9 @@ def timed_steps(items: Iterator[Any], channel: Channel) -> Iterator[Any]:
     A tagged batch (`tagged`) is unwrapped: its step records the batch's own number and the loop gets the
     batch alone. Other items are numbered in arrival order from 0.
     """
-    clock, record = time.monotonic_ns, channel.step
+    # `Channel.step` inlined: a Python call less a batch, paid where the trainer's caches are cold
+    # after its step (each call there costs several times its `timeit` figure, docs/benchmarks.md).
+    clock, steps, flush_full = time.monotonic_ns, channel.steps, channel.flush_full
     index = 0
     wait_start = clock()
     try:
@@ -50,7 +52,9 @@ def timed_steps(items: Iterator[Any], channel: Channel) -> Iterator[Any]:
                 yield item
             finally:
                 compute_end = clock()
-                record((index, wait_start, wait_end, compute_end, handed_over))
+                steps.append((index, wait_start, wait_end, compute_end, handed_over))
+                if len(steps) >= FULL:
+                    flush_full()
             index += 1
             wait_start = compute_end
     finally:

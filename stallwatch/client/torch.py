@@ -8,14 +8,18 @@ loader they were given. Only `__iter__` differs: it yields the same batches and 
 per batch (`loop.timed_steps`).
 
 How the batch tag stays right: the loader's own iterator is built from a *view* of the loader, an
-object of a second subclass sharing the loader's `__dict__`, whose `_index_sampler`, `collate_fn`
-and `worker_init_fn` are wrapped while the loader's own attributes stay as they are:
+object of a second subclass sharing the loader's `__dict__`, whose `_index_sampler`, `collate_fn`,
+`worker_init_fn` and `multiprocessing_context` are wrapped while the loader's own attributes stay
+as they are:
 
-- the index sampler numbers every list of indices it hands out (`NumberedIndices`, counting on
-  across epochs so that a number names one batch of the whole run);
-- a worker unpickles those indices from its index queue right before it fetches them, and the
-  unpickling sets the worker's current batch, so every read the dataset records carries it (in
-  the main process, with `num_workers=0`, the sampler sets it as it hands the indices out);
+- the index sampler numbers every list of indices it hands out, from one count for the process, so
+  that a number names one batch of the rank's whole run (every epoch, every loader); the indices
+  travel to the worker as a tuple of builtins with their number (`NUMBERED`);
+- a worker reads its index queue through `unnumbered`, which sets the worker's current batch right
+  before the worker fetches those indices, so every read the dataset records carries it (in the main
+  process, with `num_workers=0`, the sampler sets it as it hands the indices out): the view's
+  `multiprocessing_context` starts each worker through `_WorkerLoop`, which wraps the `get` of its
+  queues in the worker;
 - the collate function returns the batch tagged with its number (`loop.tagged`), which the step unwraps;
 - each worker's init function binds its reads to the worker's own source before the user's runs.
 
@@ -29,10 +33,13 @@ in arrival order and reads carry batch -1; the correlator falls back to time ove
 from __future__ import annotations
 
 import dataclasses
+import itertools
+import multiprocessing.queues
 import time
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
+import torch.multiprocessing
 from torch.utils.data import DataLoader
 
 from stallwatch.client import reads, wire
@@ -44,33 +51,72 @@ L = TypeVar("L", bound=DataLoader[Any])
 _STATE = "_stallwatch"
 
 
-@dataclasses.dataclass
-class Instrumentation:
-    """What an instrumented loader keeps in its `__dict__`: who it records as, the next batch number."""
+# The indices of one batch on their way to a worker: `(indices, number, NUMBERED)`. Builtins only, so
+# that the trainer's queue feeder threads pickle them in C (a list subclass carrying the number cost a
+# Python call and a class lookup a batch there), and in this order so that `zip` makes them in C too.
+NUMBERED = b"\0stallwatch.numbered-indices"
 
-    source: wire.Source
-    next_number: int = 0
+# The process's batch numbers: one names one batch of the rank's whole run, whichever loader served it.
+_numbers = itertools.count()
 
 
-class NumberedIndices(list[Any]):
-    """The indices of one batch and the batch's number (`number`, set after construction, so that
-    making one costs only the list's own copy); pickles to the worker with its number.
+def _number_of(payload: object) -> int | None:
+    if type(payload) is tuple and len(payload) == 3 and type(payload[2]) is bytes and payload[2] == NUMBERED:
+        return payload[1]  # type: ignore[no-any-return]
+    return None
 
-    The pickle is the list's items and the number as the state, rebuilt by C code but for
-    `__setstate__`: one class lookup a batch, against a class and a function (`__reduce__` to a
-    module-level function measured ~0.4 µs a batch more in the trainer's queue feeder threads).
-    """
 
-    __slots__ = ("number",)
-    number: int
-
-    def __reduce_ex__(self, protocol: object) -> tuple[Any, ...]:
-        return NumberedIndices, (), self.number, iter(self)
-
-    def __setstate__(self, number: int) -> None:
-        """Unpickling in a loader worker, which fetches these indices next: the reads that follow serve them."""
-        self.number = number
+def unnumbered(task: Any) -> Any:
+    """A task as a worker's index queue delivers it -> the task as the loader's worker loop expects it,
+    the indices' number set as the batch that the reads that follow serve. A task is `(send_idx,
+    indices)`, or `(send_idx, (indices, snapshot))` from torchdata's StatefulDataLoader; anything
+    else (the loaders' control messages) passes unchanged."""
+    if type(task) is not tuple or len(task) != 2 or type(task[1]) is not tuple:
+        return task
+    send_index, payload = task
+    number = _number_of(payload)
+    if number is not None:
         reads.set_batch(number)
+        return send_index, payload[0]
+    number = _number_of(payload[0]) if len(payload) == 2 else None
+    if number is not None:
+        reads.set_batch(number)
+        return send_index, (payload[0][0], payload[1])
+    return task
+
+
+def _unnumbering(get: Callable[..., Any]) -> Callable[..., Any]:
+    def get_unnumbered(*args: Any, **kwargs: Any) -> Any:
+        return unnumbered(get(*args, **kwargs))
+
+    return get_unnumbered
+
+
+class _WorkerLoop:
+    """A loader worker's target: the loader's own loop, reading its queues through `unnumbered` (only the
+    index queue is read in a worker; the result queue is written)."""
+
+    def __init__(self, loop: Callable[..., None]) -> None:
+        self._loop = loop
+
+    def __call__(self, *args: Any, **kwargs: Any) -> None:
+        for argument in (*args, *kwargs.values()):
+            if isinstance(argument, multiprocessing.queues.Queue):
+                argument.get = _unnumbering(argument.get)  # type: ignore[method-assign]
+        self._loop(*args, **kwargs)
+
+
+class _NumberingContext:
+    """The loader's multiprocessing context (or module), starting its workers through `_WorkerLoop`."""
+
+    def __init__(self, context: Any) -> None:
+        self._context = context
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._context, name)
+
+    def Process(self, *args: Any, target: Callable[..., None], **kwargs: Any) -> Any:  # noqa: N802  # the context's name
+        return self._context.Process(*args, target=_WorkerLoop(target), **kwargs)
 
 
 def _is_stateful(component: object) -> bool:  # torchdata's Stateful protocol (StatefulDataLoader resumption)
@@ -78,36 +124,40 @@ def _is_stateful(component: object) -> bool:  # torchdata's Stateful protocol (S
 
 
 class _Numbering:
-    """Wraps a batch sampler, or one epoch's iterator of it; `counter` numbers the lists of indices."""
+    """Wraps a batch sampler, or one epoch's iterator of it, numbering its lists of indices (`_numbers`)."""
 
-    def __init__(self, inner: Any, counter: Instrumentation, in_this_process: bool) -> None:
+    def __init__(self, inner: Any, in_this_process: bool) -> None:
         self._inner = inner
-        self._counter = counter
         self._in_this_process = in_this_process
 
 
 class _NumberedIterator(_Numbering):
+    """Numbers in Python: to set the batch in this process, or to forward the iterator's state."""
+
     def __iter__(self) -> _NumberedIterator:
         return self
 
-    def __next__(self) -> NumberedIndices:
+    def __next__(self) -> Any:
         indices = next(self._inner)
-        number = self._counter.next_number
-        self._counter.next_number = number + 1
+        number = next(_numbers)
         if self._in_this_process:
             reads.set_batch(number)
-        found = NumberedIndices(indices)
-        found.number = number
-        return found
+            return indices
+        return (indices, number, NUMBERED)
 
 
 class _NumberedBatches(_Numbering):
     """The batch sampler as the loader's iterator sees it: the same lists of indices, numbered."""
 
-    def __iter__(self) -> _NumberedIterator:
+    def __iter__(self) -> Iterator[Any]:
         inner = iter(self._inner)
-        numbered = _StatefulNumberedIterator if _is_stateful(inner) else _NumberedIterator
-        return numbered(inner, self._counter, self._in_this_process)
+        if _is_stateful(inner):
+            return _StatefulNumberedIterator(inner, self._in_this_process)
+        if self._in_this_process:
+            return _NumberedIterator(inner, in_this_process=True)
+        # Numbered in C, once a batch in the trainer's main thread; `inner` first, so that the end of
+        # an epoch takes no number.
+        return zip(inner, _numbers, itertools.repeat(NUMBERED))
 
     def __len__(self) -> int:
         return len(self._inner)  # raises as the wrapped sampler would
@@ -152,10 +202,11 @@ class _BindWorker:
             self._init(worker_id)
 
 
-def _instrumentation(loader: DataLoader[Any]) -> Instrumentation:
-    found: Instrumentation | None = loader.__dict__.get(_STATE)
+def _source(loader: DataLoader[Any]) -> wire.Source:
+    """Who the loader records as, kept in its `__dict__`."""
+    found: wire.Source | None = loader.__dict__.get(_STATE)
     if found is None:  # re-created by a framework from the loader's own arguments: the environment says who
-        found = Instrumentation(source_from_environment())
+        found = source_from_environment()
         setattr(loader, _STATE, found)
     return found
 
@@ -165,7 +216,7 @@ def _view_index_sampler(view: DataLoader[Any]) -> Any:
     if view.batch_sampler is None:
         return view.sampler
     numbered = _StatefulNumberedBatches if _is_stateful(view.batch_sampler) else _NumberedBatches
-    return numbered(view.batch_sampler, _instrumentation(view), in_this_process=view.num_workers == 0)
+    return numbered(view.batch_sampler, in_this_process=view.num_workers == 0)
 
 
 def _view_collate_fn(view: DataLoader[Any]) -> Any:
@@ -174,7 +225,12 @@ def _view_collate_fn(view: DataLoader[Any]) -> Any:
 
 
 def _view_worker_init_fn(view: DataLoader[Any]) -> _BindWorker:
-    return _BindWorker(_instrumentation(view).source, view.__dict__["worker_init_fn"])
+    return _BindWorker(_source(view), view.__dict__["worker_init_fn"])
+
+
+def _view_multiprocessing_context(view: DataLoader[Any]) -> _NumberingContext:
+    context = super(type(view), view).multiprocessing_context  # type: ignore[misc]  # the loader's own
+    return _NumberingContext(torch.multiprocessing if context is None else context)  # the loaders' default
 
 
 _instrumented: dict[type[DataLoader[Any]], type[DataLoader[Any]]] = {}
@@ -190,14 +246,15 @@ def _instrumented_class(base: type[DataLoader[Any]]) -> type[DataLoader[Any]]:
         "_index_sampler": property(_view_index_sampler),
         "collate_fn": property(_view_collate_fn),
         "worker_init_fn": property(_view_worker_init_fn),
+        "multiprocessing_context": property(_view_multiprocessing_context),
     })
 
     def iterate(loader: DataLoader[Any]) -> Iterator[Any]:
-        state = _instrumentation(loader)
+        source = _source(loader)
         view: DataLoader[Any] = object.__new__(view_class)
         object.__setattr__(view, "__dict__", loader.__dict__)  # one state: `_iterator`, resumption, epochs
-        steps = timed_steps(base.__iter__(view), sender().channel(state.source))
-        return _reading_here(state.source, steps) if loader.num_workers == 0 else steps
+        steps = timed_steps(base.__iter__(view), sender().channel(source))
+        return _reading_here(source, steps) if loader.num_workers == 0 else steps
 
     found = type(f"Instrumented{base.__name__}", (base,), {
         "__module__": __name__,
@@ -235,15 +292,10 @@ def instrument(
     (`identity.source_from_environment`; gpu is the CUDA device index the process trains on, or its UUID).
 
     Call it before the loader's first iteration: a `persistent_workers` iterator made earlier keeps its
-    workers, whose batches are then numbered in arrival order. Instrumenting again only updates who
+    workers, whose batches are then numbered in arrival order. Instrumenting again only changes who
     the loader records as.
     """
-    source = source_from_environment(job, rank, gpu)
-    found: Instrumentation | None = loader.__dict__.get(_STATE)
-    if found is None:
-        setattr(loader, _STATE, Instrumentation(source))
-    else:  # keeps counting batches: a number names one batch of the run
-        found.source = source
+    setattr(loader, _STATE, source_from_environment(job, rank, gpu))
     if type(loader) not in _base_of:
         loader.__class__ = _instrumented_class(type(loader))  # type: ignore[assignment]  # a subclass of L
     return loader

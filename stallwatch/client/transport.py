@@ -55,7 +55,7 @@ ABSENT_RETRY_NS = 1_000_000_000
 RETRY_BUDGET_NS = 400_000_000
 MAX_PENDING_EVENTS = 32 * wire.MAX_EVENTS  # ~1.3 MB of encoded reads per process
 RETRY_POLL_MS = 50
-_FULL = wire.MAX_EVENTS  # events a channel holds before it flushes
+FULL = wire.MAX_EVENTS  # events a channel holds before it flushes
 EXIT_DRAIN_S = 0.2
 
 
@@ -76,13 +76,17 @@ class Channel:
     # (15 %) faster than `wire.MAX_EVENTS` and a local, with the same exact bound.
     def step(self, row: wire.Step) -> None:
         self.steps.append(row)
-        if len(self.steps) >= _FULL:
-            self.owner.flush(self, wait=False)
+        if len(self.steps) >= FULL:
+            self.flush_full()
 
     def read(self, row: wire.Read) -> None:
         self.reads.append(row)
-        if len(self.reads) >= _FULL:
-            self.owner.flush(self, wait=False)
+        if len(self.reads) >= FULL:
+            self.flush_full()
+
+    def flush_full(self) -> None:
+        """Send a full buffer now, unless another thread is sending (it takes these events too)."""
+        self.owner.flush(self, wait=False)
 
     def flush(self) -> None:
         self.owner.flush(self, wait=True)
