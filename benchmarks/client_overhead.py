@@ -7,19 +7,23 @@
    another process, as the agent would.
 2. Throughput of a real DataLoader pipeline (2 persistent workers, a fixed CPU cost a sample and
    a batch, one recorded read a sample), plain and through `stallwatch.client.torch.instrument`,
-   in one process: many short rounds of four epochs (ABBA / BAAB, `round_order`) after discarded
-   warm-up rounds; the median of the rounds' changes in throughput (samples/s) and in CPU time a
+   in one process, with two kinds of sample work (`--decode`): small matrix products (light, so
+   the client's share shows) and a real JPEG decoded with Pillow. Many short rounds of four epochs
+   (ABBA / BAAB, `round_order`) after discarded warm-up rounds, both loaders built anew every few
+   rounds (`pipeline_rounds`); the median of the rounds' changes in throughput (samples/s) and in CPU time a
    sample (the trainer's and its workers'), a bootstrap 95 % confidence interval of each median,
    and the rounds' spread. Throughput is what training sees; CPU time is what the client adds, and
    is less disturbed by the other tenants of a shared machine. `--control` compares the plain
    loader with a second plain one: the noise of the method itself, which should centre on 0.
 
-    PYTHONPATH=. python benchmarks/client_overhead.py [--events N] [--rounds R] [--samples S] [--control]
+    PYTHONPATH=. python benchmarks/client_overhead.py [--events N] [--decode matmul|jpeg|both] [--rounds R]
+        [--samples S] [--rebuild-every K] [--control]
 """
 
 from __future__ import annotations
 
 import argparse
+import io
 import logging
 import os
 import pickle
@@ -182,20 +186,18 @@ def per_batch(batches: int = 2000, size: int = 64) -> tuple[float, float]:
 
 def pickling_cost(size: int = 64) -> float:
     """µs more than a plain list that a batch's numbered indices cost on their way to a worker."""
-    from stallwatch.client.torch import NumberedIndices
+    from stallwatch.client.torch import NUMBERED, unnumbered
 
-    def best(indices: list[int]) -> float:
+    def best(task: tuple[int, Any], unwrap: Callable[[Any], Any]) -> float:
         timings = []
         for _ in range(7):
             start = time.perf_counter()
             for _ in range(5000):
-                pickle.loads(pickle.dumps(indices))
+                unwrap(pickle.loads(pickle.dumps(task)))
             timings.append((time.perf_counter() - start) / 5000 * 1e6)
         return min(timings)
 
-    indices = NumberedIndices(range(size))
-    indices.number = 7
-    return best(indices) - best(list(range(size)))
+    return best((7, (NUMBERED, 7, list(range(size)))), unnumbered) - best((7, list(range(size))), lambda task: task)
 
 
 class Epoch(NamedTuple):
@@ -280,16 +282,50 @@ def cpu_seconds(pid: int) -> float:
         return sum(psutil.Process(pid).cpu_times()[:2])
 
 
+def jpeg_images(count: int = 64, size: int = 224) -> list[bytes]:
+    """`count` distinct 224x224 RGB JPEGs (quality 90, ~30 KB, the size of a pre-resized training image):
+    gradients with noise, so they compress and decode like photographs rather than flat colour."""
+    from PIL import Image
+
+    generator = numpy.random.default_rng(0)
+    y, x = numpy.mgrid[0:size, 0:size]
+    images = []
+    for index in range(count):
+        pixels = numpy.stack([(x * (index + 1)) % 256, (y * 3 + index) % 256, ((x + y) * 2) % 256], axis=-1)
+        noisy = pixels + generator.normal(0, 20, pixels.shape)
+        encoded = io.BytesIO()
+        Image.fromarray(numpy.clip(noisy, 0, 255).astype(numpy.uint8)).save(encoded, "JPEG", quality=90)
+        images.append(encoded.getvalue())
+    return images
+
+
+DECODES = ("matmul", "jpeg")
+
+
 def pipeline_rounds(
-    rounds: int, warmup: int, samples: int, control: bool = False
+    rounds: int, warmup: int, samples: int, control: bool = False, decode: str = "matmul", rebuild_every: int = 10
 ) -> tuple[list[Round], list[Epoch], list[Epoch]]:
     """`rounds` measured rounds (`round_order`) of a plain and an instrumented loader (with `control`,
     a second plain one: the method's own noise), after `warmup` rounds that are discarded; returns the
-    rounds' changes and every measured epoch of each side."""
+    rounds' changes and every measured epoch of each side.
+
+    Both loaders are built anew (fresh workers) every `rebuild_every` rounds, each pair warmed up by
+    one discarded round: a pair of loaders kept for a whole run carried a bias of its own (two
+    identical plain loaders differed by +1.35 % in one run; the JPEG pipeline's instrumented workers
+    used 3.7 % less CPU than the plain ones throughout another), which fresh pairs turn into noise that
+    the median over many pairs averages out.
+
+    `decode` is each sample's work in its
+    worker: "matmul", 12 small matrix products (~20 µs, light: the client's share shows), or "jpeg", a
+    real 224x224 JPEG decoded with Pillow (~0.4 ms, still light beside decoding and augmenting a
+    full-size photograph)."""
     import torch
+    from PIL import Image
     from torch.utils.data import DataLoader, Dataset
 
     from stallwatch.client.torch import instrument
+
+    images = jpeg_images() if decode == "jpeg" else []
 
     class Samples(Dataset[numpy.ndarray]):
         """In-memory samples with a recorded 'read' each (in both loaders: what is compared is what
@@ -307,7 +343,10 @@ def pipeline_rounds(
             with ReadSpan("/datasets/bench.bin", index * 256) as span:
                 sample: numpy.ndarray = self.data[index]
                 span.bytes = 256
-            for _ in range(12):  # its "decoding": with the step, ~30 µs of CPU a sample, light beside real decoding
+            if images:  # decoded, then cut to the light pipeline's 64 floats: batches stay small in the queue
+                pixels = numpy.asarray(Image.open(io.BytesIO(images[index % len(images)])).convert("RGB"))
+                return pixels[::28, ::28].astype(numpy.float32).ravel()[:64] / 255 + sample
+            for _ in range(12):  # its "decoding": with the step, ~30 µs of CPU a sample
                 sample = numpy.tanh(sample @ self.mix)
             return sample
 
@@ -338,16 +377,28 @@ def pipeline_rounds(
     def built() -> DataLoader[numpy.ndarray]:  # both alike; persistent: no worker start-up per epoch
         return DataLoader(Samples(), batch_size=64, collate_fn=stack, num_workers=2, persistent_workers=True)
 
+    def fresh() -> dict[int, DataLoader[numpy.ndarray]]:
+        return {PLAIN: built(), INSTRUMENTED: built() if control else instrument(built(), job="bench", rank=0)}
+
+    def run(loaders: dict[int, DataLoader[numpy.ndarray]], number: int) -> list[tuple[int, Epoch]]:
+        return [(side, epoch(loaders[side])) for side in round_order(number)]
+
     torch.set_num_threads(1)
-    loaders = {PLAIN: built(), INSTRUMENTED: built() if control else instrument(built(), job="bench", rank=0)}
     measured: list[Round] = []
     epochs: dict[int, list[Epoch]] = {PLAIN: [], INSTRUMENTED: []}
-    for round_number in range(warmup + rounds):  # the first warm-up epochs start the workers
-        this_round = [(side, epoch(loaders[side])) for side in round_order(round_number)]
-        if round_number >= warmup:
-            measured.append(round_change(this_round))
-            for side, result in this_round:
-                epochs[side].append(result)
+    loaders = fresh()
+    for number in range(rounds):
+        if number % rebuild_every == 0:
+            if number:
+                for loader in loaders.values():
+                    loader._iterator._shutdown_workers()  # type: ignore[attr-defined]
+                loaders = fresh()
+            for block_round in range(warmup if number == 0 else 1):  # start the workers; the first side alternates
+                run(loaders, number // rebuild_every + block_round)
+        this_round = run(loaders, number)
+        measured.append(round_change(this_round))
+        for side, result in this_round:
+            epochs[side].append(result)
     return measured, epochs[PLAIN], epochs[INSTRUMENTED]
 
 
@@ -355,15 +406,51 @@ def other_threads(epoch: Epoch) -> float:
     return epoch.trainer_cpu_seconds - epoch.main_thread_cpu_seconds
 
 
+# Per decode: measured rounds, samples an epoch, rounds per pair of loaders (a JPEG round takes ~1 s).
+PIPELINE_DEFAULTS = {"matmul": (1000, 2048, 10), "jpeg": (200, 1024, 5)}
+
+
+def print_pipeline(decode: str, samples: int, warmup: int, rebuild_every: int, control: bool,
+                   measured: tuple[list[Round], list[Epoch], list[Epoch]]) -> None:
+    rounds, plain_epochs, client_epochs = measured
+    side = "a second plain loader (--control)" if control else "instrumented"
+    print(f"DataLoader pipeline, {decode} decoding (2 persistent workers, batch 64, {samples} samples an epoch), "
+          f"plain against {side}: {len(rounds)} rounds of four epochs (ABBA, BAAB) after {warmup} discarded, both "
+          f"loaders built anew every {rebuild_every} rounds (one more discarded)")
+    for name, epochs in (("plain", plain_epochs), ("second plain" if control else "with client", client_epochs)):
+        def micro(value: Callable[[Epoch], float], epochs: list[Epoch] = epochs) -> float:
+            """µs a sample, the median of the epochs."""
+            return 1e6 * statistics.median(value(e) / samples for e in epochs)
+
+        print(f"  {name:12s} {statistics.median(samples / e.seconds for e in epochs):10.0f} samples/s, "
+              f"{micro(lambda e: e.cpu_seconds):7.2f} µs CPU a sample, of which the trainer "
+              f"{micro(lambda e: e.trainer_cpu_seconds):6.2f} (its main thread "
+              f"{micro(lambda e: e.main_thread_cpu_seconds):6.2f}, its other threads {micro(other_threads):5.2f}); "
+              f"steps {micro(lambda e: e.step_seconds):6.2f}, waits {micro(lambda e: e.seconds - e.step_seconds):6.2f}"
+              " µs a sample (medians of the epochs)")
+    for name, field in (("throughput", 0), ("CPU a sample", 1)):
+        change = spread([measured[field] for measured in rounds])
+        print(f"  {name} change, median of the rounds {change.median:+.2f} % (95 % CI {change.low:+.2f} .. "
+              f"{change.high:+.2f} %); spread of the rounds: quartiles {change.first_quartile:+.2f} .. "
+              f"{change.third_quartile:+.2f} %, range {change.smallest:+.2f} .. {change.largest:+.2f} %")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--events", type=int, default=8 * wire.MAX_EVENTS * 50)
-    parser.add_argument("--rounds", type=int, default=500, help="measured rounds of the DataLoader pipeline")
+    parser.add_argument("--decode", choices=[*DECODES, "both"], default="both",
+                        help="each sample's work in the DataLoader pipeline (pipeline_rounds)")
+    parser.add_argument("--rounds", type=int, help="measured rounds of each pipeline (default: PIPELINE_DEFAULTS)")
     parser.add_argument("--warmup", type=int, default=5, help="rounds run first and discarded")
-    parser.add_argument("--samples", type=int, default=2048, help="samples an epoch")
+    parser.add_argument("--samples", type=int, help="samples an epoch (default: PIPELINE_DEFAULTS)")
+    parser.add_argument("--rebuild-every", type=int,
+                        help="rounds one pair of loaders serves (default: PIPELINE_DEFAULTS)")
     parser.add_argument("--control", action="store_true",
                         help="compare the plain loader with a second plain one instead: the method's own noise")
     args = parser.parse_args()
+    decodes = DECODES if args.decode == "both" else (args.decode,)
+    pipelines = {decode: (args.rounds or PIPELINE_DEFAULTS[decode][0], args.samples or PIPELINE_DEFAULTS[decode][1],
+                          args.rebuild_every or PIPELINE_DEFAULTS[decode][2]) for decode in decodes}
     with tempfile.TemporaryDirectory() as directory:
         path = str(Path(directory) / "events.sock")
         drain = subprocess.Popen([sys.executable, "-c", DRAIN, path], stdout=subprocess.PIPE, text=True)
@@ -373,7 +460,8 @@ def main() -> int:
             costs = per_event(args.events)
             batch_plain, batch_instrumented = per_batch()
             pickling = pickling_cost()
-            rounds, plain_epochs, client_epochs = pipeline_rounds(args.rounds, args.warmup, args.samples, args.control)
+            measured = {decode: pipeline_rounds(rounds, args.warmup, samples, args.control, decode, rebuild_every)
+                        for decode, (rounds, samples, rebuild_every) in pipelines.items()}
         finally:
             drain.kill()
             drain.wait()
@@ -395,25 +483,8 @@ def main() -> int:
     print(f"  plain {batch_plain:6.2f} µs, instrumented {batch_instrumented:6.2f} µs: instrument() adds "
           f"{batch_instrumented - batch_plain:.2f} µs a batch, and {pickling:.2f} µs pickling its numbered indices "
           "to a worker")
-    side = "a second plain loader (--control)" if args.control else "instrumented"
-    print(f"DataLoader pipeline (2 persistent workers, batch 64, {args.samples} samples an epoch), plain against "
-          f"{side}: {args.rounds} rounds of four epochs (ABBA, BAAB), after {args.warmup} discarded")
-    for name, epochs in (("plain", plain_epochs), ("second plain" if args.control else "with client", client_epochs)):
-        def micro(value: Callable[[Epoch], float], epochs: list[Epoch] = epochs) -> float:
-            """µs a sample, the median of the epochs."""
-            return 1e6 * statistics.median(value(e) / args.samples for e in epochs)
-
-        print(f"  {name:12s} {statistics.median(args.samples / e.seconds for e in epochs):10.0f} samples/s, "
-              f"{micro(lambda e: e.cpu_seconds):6.2f} µs CPU a sample, of which the trainer "
-              f"{micro(lambda e: e.trainer_cpu_seconds):6.2f} (its main thread "
-              f"{micro(lambda e: e.main_thread_cpu_seconds):6.2f}, its other threads {micro(other_threads):5.2f}); "
-              f"steps {micro(lambda e: e.step_seconds):6.2f}, waits {micro(lambda e: e.seconds - e.step_seconds):6.2f}"
-              " µs a sample (medians of the epochs)")
-    for name, field in (("throughput", 0), ("CPU a sample", 1)):
-        change = spread([measured[field] for measured in rounds])
-        print(f"  {name} change, median of the rounds {change.median:+.2f} % (95 % CI {change.low:+.2f} .. "
-              f"{change.high:+.2f} %); spread of the rounds: quartiles {change.first_quartile:+.2f} .. "
-              f"{change.third_quartile:+.2f} %, range {change.smallest:+.2f} .. {change.largest:+.2f} %")
+    for decode, (_, samples, rebuild_every) in pipelines.items():
+        print_pipeline(decode, samples, args.warmup, rebuild_every, args.control, measured[decode])
     return 0
 
 

@@ -74,9 +74,10 @@ def test_cpu_seconds_counts_this_process_finely() -> None:
     assert 0.03 < used < 5
 
 
-@pytest.mark.parametrize("control", [False, True])
-def test_pipeline_runs_real_loaders_and_pairs_every_epoch(control: bool) -> None:
-    rounds, plain, compared = pipeline_rounds(rounds=3, warmup=1, samples=256, control=control)
+@pytest.mark.parametrize(("control", "decode"), [(False, "matmul"), (True, "matmul"), (False, "jpeg")])
+def test_pipeline_runs_real_loaders_and_pairs_every_epoch(control: bool, decode: str) -> None:
+    rounds, plain, compared = pipeline_rounds(rounds=3, warmup=1, samples=256, control=control, decode=decode,
+                                              rebuild_every=2)  # a second pair of loaders for the third round
     assert len(rounds) == 3 and len(plain) == len(compared) == 6
     for epoch in plain + compared:
         assert epoch.seconds > epoch.step_seconds > 0 and epoch.cpu_seconds >= epoch.trainer_cpu_seconds > 0
