@@ -30,7 +30,7 @@ from pathlib import Path
 from stallwatch import catalogue as c
 from stallwatch.correlator.settings import CorrelatorSettings
 from stallwatch.demo.agent import AgentSetup, start_node_agent
-from stallwatch.demo.hub import Hub, shard_name, start_hub
+from stallwatch.demo.hub import Hub, HubSettings, shard_name, start_hub
 from stallwatch.demo.spoke import Nginx, spoke_server_block
 from stallwatch.demo.stack import Server, query, start_prometheus
 from stallwatch.harness import find_binary, free_port, stop_process, wait_for
@@ -50,7 +50,7 @@ def node_name(index: int) -> str:
 
 
 @dataclass
-class ClusterSettings:
+class ClusterSettings(HubSettings):
     nodes: int = 2
     ranks_per_node: int = 2
     steps: int = 240
@@ -66,10 +66,6 @@ class ClusterSettings:
     job_stall_window_seconds: int = 10  # the job-level rules' sub-window (ten scrapes)
     workdir: Path = field(default_factory=lambda: Path("stallwatch-demo"))
     quiet: bool = False
-
-    @property
-    def dataset_bytes(self) -> int:
-        return int(self.shards * self.shard_mib * 2**20)
 
     @property
     def world(self) -> int:
@@ -266,7 +262,7 @@ class ClusterDemo:
         s = self.s
         with self._stack:
             work = s.workdir.resolve()
-            hub = start_hub(self._stack, work, s.shards, int(s.shard_mib * 2**20), s.rtt_seconds, s.bandwidth_mbit)
+            hub = start_hub(self._stack, work, s)
             self.say(f"stallwatch demo, {s.nodes} nodes x {s.ranks_per_node} ranks, in {work}")
             self.say(f"  hub          {hub.url}  ({s.shards} shards, {s.dataset_bytes / 2**20:.0f} MiB)")
             spokes, agents = zip(*(self._start_node(work, i, hub) for i in range(s.nodes)), strict=True)

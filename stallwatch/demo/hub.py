@@ -14,6 +14,7 @@ import shutil
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
@@ -40,14 +41,31 @@ def make_dataset(directory: Path, shards: int, shard_bytes: int) -> list[str]:
     return names
 
 
-def start_hub(stack: contextlib.ExitStack, work: Path, shards: int, shard_bytes: int, rtt_seconds: float,
-              bandwidth_mbit: float) -> Hub:
+@dataclass
+class HubSettings:
+    """The dataset the hub serves and how far away it is: the part of each demo's settings about the hub."""
+
+    shards: int
+    shard_mib: float
+    rtt_seconds: float
+    bandwidth_mbit: float
+
+    @property
+    def shard_bytes(self) -> int:
+        return int(self.shard_mib * 2**20)
+
+    @property
+    def dataset_bytes(self) -> int:
+        return self.shards * self.shard_bytes
+
+
+def start_hub(stack: contextlib.ExitStack, work: Path, settings: HubSettings) -> Hub:
     """A fresh `work` folder holding the dataset, and the hub serving it until `stack` closes."""
     if work.exists():
         shutil.rmtree(work)
     work.mkdir(parents=True)
-    make_dataset(work / "dataset", shards, shard_bytes)
-    hub = Hub(work / "dataset", rtt_seconds, bandwidth_mbit * 1e6 / 8).start()
+    make_dataset(work / "dataset", settings.shards, settings.shard_bytes)
+    hub = Hub(work / "dataset", settings.rtt_seconds, settings.bandwidth_mbit * 1e6 / 8).start()
     stack.callback(hub.close)
     return hub
 

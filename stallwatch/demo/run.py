@@ -29,7 +29,7 @@ from stallwatch import catalogue as c
 from stallwatch.correlator.settings import CorrelatorSettings
 from stallwatch.demo.agent import AgentSetup, start_node_agent
 from stallwatch.demo.cluster import ClusterDemo, ClusterSettings
-from stallwatch.demo.hub import Hub, start_hub
+from stallwatch.demo.hub import Hub, HubSettings, start_hub
 from stallwatch.demo.spoke import Nginx, spoke_server_block
 from stallwatch.demo.stack import Server, Webhook, query, start_alertmanager, start_prometheus
 from stallwatch.harness import (
@@ -62,7 +62,7 @@ DEMO_THRESHOLDS = Thresholds(
 
 
 @dataclass
-class Settings:
+class Settings(HubSettings):
     duration: float = 180.0
     shards: int = 160
     shard_mib: float = 2.0
@@ -78,10 +78,6 @@ class Settings:
     price_per_gb: float = 0.02
     workdir: Path = field(default_factory=lambda: Path("stallwatch-demo"))
     quiet: bool = False
-
-    @property
-    def dataset_bytes(self) -> int:
-        return int(self.shards * self.shard_mib * 2**20)
 
     @property
     def cache_bytes(self) -> int:
@@ -169,7 +165,7 @@ class Demo:
         s = self.s
         with self._stack:
             work = s.workdir.resolve()
-            hub = start_hub(self._stack, work, s.shards, int(s.shard_mib * 2**20), s.rtt_seconds, s.bandwidth_mbit)
+            hub = start_hub(self._stack, work, s)
             self.say(f"stallwatch demo in {work}")
             self.say(f"  hub          {hub.url}  ({s.shards} shards, {s.dataset_bytes / 2**20:.0f} MiB, "
                      f"RTT {s.rtt_seconds * 1000:.0f} ms, {s.bandwidth_mbit:.0f} Mbit/s)")
