@@ -9,11 +9,12 @@ from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
 from stallwatch.client import reads, transport, wire
 from stallwatch.client.loop import tagged, timed_steps
-from stallwatch.client.torch import NUMBERED, unnumbered
+from stallwatch.client.torch import _WORKERS_UNWRAP, NUMBERED, _NumberedBatches, unnumbered
 
 
 def globals_looked_up(payload: bytes) -> int:
@@ -67,3 +68,17 @@ def test_only_tagged_batches_are_unwrapped_and_a_users_own_tuples_pass_as_they_a
     items = [tagged(40, "first", 7), own, (b"other", 1, 2, 3), tagged(41, "last")]
     assert list(timed_steps(iter(items), channel)) == ["first", own, (b"other", 1, 2, 3), "last"]
     assert [(row[0], row[4]) for row in channel.steps] == [(40, 7), (41, -1), (42, -1), (41, -1)]
+
+
+@pytest.mark.parametrize(("workers", "unwrapping", "numbered"), [(2, True, True), (2, False, False), (0, True, False)])
+def test_indices_are_sent_numbered_only_to_workers_that_unwrap_them(workers: int, unwrapping: bool,
+                                                                    numbered: bool) -> None:
+    """A loader whose workers were not started through the view's context (or that has none now) gets its
+    indices as the sampler made them: a numbered tuple would reach its dataset as indices."""
+    state: dict[str, Any] = {"num_workers": workers, _WORKERS_UNWRAP: unwrapping}
+    served = list(_NumberedBatches([[0, 1], [2, 3]], state))
+    if numbered:
+        assert [indices for indices, _, marker in served if marker == NUMBERED] == [[0, 1], [2, 3]]
+        assert served[1][1] == served[0][1] + 1
+    else:
+        assert served == [[0, 1], [2, 3]]

@@ -19,7 +19,8 @@ as they are:
   before the worker fetches those indices, so every read the dataset records carries it (in the main
   process, with `num_workers=0`, the sampler sets it as it hands the indices out): the view's
   `multiprocessing_context` starts each worker through `_WorkerLoop`, which wraps the `get` of its
-  queues in the worker;
+  queues in the worker. Only to workers started so are the indices sent numbered; a loader that
+  starts its workers another way gets them plain, and its workers' reads carry batch -1;
 - the collate function returns the batch tagged with its number (`loop.tagged`), which the step unwraps;
 - each worker's init function binds its reads to the worker's own source before the user's runs.
 
@@ -49,6 +50,7 @@ from stallwatch.client.transport import sender
 
 L = TypeVar("L", bound=DataLoader[Any])
 _STATE = "_stallwatch"
+_WORKERS_UNWRAP = "_stallwatch_workers_unwrap"  # in the loader's state once its workers read `unnumbered`
 
 
 # The indices of one batch on their way to a worker: `(indices, number, NUMBERED)`. Builtins only, so
@@ -107,16 +109,21 @@ class _WorkerLoop:
 
 
 class _NumberingContext:
-    """The loader's multiprocessing context (or module), starting its workers through `_WorkerLoop`."""
+    """The loader's multiprocessing context (or module), starting its workers through `_WorkerLoop` and
+    noting in the loader's state that they unwrap numbered indices."""
 
-    def __init__(self, context: Any) -> None:
+    def __init__(self, context: Any, loader_state: dict[str, Any]) -> None:
         self._context = context
+        self._loader_state = loader_state
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._context, name)
 
-    def Process(self, *args: Any, target: Callable[..., None], **kwargs: Any) -> Any:  # noqa: N802  # the context's name
-        return self._context.Process(*args, target=_WorkerLoop(target), **kwargs)
+    def Process(self, *args: Any, **kwargs: Any) -> Any:  # noqa: N802  # the context's own name
+        if kwargs.get("target") is not None:  # as both torch's and torchdata's loaders start their workers
+            kwargs["target"] = _WorkerLoop(kwargs["target"])
+            self._loader_state[_WORKERS_UNWRAP] = True
+        return self._context.Process(*args, **kwargs)
 
 
 def _is_stateful(component: object) -> bool:  # torchdata's Stateful protocol (StatefulDataLoader resumption)
@@ -124,11 +131,15 @@ def _is_stateful(component: object) -> bool:  # torchdata's Stateful protocol (S
 
 
 class _Numbering:
-    """Wraps a batch sampler, or one epoch's iterator of it, numbering its lists of indices (`_numbers`)."""
+    """Wraps a batch sampler, or one epoch's iterator of it, numbering its lists of indices (`_numbers`).
+    The loader's state says where the indices go: to this process, or to workers that unwrap them."""
 
-    def __init__(self, inner: Any, in_this_process: bool) -> None:
+    def __init__(self, inner: Any, loader_state: dict[str, Any]) -> None:
         self._inner = inner
-        self._in_this_process = in_this_process
+        self._loader_state = loader_state
+
+    def _to_unwrapping_workers(self) -> bool:  # asked once an epoch has started its workers
+        return bool(self._loader_state["num_workers"] > 0 and self._loader_state.get(_WORKERS_UNWRAP))
 
 
 class _NumberedIterator(_Numbering):
@@ -140,10 +151,10 @@ class _NumberedIterator(_Numbering):
     def __next__(self) -> Any:
         indices = next(self._inner)
         number = next(_numbers)
-        if self._in_this_process:
-            reads.set_batch(number)
-            return indices
-        return (indices, number, NUMBERED)
+        if self._to_unwrapping_workers():
+            return (indices, number, NUMBERED)
+        reads.set_batch(number)  # the reads of this process; a worker's then carry batch -1
+        return indices
 
 
 class _NumberedBatches(_Numbering):
@@ -152,9 +163,9 @@ class _NumberedBatches(_Numbering):
     def __iter__(self) -> Iterator[Any]:
         inner = iter(self._inner)
         if _is_stateful(inner):
-            return _StatefulNumberedIterator(inner, self._in_this_process)
-        if self._in_this_process:
-            return _NumberedIterator(inner, in_this_process=True)
+            return _StatefulNumberedIterator(inner, self._loader_state)
+        if not self._to_unwrapping_workers():  # no workers, or ones not started through our context
+            return _NumberedIterator(inner, self._loader_state)
         # Numbered in C, once a batch in the trainer's main thread; `inner` first, so that the end of
         # an epoch takes no number.
         return zip(inner, _numbers, itertools.repeat(NUMBERED))
@@ -216,7 +227,7 @@ def _view_index_sampler(view: DataLoader[Any]) -> Any:
     if view.batch_sampler is None:
         return view.sampler
     numbered = _StatefulNumberedBatches if _is_stateful(view.batch_sampler) else _NumberedBatches
-    return numbered(view.batch_sampler, in_this_process=view.num_workers == 0)
+    return numbered(view.batch_sampler, view.__dict__)
 
 
 def _view_collate_fn(view: DataLoader[Any]) -> Any:
@@ -230,7 +241,7 @@ def _view_worker_init_fn(view: DataLoader[Any]) -> _BindWorker:
 
 def _view_multiprocessing_context(view: DataLoader[Any]) -> _NumberingContext:
     context = super(type(view), view).multiprocessing_context  # type: ignore[misc]  # the loader's own
-    return _NumberingContext(torch.multiprocessing if context is None else context)  # the loaders' default
+    return _NumberingContext(torch.multiprocessing if context is None else context, view.__dict__)
 
 
 _instrumented: dict[type[DataLoader[Any]], type[DataLoader[Any]]] = {}
