@@ -14,7 +14,7 @@ import torch
 
 from stallwatch.client import reads, transport, wire
 from stallwatch.client.loop import tagged, timed_steps
-from stallwatch.client.torch import _WORKERS_UNWRAP, NUMBERED, _NumberedBatches, unnumbered
+from stallwatch.client.torch import NUMBERED, _NumberedBatches, _Workers, unnumbered
 
 
 def globals_looked_up(payload: bytes) -> int:
@@ -75,8 +75,9 @@ def test_indices_are_sent_numbered_only_to_workers_that_unwrap_them(workers: int
                                                                     numbered: bool) -> None:
     """A loader whose workers were not started through the view's context (or that has none now) gets its
     indices as the sampler made them: a numbered tuple would reach its dataset as indices."""
-    state: dict[str, Any] = {"num_workers": workers, _WORKERS_UNWRAP: unwrapping}
-    served = list(_NumberedBatches([[0, 1], [2, 3]], state))
+    started = _Workers()
+    started.unwrap = unwrapping
+    served = list(_NumberedBatches([[0, 1], [2, 3]], started if workers else None))
     if numbered:
         assert [indices for indices, _, marker in served if marker == NUMBERED] == [[0, 1], [2, 3]]
         assert served[1][1] == served[0][1] + 1

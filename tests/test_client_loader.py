@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import gc
 import pickle
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -162,3 +163,17 @@ def test_two_loaders_of_one_process_never_give_two_batches_one_number() -> None:
         for _ in loader:
             numbers.append(reads.current_batch())  # no workers: the batch being served in this process
     assert len(numbers) == 15 and len(set(numbers)) == 15
+
+
+def test_a_dropped_loader_shuts_its_workers_down_at_once() -> None:
+    """No reference cycle through the instrumentation: dropping the last reference shuts the workers down
+    (they finish and flush what they read) instead of leaving them to be killed when the process exits."""
+    gc.disable()
+    try:
+        loader = instrument(DataLoader(Numbers(), batch_size=5, num_workers=2, persistent_workers=True))
+        assert batches(loader) == batches(DataLoader(Numbers(), batch_size=5))
+        workers = loader._iterator._workers  # type: ignore[attr-defined]
+        del loader
+        assert not any(worker.is_alive() for worker in workers)
+    finally:
+        gc.enable()

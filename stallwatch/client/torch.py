@@ -50,7 +50,26 @@ from stallwatch.client.transport import sender
 
 L = TypeVar("L", bound=DataLoader[Any])
 _STATE = "_stallwatch"
-_WORKERS_UNWRAP = "_stallwatch_workers_unwrap"  # in the loader's state once its workers read `unnumbered`
+_WORKERS = "_stallwatch_workers"  # the loader's `_Workers`
+
+
+class _Workers:
+    """Whether the loader's workers were started through the view's context, and so unwrap numbered
+    indices. Its own object, kept in the loader's `__dict__`: the loader's iterator holds it through
+    the index sampler, and holding the `__dict__` itself (which holds the iterator) would make a cycle
+    that outlives the loader, its workers killed at exit instead of shut down."""
+
+    __slots__ = ("unwrap",)
+
+    def __init__(self) -> None:
+        self.unwrap = False
+
+
+def _workers(loader_state: dict[str, Any]) -> _Workers:
+    found: _Workers | None = loader_state.get(_WORKERS)
+    if found is None:
+        found = loader_state[_WORKERS] = _Workers()
+    return found
 
 
 # The indices of one batch on their way to a worker: `(indices, number, NUMBERED)`. Builtins only, so
@@ -110,11 +129,11 @@ class _WorkerLoop:
 
 class _NumberingContext:
     """The loader's multiprocessing context (or module), starting its workers through `_WorkerLoop` and
-    noting in the loader's state that they unwrap numbered indices."""
+    noting that they unwrap numbered indices."""
 
-    def __init__(self, context: Any, loader_state: dict[str, Any]) -> None:
+    def __init__(self, context: Any, workers: _Workers) -> None:
         self._context = context
-        self._loader_state = loader_state
+        self._workers = workers
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._context, name)
@@ -122,7 +141,7 @@ class _NumberingContext:
     def Process(self, *args: Any, **kwargs: Any) -> Any:  # noqa: N802  # the context's own name
         if kwargs.get("target") is not None:  # as both torch's and torchdata's loaders start their workers
             kwargs["target"] = _WorkerLoop(kwargs["target"])
-            self._loader_state[_WORKERS_UNWRAP] = True
+            self._workers.unwrap = True
         return self._context.Process(*args, **kwargs)
 
 
@@ -131,15 +150,15 @@ def _is_stateful(component: object) -> bool:  # torchdata's Stateful protocol (S
 
 
 class _Numbering:
-    """Wraps a batch sampler, or one epoch's iterator of it, numbering its lists of indices (`_numbers`).
-    The loader's state says where the indices go: to this process, or to workers that unwrap them."""
+    """Wraps a batch sampler, or one epoch's iterator of it, numbering its lists of indices (`_numbers`)
+    for this process (`workers` None) or for the loader's workers."""
 
-    def __init__(self, inner: Any, loader_state: dict[str, Any]) -> None:
+    def __init__(self, inner: Any, workers: _Workers | None) -> None:
         self._inner = inner
-        self._loader_state = loader_state
+        self._workers = workers
 
     def _to_unwrapping_workers(self) -> bool:  # asked once an epoch has started its workers
-        return bool(self._loader_state["num_workers"] > 0 and self._loader_state.get(_WORKERS_UNWRAP))
+        return self._workers is not None and self._workers.unwrap
 
 
 class _NumberedIterator(_Numbering):
@@ -163,9 +182,9 @@ class _NumberedBatches(_Numbering):
     def __iter__(self) -> Iterator[Any]:
         inner = iter(self._inner)
         if _is_stateful(inner):
-            return _StatefulNumberedIterator(inner, self._loader_state)
+            return _StatefulNumberedIterator(inner, self._workers)
         if not self._to_unwrapping_workers():  # no workers, or ones not started through our context
-            return _NumberedIterator(inner, self._loader_state)
+            return _NumberedIterator(inner, self._workers)
         # Numbered in C, once a batch in the trainer's main thread; `inner` first, so that the end of
         # an epoch takes no number.
         return zip(inner, _numbers, itertools.repeat(NUMBERED))
@@ -227,7 +246,7 @@ def _view_index_sampler(view: DataLoader[Any]) -> Any:
     if view.batch_sampler is None:
         return view.sampler
     numbered = _StatefulNumberedBatches if _is_stateful(view.batch_sampler) else _NumberedBatches
-    return numbered(view.batch_sampler, view.__dict__)
+    return numbered(view.batch_sampler, _workers(view.__dict__) if view.num_workers > 0 else None)
 
 
 def _view_collate_fn(view: DataLoader[Any]) -> Any:
@@ -241,7 +260,7 @@ def _view_worker_init_fn(view: DataLoader[Any]) -> _BindWorker:
 
 def _view_multiprocessing_context(view: DataLoader[Any]) -> _NumberingContext:
     context = super(type(view), view).multiprocessing_context  # type: ignore[misc]  # the loader's own
-    return _NumberingContext(torch.multiprocessing if context is None else context, view.__dict__)
+    return _NumberingContext(torch.multiprocessing if context is None else context, _workers(view.__dict__))
 
 
 _instrumented: dict[type[DataLoader[Any]], type[DataLoader[Any]]] = {}
