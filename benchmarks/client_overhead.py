@@ -186,7 +186,7 @@ def per_batch(batches: int = 2000, size: int = 64) -> tuple[float, float]:
 
 def pickling_cost(size: int = 64) -> float:
     """µs more than a plain list that a batch's numbered indices cost on their way to a worker."""
-    from stallwatch.client.torch import NUMBERED, unnumbered
+    from stallwatch.client.torch import _NumberedBatches, _Workers, unnumbered
 
     def best(task: tuple[int, Any], unwrap: Callable[[Any], Any]) -> float:
         timings = []
@@ -197,7 +197,10 @@ def pickling_cost(size: int = 64) -> float:
             timings.append((time.perf_counter() - start) / 5000 * 1e6)
         return min(timings)
 
-    return best((7, (NUMBERED, 7, list(range(size)))), unnumbered) - best((7, list(range(size))), lambda task: task)
+    started = _Workers()
+    started.unwrap = True  # as the loader sends them to workers started through its view's context
+    numbered = next(iter(_NumberedBatches([list(range(size))], started)))
+    return best((7, numbered), unnumbered) - best((7, list(range(size))), lambda task: task)
 
 
 class Epoch(NamedTuple):
