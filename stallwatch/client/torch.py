@@ -150,19 +150,19 @@ def _is_stateful(component: object) -> bool:  # torchdata's Stateful protocol (S
 
 
 class _Numbering:
-    """Wraps a batch sampler, or one epoch's iterator of it, numbering its lists of indices (`_numbers`)
-    for this process (`workers` None) or for the loader's workers."""
+    """Wraps a batch sampler, or one epoch's iterator of it, numbering its lists of indices (`_numbers`)."""
 
-    def __init__(self, inner: Any, workers: _Workers | None) -> None:
+    def __init__(self, inner: Any) -> None:
         self._inner = inner
-        self._workers = workers
-
-    def _to_unwrapping_workers(self) -> bool:  # asked once an epoch has started its workers
-        return self._workers is not None and self._workers.unwrap
 
 
 class _NumberedIterator(_Numbering):
-    """Numbers in Python: to set the batch in this process, or to forward the iterator's state."""
+    """Numbers in Python: to set the batch in this process, or to forward the iterator's state.
+    `to_workers`: the indices go to workers that unwrap them."""
+
+    def __init__(self, inner: Any, to_workers: bool) -> None:
+        super().__init__(inner)
+        self._to_workers = to_workers
 
     def __iter__(self) -> _NumberedIterator:
         return self
@@ -170,21 +170,28 @@ class _NumberedIterator(_Numbering):
     def __next__(self) -> Any:
         indices = next(self._inner)
         number = next(_numbers)
-        if self._to_unwrapping_workers():
+        if self._to_workers:
             return (indices, number, NUMBERED)
         reads.set_batch(number)  # the reads of this process; a worker's then carry batch -1
         return indices
 
 
 class _NumberedBatches(_Numbering):
-    """The batch sampler as the loader's iterator sees it: the same lists of indices, numbered."""
+    """The batch sampler as the loader's iterator sees it: the same lists of indices, numbered for this
+    process (`workers` None) or for the loader's workers."""
+
+    def __init__(self, inner: Any, workers: _Workers | None) -> None:
+        super().__init__(inner)
+        self._workers = workers
 
     def __iter__(self) -> Iterator[Any]:
         inner = iter(self._inner)
+        # Asked once an epoch has started its workers: only those started through the view's context unwrap.
+        to_workers = self._workers is not None and self._workers.unwrap
         if _is_stateful(inner):
-            return _StatefulNumberedIterator(inner, self._workers)
-        if not self._to_unwrapping_workers():  # no workers, or ones not started through our context
-            return _NumberedIterator(inner, self._workers)
+            return _StatefulNumberedIterator(inner, to_workers)
+        if not to_workers:
+            return _NumberedIterator(inner, to_workers)
         # Numbered in C, once a batch in the trainer's main thread; `inner` first, so that the end of
         # an epoch takes no number.
         return zip(inner, _numbers, itertools.repeat(NUMBERED))
