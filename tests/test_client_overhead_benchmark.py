@@ -1,5 +1,5 @@
 """The client overhead benchmark's method: its round order, drift cancelling, confidence interval, CPU
-clock, and one short run of its real DataLoader pipeline (benchmarks/client_overhead.py)."""
+clock, verdict, and one short run of its real DataLoader pipeline (benchmarks/client_overhead.py)."""
 
 from __future__ import annotations
 
@@ -11,14 +11,18 @@ import time
 import pytest
 
 from benchmarks.client_overhead import (
+    BATCH,
     INSTRUMENTED,
     PLAIN,
     Epoch,
+    Round,
+    client_cost_per_batch,
     cpu_seconds,
     pipeline_rounds,
     round_change,
     round_order,
     spread,
+    verdict,
 )
 
 
@@ -72,6 +76,27 @@ def test_cpu_seconds_counts_this_process_finely() -> None:
         pass
     used = cpu_seconds(os.getpid()) - before
     assert 0.03 < used < 5
+
+
+def plain_epochs(cpu_seconds_a_sample: float, samples: int) -> list[Epoch]:
+    return [Epoch(1.0, cpu_seconds_a_sample * samples, 0.5, 0.5, 0.4)] * 3
+
+
+def test_the_clients_cost_a_batch_is_its_cpu_change_of_the_plain_batchs_cpu() -> None:
+    rounds = [Round(-1.0, change) for change in (0.5, 1.0, 9.0)]  # median +1 %
+    cost = client_cost_per_batch(rounds, plain_epochs(30e-6, samples=2048), samples=2048)
+    assert cost == pytest.approx(0.01 * 30 * BATCH)  # µs
+
+
+@pytest.mark.parametrize(("throughput", "met"), [(-0.49, True), (0.3, True), (-0.51, False), (0.6, False)])
+def test_the_target_is_judged_on_the_real_pipeline_only(throughput: float, met: bool) -> None:
+    rounds = [Round(throughput + offset, 1.0) for offset in (-2.0, 0.0, 3.0)]
+    judged = verdict("jpeg", rounds, plain_epochs(400e-6, 1024), 1024)
+    assert ("met" in judged) is met and ("MISSED" in judged) is not met and f"{throughput:+.2f} %" in judged
+    synthetic = verdict("matmul", rounds, plain_epochs(30e-6, 2048), 2048)
+    assert "no target" in synthetic and "MISSED" not in synthetic
+    # +1 % of a 1.92 ms batch is 19.2 µs, within 0.5 % of batches of 3.84 ms (60 µs a sample) or more
+    assert "19.2 µs" in synthetic and "3.8 ms" in synthetic and "60 µs a sample" in synthetic
 
 
 @pytest.mark.parametrize(("control", "decode"), [(False, "matmul"), (True, "matmul"), (False, "jpeg")])
