@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import io
+import json
 import logging
 import os
 import pickle
@@ -221,7 +222,16 @@ class Round(NamedTuple):
     cpu_per_sample: float  # the instrumented epochs' CPU time over the plain epochs'
 
 
+class Run(NamedTuple):
+    """One process's rounds, and its measured epochs of each side."""
+
+    rounds: list[Round]
+    plain: list[Epoch]
+    compared: list[Epoch]  # instrumented, or the second plain loader of `--control`
+
+
 PLAIN, INSTRUMENTED = 0, 1
+THROUGHPUT, CPU_PER_SAMPLE = 0, 1  # the fields of `Round`
 
 
 def round_order(round_number: int) -> tuple[int, ...]:
@@ -314,17 +324,19 @@ BATCH = 64
 
 
 def pipeline_rounds(
-    rounds: int, warmup: int, samples: int, control: bool = False, decode: str = "matmul", rebuild_every: int = 10
-) -> tuple[list[Round], list[Epoch], list[Epoch]]:
+    rounds: int, warmup: int, samples: int, control: bool = False, decode: str = "matmul", rebuild_every: int = 5
+) -> Run:
     """`rounds` measured rounds (`round_order`) of a plain and an instrumented loader (with `control`,
-    a second plain one: the method's own noise), after `warmup` rounds that are discarded; returns the
-    rounds' changes and every measured epoch of each side.
+    a second plain one: the method's own noise), after `warmup` rounds that are discarded: the rounds'
+    changes and every measured epoch of each side.
 
-    Both loaders are built anew (fresh workers) every `rebuild_every` rounds, each pair warmed up by
-    one discarded round: a pair of loaders kept for a whole run carried a bias of its own (two
-    identical plain loaders differed by +1.35 % in one run; the JPEG pipeline's instrumented workers
-    used 3.7 % less CPU than the plain ones throughout another), which fresh pairs turn into noise that
-    the median over many pairs averages out.
+    Both loaders are built anew (fresh workers, the first built alternating) every `rebuild_every`
+    rounds, each pair warmed up by one discarded round: a pair of loaders kept for a whole run carried
+    a bias of its own (between two identical plain loaders kept for four rounds each, the pairs of one
+    run differed by -4.0 % to +5.7 % in CPU a sample), which fresh pairs turn into noise that the
+    median over many pairs averages out. A pair for each round, its loaders warmed up by an epoch
+    each, was no steadier (rounds' quartiles -3.9 .. +3.4 %) and its fresh workers cost 50 % more CPU
+    a sample in the epochs that followed.
 
     `decode` is each sample's work in its
     worker: "matmul", 12 small matrix products (~20 µs, light: the client's share shows), or "jpeg", a
@@ -361,6 +373,7 @@ def pipeline_rounds(
                 sample = numpy.tanh(sample @ self.mix)
             return sample
 
+    dataset = Samples()  # one for both loaders: the same memory behind either side's reads
     weights = torch.randn(64, 64, generator=torch.Generator().manual_seed(1))
 
     def used(loader: DataLoader[numpy.ndarray]) -> tuple[float, float]:
@@ -385,49 +398,72 @@ def pipeline_rounds(
         return Epoch(elapsed, trainer - trainer_start + workers - workers_start, trainer - trainer_start, stepping,
                      main)
 
-    def built() -> DataLoader[numpy.ndarray]:  # both alike; persistent: no worker start-up per epoch
-        return DataLoader(Samples(), batch_size=BATCH, collate_fn=stack, num_workers=2, persistent_workers=True)
-
-    def fresh() -> dict[int, DataLoader[numpy.ndarray]]:
-        return {PLAIN: built(), INSTRUMENTED: built() if control else instrument(built(), job="bench", rank=0)}
+    def pair(number: int) -> dict[int, DataLoader[numpy.ndarray]]:
+        loaders = {side: DataLoader(dataset, batch_size=BATCH, collate_fn=stack, num_workers=2, persistent_workers=True)
+                   for side in dict.fromkeys(round_order(number))}  # both alike, persistent: started once
+        if not control:
+            instrument(loaders[INSTRUMENTED], job="bench", rank=0)
+        return loaders
 
     def run(loaders: dict[int, DataLoader[numpy.ndarray]], number: int) -> list[tuple[int, Epoch]]:
         return [(side, epoch(loaders[side])) for side in round_order(number)]
 
     torch.set_num_threads(1)
-    measured: list[Round] = []
-    epochs: dict[int, list[Epoch]] = {PLAIN: [], INSTRUMENTED: []}
-    loaders = fresh()
+    measured = Run([], [], [])
+    loaders: dict[int, DataLoader[numpy.ndarray]] = {}
     for number in range(rounds):
         if number % rebuild_every == 0:
-            if number:
-                for loader in loaders.values():
-                    loader._iterator._shutdown_workers()  # type: ignore[attr-defined]
-                loaders = fresh()
+            for loader in loaders.values():
+                loader._iterator._shutdown_workers()  # type: ignore[union-attr]
+            loaders = pair(number // rebuild_every)
             for block_round in range(warmup if number == 0 else 1):  # start the workers; the first side alternates
                 run(loaders, number // rebuild_every + block_round)
         this_round = run(loaders, number)
-        measured.append(round_change(this_round))
+        measured.rounds.append(round_change(this_round))
         for side, result in this_round:
-            epochs[side].append(result)
-    return measured, epochs[PLAIN], epochs[INSTRUMENTED]
+            (measured.plain if side == PLAIN else measured.compared).append(result)
+    return measured
 
 
-def client_cost_per_batch(rounds: list[Round], plain_epochs: list[Epoch], samples: int) -> float:
-    """µs of CPU the client adds to a batch: the median change in CPU a sample, applied to the plain
-    epochs' median CPU a batch."""
-    plain_per_batch = statistics.median(epoch.cpu_seconds for epoch in plain_epochs) / samples * BATCH * 1e6
-    return statistics.median(change.cpu_per_sample for change in rounds) / 100 * plain_per_batch
+def pipeline_runs(runs: int, rounds: int, warmup: int, samples: int, control: bool, decode: str,
+                  rebuild_every: int, events: str) -> list[Run]:
+    """`runs` runs of `pipeline_rounds`, each in a fresh interpreter sending to the socket `events`: a run
+    carried a bias of its own too (the instrumented workers of one used 5 % less CPU a sample
+    throughout its 80 pairs of loaders), which the median of the runs sets aside."""
+    command = [sys.executable, __file__, "--one-run", decode, "--socket", events, "--rounds", str(rounds),
+               "--warmup", str(warmup), "--samples", str(samples), "--rebuild-every", str(rebuild_every),
+               *(["--control"] if control else [])]
+    done = []
+    for _ in range(runs):
+        rounds_done, plain, compared = json.loads(subprocess.run(command, check=True, capture_output=True,
+                                                                 text=True).stdout)
+        done.append(Run([Round(*change) for change in rounds_done], [Epoch(*epoch) for epoch in plain],
+                        [Epoch(*epoch) for epoch in compared]))
+    return done
 
 
-def verdict(decode: str, rounds: list[Round], plain_epochs: list[Epoch], samples: int) -> str:
-    """The throughput target's verdict on a real pipeline; on a synthetic one, the client's cost a batch
-    and the CPU a batch from which that cost stays within the target."""
+def median_of_runs(runs: list[Run], field: int) -> float:
+    """The median of the runs' medians of one field of `Round`."""
+    return statistics.median(statistics.median(change[field] for change in run.rounds) for run in runs)
+
+
+def client_cost_per_batch(runs: list[Run], samples: int) -> float:
+    """µs of CPU the client adds to a batch: the median of the runs' median changes in CPU a sample,
+    applied to the plain epochs' median CPU a batch."""
+    plain = [epoch.cpu_seconds for run in runs for epoch in run.plain]
+    return median_of_runs(runs, CPU_PER_SAMPLE) / 100 * statistics.median(plain) / samples * BATCH * 1e6
+
+
+def verdict(decode: str, runs: list[Run], samples: int) -> str:
+    """The throughput target's verdict on a real pipeline, on the median of the runs' medians; on a
+    synthetic one, the client's cost a batch and the CPU a batch from which that cost stays within
+    the target."""
     if REAL_DECODING[decode]:
-        change = statistics.median(change.throughput for change in rounds)
+        change = median_of_runs(runs, THROUGHPUT)
         met = "met" if abs(change) <= TARGET_THROUGHPUT_CHANGE else "MISSED"
-        return f"throughput target (within ±{TARGET_THROUGHPUT_CHANGE} % on a real pipeline): {met}, {change:+.2f} %"
-    cost = client_cost_per_batch(rounds, plain_epochs, samples)
+        return (f"throughput target (within ±{TARGET_THROUGHPUT_CHANGE} % on a real pipeline, the median of the "
+                f"runs): {met}, {change:+.2f} %")
+    cost = client_cost_per_batch(runs, samples)
     floor = max(cost, 0.0) / (TARGET_THROUGHPUT_CHANGE / 100) / 1000
     return (f"synthetic pipeline, no target: the client adds {cost:.1f} µs of CPU a batch, within ±"
             f"{TARGET_THROUGHPUT_CHANGE} % of a batch of {floor:.1f} ms of CPU or more "
@@ -438,18 +474,20 @@ def other_threads(epoch: Epoch) -> float:
     return epoch.trainer_cpu_seconds - epoch.main_thread_cpu_seconds
 
 
-# Per decode: measured rounds, samples an epoch, rounds per pair of loaders (a JPEG round takes ~1 s).
-PIPELINE_DEFAULTS = {"matmul": (1000, 2048, 10), "jpeg": (400, 1024, 5)}
+# Per decode: runs (fresh processes), measured rounds a run, samples an epoch, rounds a pair of loaders
+# serves (a JPEG round takes ~1.4 s).
+PIPELINE_DEFAULTS = {"matmul": (4, 200, 2048, 10), "jpeg": (6, 60, 1024, 5)}
 
 
-def print_pipeline(decode: str, samples: int, warmup: int, rebuild_every: int, control: bool,
-                   measured: tuple[list[Round], list[Epoch], list[Epoch]]) -> None:
-    rounds, plain_epochs, client_epochs = measured
+def print_pipeline(decode: str, samples: int, warmup: int, rebuild_every: int, control: bool, runs: list[Run]) -> None:
     side = "a second plain loader (--control)" if control else "instrumented"
+    rounds = [change for run in runs for change in run.rounds]
     print(f"DataLoader pipeline, {decode} decoding (2 persistent workers, batch {BATCH}, {samples} samples an epoch), "
-          f"plain against {side}: {len(rounds)} rounds of four epochs (ABBA, BAAB) after {warmup} discarded, both "
-          f"loaders built anew every {rebuild_every} rounds (one more discarded)")
-    for name, epochs in (("plain", plain_epochs), ("second plain" if control else "with client", client_epochs)):
+          f"plain against {side}: {len(runs)} runs, each a fresh process of {len(runs[0].rounds)} rounds of four "
+          f"epochs (ABBA, BAAB) after {warmup} discarded, both loaders built anew every {rebuild_every} rounds "
+          "(one more discarded)")
+    for name, epochs in (("plain", [e for run in runs for e in run.plain]),
+                         ("second plain" if control else "with client", [e for run in runs for e in run.compared])):
         def micro(value: Callable[[Epoch], float], epochs: list[Epoch] = epochs) -> float:
             """µs a sample, the median of the epochs."""
             return 1e6 * statistics.median(value(e) / samples for e in epochs)
@@ -460,12 +498,15 @@ def print_pipeline(decode: str, samples: int, warmup: int, rebuild_every: int, c
               f"{micro(lambda e: e.main_thread_cpu_seconds):6.2f}, its other threads {micro(other_threads):5.2f}); "
               f"steps {micro(lambda e: e.step_seconds):6.2f}, waits {micro(lambda e: e.seconds - e.step_seconds):6.2f}"
               " µs a sample (medians of the epochs)")
-    for name, field in (("throughput", 0), ("CPU a sample", 1)):
-        change = spread([measured[field] for measured in rounds])
-        print(f"  {name} change, median of the rounds {change.median:+.2f} % (95 % CI {change.low:+.2f} .. "
-              f"{change.high:+.2f} %); spread of the rounds: quartiles {change.first_quartile:+.2f} .. "
-              f"{change.third_quartile:+.2f} %, range {change.smallest:+.2f} .. {change.largest:+.2f} %")
-    print(f"  {verdict(decode, rounds, plain_epochs, samples)}")
+    for name, field in (("throughput", THROUGHPUT), ("CPU a sample", CPU_PER_SAMPLE)):
+        medians = [statistics.median(change[field] for change in run.rounds) for run in runs]
+        print(f"  {name} change, median of the runs {median_of_runs(runs, field):+.2f} %; the runs' medians "
+              + ", ".join(f"{median:+.2f}" for median in medians) + " %")
+        pooled = spread([change[field] for change in rounds])
+        print(f"    all {len(rounds)} rounds: median {pooled.median:+.2f} % (95 % CI {pooled.low:+.2f} .. "
+              f"{pooled.high:+.2f} %), quartiles {pooled.first_quartile:+.2f} .. {pooled.third_quartile:+.2f} %, "
+              f"range {pooled.smallest:+.2f} .. {pooled.largest:+.2f} %")
+    print(f"  {verdict(decode, runs, samples)}")
 
 
 def main() -> int:
@@ -473,17 +514,27 @@ def main() -> int:
     parser.add_argument("--events", type=int, default=8 * wire.MAX_EVENTS * 50)
     parser.add_argument("--decode", choices=[*DECODES, "both"], default="both",
                         help="each sample's work in the DataLoader pipeline (pipeline_rounds)")
-    parser.add_argument("--rounds", type=int, help="measured rounds of each pipeline (default: PIPELINE_DEFAULTS)")
-    parser.add_argument("--warmup", type=int, default=5, help="rounds run first and discarded")
+    parser.add_argument("--runs", type=int,
+                        help="runs of each pipeline, each a fresh process (default: PIPELINE_DEFAULTS)")
+    parser.add_argument("--rounds", type=int, help="measured rounds a run (default: PIPELINE_DEFAULTS)")
+    parser.add_argument("--warmup", type=int, default=2, help="rounds a run runs first and discards")
     parser.add_argument("--samples", type=int, help="samples an epoch (default: PIPELINE_DEFAULTS)")
     parser.add_argument("--rebuild-every", type=int,
                         help="rounds one pair of loaders serves (default: PIPELINE_DEFAULTS)")
     parser.add_argument("--control", action="store_true",
                         help="compare the plain loader with a second plain one instead: the method's own noise")
+    parser.add_argument("--one-run", choices=DECODES, help=argparse.SUPPRESS)  # a run's process (pipeline_runs)
+    parser.add_argument("--socket", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.one_run:
+        transport.configure(args.socket)
+        print(json.dumps(pipeline_rounds(args.rounds, args.warmup, args.samples, args.control, args.one_run,
+                                         args.rebuild_every)))
+        return 0
     decodes = DECODES if args.decode == "both" else (args.decode,)
-    pipelines = {decode: (args.rounds or PIPELINE_DEFAULTS[decode][0], args.samples or PIPELINE_DEFAULTS[decode][1],
-                          args.rebuild_every or PIPELINE_DEFAULTS[decode][2]) for decode in decodes}
+    pipelines = {decode: tuple(given or default for given, default in zip(
+        (args.runs, args.rounds, args.samples, args.rebuild_every), PIPELINE_DEFAULTS[decode], strict=True))
+        for decode in decodes}
     with tempfile.TemporaryDirectory() as directory:
         path = str(Path(directory) / "events.sock")
         drain = subprocess.Popen([sys.executable, "-c", DRAIN, path], stdout=subprocess.PIPE, text=True)
@@ -493,8 +544,8 @@ def main() -> int:
             costs = per_event(args.events)
             batch_plain, batch_instrumented = per_batch()
             pickling = pickling_cost()
-            measured = {decode: pipeline_rounds(rounds, args.warmup, samples, args.control, decode, rebuild_every)
-                        for decode, (rounds, samples, rebuild_every) in pipelines.items()}
+            measured = {decode: pipeline_runs(runs, rounds, args.warmup, samples, args.control, decode, every, path)
+                        for decode, (runs, rounds, samples, every) in pipelines.items()}
         finally:
             drain.kill()
             drain.wait()
@@ -516,7 +567,7 @@ def main() -> int:
     print(f"  plain {batch_plain:6.2f} µs, instrumented {batch_instrumented:6.2f} µs: instrument() adds "
           f"{batch_instrumented - batch_plain:.2f} µs a batch, and {pickling:.2f} µs pickling its numbered indices "
           "to a worker")
-    for decode, (_, samples, rebuild_every) in pipelines.items():
+    for decode, (_, _, samples, rebuild_every) in pipelines.items():
         print_pipeline(decode, samples, args.warmup, rebuild_every, args.control, measured[decode])
     return 0
 

@@ -7,6 +7,7 @@ import math
 import os
 import random
 import time
+from pathlib import Path
 
 import pytest
 
@@ -16,9 +17,12 @@ from benchmarks.client_overhead import (
     PLAIN,
     Epoch,
     Round,
+    Run,
     client_cost_per_batch,
     cpu_seconds,
+    median_of_runs,
     pipeline_rounds,
+    pipeline_runs,
     round_change,
     round_order,
     spread,
@@ -78,22 +82,32 @@ def test_cpu_seconds_counts_this_process_finely() -> None:
     assert 0.03 < used < 5
 
 
-def plain_epochs(cpu_seconds_a_sample: float, samples: int) -> list[Epoch]:
-    return [Epoch(1.0, cpu_seconds_a_sample * samples, 0.5, 0.5, 0.4)] * 3
+def runs_of(changes: list[list[Round]], cpu_seconds_a_sample: float, samples: int) -> list[Run]:
+    plain = [Epoch(1.0, cpu_seconds_a_sample * samples, 0.5, 0.5, 0.4)] * 3
+    return [Run(rounds, plain, plain) for rounds in changes]
+
+
+def test_the_median_of_the_runs_sets_a_biased_run_aside() -> None:
+    steady = [[Round(change + offset, 0.0) for offset in (-2.0, 0.0, 2.5)] for change in (-0.3, 0.1, 0.2, -0.1)]
+    biased = [Round(5.0 + offset, 0.0) for offset in (-0.5, 0.0, 0.5)] * 4  # more rounds, all far off
+    assert median_of_runs(runs_of([*steady, biased], 400e-6, 1024), field=0) == pytest.approx(0.1)
 
 
 def test_the_clients_cost_a_batch_is_its_cpu_change_of_the_plain_batchs_cpu() -> None:
-    rounds = [Round(-1.0, change) for change in (0.5, 1.0, 9.0)]  # median +1 %
-    cost = client_cost_per_batch(rounds, plain_epochs(30e-6, samples=2048), samples=2048)
-    assert cost == pytest.approx(0.01 * 30 * BATCH)  # µs
+    runs = runs_of([[Round(-1.0, change) for change in (0.5, 1.0, 9.0)],  # run medians +1 %, +0.8 %, +3 %
+                    [Round(-1.0, change) for change in (0.8, 0.2, 4.0)],
+                    [Round(-1.0, change) for change in (3.0, 2.0, 7.0)]], 30e-6, samples=2048)
+    assert client_cost_per_batch(runs, samples=2048) == pytest.approx(0.01 * 30 * BATCH)  # µs
 
 
 @pytest.mark.parametrize(("throughput", "met"), [(-0.49, True), (0.3, True), (-0.51, False), (0.6, False)])
 def test_the_target_is_judged_on_the_real_pipeline_only(throughput: float, met: bool) -> None:
-    rounds = [Round(throughput + offset, 1.0) for offset in (-2.0, 0.0, 3.0)]
-    judged = verdict("jpeg", rounds, plain_epochs(400e-6, 1024), 1024)
+    changes = [[Round(throughput + offset, 1.0) for offset in (-2.0, 0.0, 3.0)],
+               [Round(throughput + offset, 1.0) for offset in (-5.0, 0.0, 3.0)],
+               [Round(9.0, 1.0)]]  # the third run's median is far off: the runs' median is still `throughput`
+    judged = verdict("jpeg", runs_of(changes, 400e-6, 1024), 1024)
     assert ("met" in judged) is met and ("MISSED" in judged) is not met and f"{throughput:+.2f} %" in judged
-    synthetic = verdict("matmul", rounds, plain_epochs(30e-6, 2048), 2048)
+    synthetic = verdict("matmul", runs_of(changes, 30e-6, 2048), 2048)
     assert "no target" in synthetic and "MISSED" not in synthetic
     # +1 % of a 1.92 ms batch is 19.2 µs, within 0.5 % of batches of 3.84 ms (60 µs a sample) or more
     assert "19.2 µs" in synthetic and "3.8 ms" in synthetic and "60 µs a sample" in synthetic
@@ -108,3 +122,13 @@ def test_pipeline_runs_real_loaders_and_pairs_every_epoch(control: bool, decode:
         assert epoch.seconds > epoch.step_seconds > 0 and epoch.cpu_seconds >= epoch.trainer_cpu_seconds > 0
         assert epoch.trainer_cpu_seconds >= epoch.main_thread_cpu_seconds > 0
     assert all(math.isfinite(value) for change in rounds for value in change)
+
+
+def test_each_run_is_a_fresh_process_whose_rounds_come_back(tmp_path: Path) -> None:
+    runs = pipeline_runs(runs=2, rounds=2, warmup=1, samples=256, control=False, decode="matmul", rebuild_every=2,
+                         events=str(tmp_path / "no-agent.sock"))  # no agent there: the reads are dropped
+    assert len(runs) == 2
+    for run in runs:
+        assert len(run.rounds) == 2 and len(run.plain) == len(run.compared) == 4
+        assert all(isinstance(epoch, Epoch) and epoch.seconds > epoch.step_seconds > 0 for epoch in run.plain)
+        assert all(isinstance(change, Round) and math.isfinite(change.throughput) for change in run.rounds)
