@@ -7,19 +7,21 @@
    another process, as the agent would.
 2. Throughput of a real DataLoader pipeline (2 persistent workers, a fixed CPU cost a sample and
    a batch, one recorded read a sample), plain and through `stallwatch.client.torch.instrument`,
-   in one process, with two kinds of sample work (`--decode`): small matrix products (light, so
-   the client's share shows) and a real JPEG decoded with Pillow. Many short rounds of four epochs
-   (ABBA / BAAB, `round_order`) after discarded warm-up rounds, both loaders built anew every few
-   rounds (`pipeline_rounds`); the median of the rounds' changes in throughput (samples/s) and in CPU time a
-   sample (the trainer's and its workers'), a bootstrap 95 % confidence interval of each median,
-   and the rounds' spread. Throughput is what training sees; CPU time is what the client adds, and
-   is less disturbed by the other tenants of a shared machine. `--control` compares the plain
-   loader with a second plain one: the noise of the method itself, which should centre on 0. The
-   throughput target (±0.5 %) is judged on the pipeline with real decoding; for the light synthetic
-   one the benchmark prints the client's CPU a batch and the batch size in CPU from which it holds.
+   with two kinds of sample work (`--decode`): small matrix products (light, so the client's share
+   shows) and a real JPEG decoded with Pillow. Several runs (`--runs`), each a fresh process
+   (`pipeline_runs`) of many short rounds of four epochs (ABBA / BAAB, `round_order`) after discarded
+   warm-up rounds, both loaders built anew every few rounds (`pipeline_rounds`). Each run gives the
+   median of its rounds' changes in throughput (samples/s) and in CPU time a sample (the trainer's
+   and its workers'); the figure is the median of the runs' medians, printed beside each run's, and
+   beside the pooled rounds' median with its bootstrap 95 % confidence interval and spread. Throughput
+   is what training sees; CPU time is what the client adds, and is less disturbed by the other tenants
+   of a shared machine. `--control` compares the plain loader with a second plain one: the noise of
+   the method itself, which should centre on 0. The throughput target (±0.5 %) is judged on the
+   pipeline with real decoding; for the light synthetic one the benchmark prints the client's CPU a
+   batch and the batch size in CPU from which it holds.
 
-    PYTHONPATH=. python benchmarks/client_overhead.py [--events N] [--decode matmul|jpeg|both] [--rounds R]
-        [--samples S] [--rebuild-every K] [--control]
+    PYTHONPATH=. python benchmarks/client_overhead.py [--events N] [--decode matmul|jpeg|both] [--runs N]
+        [--rounds R] [--samples S] [--rebuild-every K] [--warmup W] [--control]
 """
 
 from __future__ import annotations
@@ -335,8 +337,8 @@ def pipeline_rounds(
     a bias of its own (between two identical plain loaders kept for four rounds each, the pairs of one
     run differed by -4.0 % to +5.7 % in CPU a sample), which fresh pairs turn into noise that the
     median over many pairs averages out. A pair for each round, its loaders warmed up by an epoch
-    each, was no steadier (rounds' quartiles -3.9 .. +3.4 %) and its fresh workers cost 50 % more CPU
-    a sample in the epochs that followed.
+    each, was no steadier (rounds' quartiles -3.9 .. +3.4 % against -4.1 .. +3.5 %) and took half
+    as long again a round.
 
     `decode` is each sample's work in its
     worker: "matmul", 12 small matrix products (~20 µs, light: the client's share shows), or "jpeg", a
