@@ -91,6 +91,9 @@ class _Device:
     unsupported: set[str] = field(default_factory=set)
     last_sample_us: int = 0
     sample_period_us: float = 0.0
+    # The minimum of the latest poll that found new samples, held through polls that find none (a poll
+    # quicker than the driver's sample period), so the series does not drop out of scrapes between them.
+    utilization_min: float | None = None
     idle_seconds: float = 0.0
     samples: int = 0
     reading: _Reading = field(default_factory=_Reading)
@@ -297,7 +300,7 @@ class GpuCollector:
             _, raw = nvml.nvmlDeviceGetSamples(device.handle, nvml.NVML_GPU_UTILIZATION_SAMPLES, device.last_sample_us)
         except nvml.NVMLError as error:
             if getattr(error, "value", None) == nvml.NVML_ERROR_NOT_FOUND:
-                return None  # no sample since the last one: not a failure
+                return device.utilization_min  # no sample since the last one: not a failure
             self._call_failed(device, "nvmlDeviceGetSamples", error)
             return None
         stamps = np.fromiter((s.timeStamp for s in raw), dtype=np.int64, count=len(raw))
@@ -305,7 +308,7 @@ class GpuCollector:
         fresh = stamps > device.last_sample_us
         stamps, values = stamps[fresh], values[fresh]
         if stamps.size == 0:
-            return None
+            return device.utilization_min
         order = np.argsort(stamps, kind="stable")
         stamps, values = stamps[order], values[order]
         gaps = np.diff(stamps).astype(np.float64)
@@ -331,7 +334,8 @@ class GpuCollector:
                 },
             )
         )
-        return float(values.min())
+        device.utilization_min = float(values.min())
+        return device.utilization_min
 
     def _call_failed(self, device: _Device, function: str, error: Exception) -> None:
         """Count a failed call; stop asking for what is unsupported; escalate a lost GPU or driver."""
