@@ -91,9 +91,6 @@ class _Device:
     unsupported: set[str] = field(default_factory=set)
     last_sample_us: int = 0
     sample_period_us: float = 0.0
-    # The minimum of the latest poll that found new samples, held through polls that find none (a poll
-    # quicker than the driver's sample period), so the series does not drop out of scrapes between them.
-    utilization_min: float | None = None
     idle_seconds: float = 0.0
     samples: int = 0
     reading: _Reading = field(default_factory=_Reading)
@@ -292,7 +289,8 @@ class GpuCollector:
         return reading
 
     def _read_samples(self, device: _Device) -> float | None:
-        """Fold the driver's new utilization samples into idle seconds; return their minimum."""
+        """Fold the driver's new utilization samples into idle seconds; return their minimum, or the previous
+        reading's when there is no new sample (as PCIe throughput holds between its reads)."""
         nvml = self._nvml
         if "nvmlDeviceGetSamples" in device.unsupported:
             return None
@@ -300,15 +298,15 @@ class GpuCollector:
             _, raw = nvml.nvmlDeviceGetSamples(device.handle, nvml.NVML_GPU_UTILIZATION_SAMPLES, device.last_sample_us)
         except nvml.NVMLError as error:
             if getattr(error, "value", None) == nvml.NVML_ERROR_NOT_FOUND:
-                return device.utilization_min  # no sample since the last one: not a failure
+                return device.reading.utilization_min  # no sample since the last one: the last minimum holds
             self._call_failed(device, "nvmlDeviceGetSamples", error)
             return None
         stamps = np.fromiter((s.timeStamp for s in raw), dtype=np.int64, count=len(raw))
         values = np.fromiter((s.sampleValue.uiVal for s in raw), dtype=np.float64, count=len(raw)) / 100
         fresh = stamps > device.last_sample_us
         stamps, values = stamps[fresh], values[fresh]
-        if stamps.size == 0:
-            return device.utilization_min
+        if stamps.size == 0:  # as above: a poll quicker than the driver's sample period keeps the series
+            return device.reading.utilization_min
         order = np.argsort(stamps, kind="stable")
         stamps, values = stamps[order], values[order]
         gaps = np.diff(stamps).astype(np.float64)
@@ -334,8 +332,7 @@ class GpuCollector:
                 },
             )
         )
-        device.utilization_min = float(values.min())
-        return device.utilization_min
+        return float(values.min())
 
     def _call_failed(self, device: _Device, function: str, error: Exception) -> None:
         """Count a failed call; stop asking for what is unsupported; escalate a lost GPU or driver."""
