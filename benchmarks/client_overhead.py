@@ -444,9 +444,13 @@ def pipeline_runs(runs: int, rounds: int, warmup: int, samples: int, control: bo
     return done
 
 
+def run_medians(runs: list[Run], field: int) -> list[float]:
+    """Each run's median of one field of `Round`."""
+    return [statistics.median(change[field] for change in run.rounds) for run in runs]
+
+
 def median_of_runs(runs: list[Run], field: int) -> float:
-    """The median of the runs' medians of one field of `Round`."""
-    return statistics.median(statistics.median(change[field] for change in run.rounds) for run in runs)
+    return statistics.median(run_medians(runs, field))
 
 
 def client_cost_per_batch(runs: list[Run], samples: int) -> float:
@@ -501,8 +505,8 @@ def print_pipeline(decode: str, samples: int, warmup: int, rebuild_every: int, c
               f"steps {micro(lambda e: e.step_seconds):6.2f}, waits {micro(lambda e: e.seconds - e.step_seconds):6.2f}"
               " µs a sample (medians of the epochs)")
     for name, field in (("throughput", THROUGHPUT), ("CPU a sample", CPU_PER_SAMPLE)):
-        medians = [statistics.median(change[field] for change in run.rounds) for run in runs]
-        print(f"  {name} change, median of the runs {median_of_runs(runs, field):+.2f} %; the runs' medians "
+        medians = run_medians(runs, field)
+        print(f"  {name} change, median of the runs {statistics.median(medians):+.2f} %; the runs' medians "
               + ", ".join(f"{median:+.2f}" for median in medians) + " %")
         pooled = spread([change[field] for change in rounds])
         print(f"    all {len(rounds)} rounds: median {pooled.median:+.2f} % (95 % CI {pooled.low:+.2f} .. "
