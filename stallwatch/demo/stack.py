@@ -95,8 +95,11 @@ NAMED_NODE_RELABEL: dict[str, Any] = {"source_labels": ["__node_name"], "regex":
 RELABELS = [NODE_RELABEL, NAMED_NODE_RELABEL]
 
 
+SCRAPE_INTERVAL_SECONDS = 1  # the demo's and the tests' Prometheus: scrape and rule evaluation
+
+
 def start_prometheus(binary: str, workdir: Path, targets: Sequence[str], rule_files: Sequence[Path],
-                     alertmanager: str | None = None, interval_seconds: int = 1,
+                     alertmanager: str | None = None, interval_seconds: int = SCRAPE_INTERVAL_SECONDS,
                      job: str = "stallwatch", node_names: Mapping[str, str] | None = None,
                      extra: Mapping[str, Any] | None = None, flags: Sequence[str] = ()) -> Server:
     """Scrape `targets` as `job` (the agents carry the training job as `training_job`: no collision).

@@ -77,10 +77,15 @@ def gpu_utilization_query(scope: Scope, window: float, run_seconds: float) -> st
     return by("", "avg", per_gpu)
 
 
+def range_step(start: float, end: float) -> float:
+    """Seconds between the points of the report's range queries: 400 points at most, 1 s apart at least."""
+    return max(1.0, (end - start) / 400)
+
+
 def run_from_prometheus(url: str, start: float, end: float, scope: Scope = EVERYTHING,
                         access: Access = PLAIN) -> Run:
     prometheus = Prometheus(url, access)
-    step = max(1.0, (end - start) / 400)
+    step = range_step(start, end)
     window = max(RATE_WINDOW_SECONDS, 5 * step)
 
     def rates(counter: str, group: str = "") -> dict[str, Series]:
