@@ -482,10 +482,10 @@ def other_threads(epoch: Epoch) -> float:
 
 
 # Per decode: runs (fresh processes), measured rounds a run, samples an epoch, rounds a pair of loaders
-# serves (a JPEG round takes ~1.4 s). For the jpeg pipeline, twelve runs of 30 rounds rather than six of
-# 60 in the same time: the runs' medians spread by several points either way on a busy 2-core machine
-# (a control's twelve runs: -2.91 .. +1.06 %), so the median of more of them is the steadier figure.
-PIPELINE_DEFAULTS = {"matmul": (4, 200, 2048, 10), "jpeg": (12, 30, 1024, 5)}
+# serves (a JPEG round takes ~1.4 s). For the jpeg pipeline, forty runs of 30 rounds (~41 min): the runs'
+# medians spread by several points either way on a busy 2-core machine (a control's twelve runs: -2.91 ..
+# +1.06 %), so that the median of twelve runs was only good to about ±0.9 %, and of forty to ±0.5 %.
+PIPELINE_DEFAULTS = {"matmul": (4, 200, 2048, 10), "jpeg": (40, 30, 1024, 5)}
 
 
 def print_pipeline(decode: str, samples: int, warmup: int, rebuild_every: int, control: bool, runs: list[Run]) -> None:
