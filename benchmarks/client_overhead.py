@@ -14,12 +14,11 @@
    median of its rounds' changes in throughput (samples/s) and in CPU time a sample (the trainer's
    and its workers'); the figure is the median of the runs' medians, printed with its bootstrap 95 %
    confidence interval over the runs, beside each run's, and beside the pooled rounds' median with its
-   own interval and spread. Throughput
-   is what training sees; CPU time is what the client adds, and is less disturbed by the other tenants
-   of a shared machine. `--control` compares the plain loader with a second plain one: the noise of
-   the method itself, which should centre on 0. The throughput target (±0.5 %) is judged on the
-   pipeline with real decoding; for the light synthetic one the benchmark prints the client's CPU a
-   batch and the batch size in CPU from which it holds.
+   own interval and spread. Throughput is what training sees; CPU time is what the client adds, and is
+   less disturbed by the other tenants of a shared machine. `--control` compares the plain loader with
+   a second plain one: the noise of the method itself, which should centre on 0. The throughput target
+   (±0.5 %) is judged on the pipeline with real decoding; for the light synthetic one the benchmark
+   prints the client's CPU a batch and the batch size in CPU from which it holds.
 
     PYTHONPATH=. python benchmarks/client_overhead.py [--events N] [--decode matmul|jpeg|both] [--runs N]
         [--rounds R] [--samples S] [--rebuild-every K] [--warmup W] [--control]
