@@ -14,6 +14,8 @@ A batch, little-endian, no padding:
              names it does not know, so attributes are added without a new version
     steps    n_steps x STEP records (STEP_FIELDS)
     reads    n_reads x READ records (READ_FIELDS)
+    open     n_open x OPEN records (OPEN_FIELDS): what the source has in flight as of `as_of_ns`
+             (version 3; a version 2 header has no n_open and no open records)
 
 Every record of a batch comes from one source (job, rank, gpu, loader worker), so per-record fields
 are only what changes from one event to the next.
@@ -26,7 +28,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from itertools import starmap
 
-VERSION = 2  # 2: a step carries ready_ns
+VERSION = 3  # 2: a step carries ready_ns; 3: open records (what is in flight)
 
 # Where batches travel: the agent binds this Unix datagram socket (`--events.socket`), clients send
 # to the path in SOCKET_ENV or, without it, to this default.
@@ -42,6 +44,7 @@ HEADER_FIELDS: tuple[tuple[str, str], ...] = (
     ("rank", "i"),
     ("n_steps", "I"),
     ("n_reads", "I"),
+    ("n_open", "I"),
     ("dropped", "Q"),
     ("mono_ns", "q"),
     ("wall_ns", "q"),
@@ -67,9 +70,36 @@ def _layout(fields: Sequence[tuple[str, str]]) -> struct.Struct:
     return struct.Struct("<" + "".join(code for _, code in fields))
 
 
+# What is in flight in the source when it flushes, so the agent knows a stall while it lasts (a step is
+# sent only once its wait is over). `state` is one of the OPEN_* codes below; `as_of_ns` is when the
+# source looked (every record of one flush shares it). Sent by the flush thread only, never per event.
+OPEN_FIELDS: tuple[tuple[str, str], ...] = (
+    ("state", "b"),
+    ("batch", "q"),  # the batch the open work serves; -1 unknown
+    ("key", "Q"),  # OPEN_READ: the read's key (`keys.read_key`); else 0
+    ("since_ns", "q"),
+    ("as_of_ns", "q"),
+)
+# The trainer (worker -1) is waiting in `next()` since `since_ns`: exactly the wait_start of the step that
+# will end the wait, so the agent can book the wait as it accrues and the step's rest when it comes.
+OPEN_WAIT = 0
+# The trainer's loop ended at `since_ns` (its last step's compute end): none of its waits is open until
+# it steps again, so the agent waits for it no longer.
+OPEN_ENDED = 1
+# A loader worker is building batch `batch` since `since_ns` (it took the batch's indices then).
+OPEN_BATCH = 2
+# A loader worker's read of `batch` (key `key`) is open since `since_ns`.
+OPEN_READ = 3
+# A loader worker handed `batch` over at `since_ns`, its latest: the trainer's wait on it after that is delivery.
+OPEN_HANDED = 4
+OPEN_STATES = (OPEN_WAIT, OPEN_ENDED, OPEN_BATCH, OPEN_READ, OPEN_HANDED)
+
+HEADER_V2_FIELDS = tuple(field for field in HEADER_FIELDS if field[0] != "n_open")
 HEADER = _layout(HEADER_FIELDS)
+HEADER_V2 = _layout(HEADER_V2_FIELDS)
 STEP = _layout(STEP_FIELDS)
 READ = _layout(READ_FIELDS)
+OPEN = _layout(OPEN_FIELDS)
 STRING_LENGTH = struct.Struct("<H")
 
 # The cache's verdict on a read, as `stallwatch.eventbatch.Verdict` numbers it (that module needs NumPy).
@@ -92,6 +122,7 @@ MAX_EVENTS = 1024
 
 Step = tuple[int, int, int, int, int]
 Read = tuple[int, int, int, int, int, int]
+Open = tuple[int, int, int, int, int]
 
 
 @dataclass(frozen=True)
