@@ -19,7 +19,7 @@ column is a plain array. The kinds:
   end_ns, duration_ns, upstream_ns (-1 when the hub was not contacted), verdict.
 - `gpu_util` (gpu collector, the driver's high-rate samples): ts_ns, period_ns (the time the sample
   covers), gpu, util (0..1).
-- `open` (training client, what was in flight when a source flushed): the source's job, rank and worker,
+- `open` (training client, what was in flight when a source flushed): the source's job, rank, gpu and worker,
   then the wire's open record: state (`wire.OPEN_*`), batch, key, since_ns, as_of_ns (when the source
   looked; it places the record in time).
 
@@ -63,7 +63,8 @@ SCHEMAS: Mapping[str, Schema] = {
     "spoke_request": Schema({"spoke": _I32, "key": _U64, "bytes": _I64, "end_ns": _I64, "duration_ns": _I64,
                              "upstream_ns": _I64, "verdict": _I8}, "end_ns"),
     "gpu_util": Schema({"ts_ns": _I64, "period_ns": _I64, "gpu": _I16, "util": _F32}, "ts_ns"),
-    "open": Schema({"job": _I32, "rank": _I32, "worker": _I16, **_record_columns(wire.OPEN_FIELDS)}, "as_of_ns"),
+    "open": Schema({"job": _I32, "rank": _I32, "gpu": _I16, "worker": _I16, **_record_columns(wire.OPEN_FIELDS)},
+                   "as_of_ns"),
 }
 
 
