@@ -26,6 +26,7 @@ import numpy as np
 import numpy.typing as npt
 
 from stallwatch.correlator.attribution import Attribution, Reads, Steps, attribute
+from stallwatch.correlator.inflight import InFlight
 from stallwatch.correlator.intervals import I64
 
 
@@ -76,23 +77,35 @@ def attribute_cut(cut: CutSteps, n: int, reads: Reads, threshold_ns: int) -> Att
                          for f in dataclasses.fields(Attribution)))
 
 
-StepKey = tuple[int, int, int, int]  # job, rank, batch, wait start: one step
+StepKey = tuple[int, int, int]  # job, rank, wait start: one wait of one rank
+
+
+@dataclass
+class _Stepped:
+    """The newest a rank's steps have said: up to when its timeline is known, its latest batch, its GPU."""
+
+    until_ns: int
+    batch: int
+    gpu: int
 
 
 class EarlyBooking:
-    """Which buffered steps' waits are booked up to when: an entry per step booked early, until its own window
-    closes (at most one per rank and closing window: a rank's steps follow each other)."""
+    """Which waits are booked up to when, before their step's own window closes: an entry per wait booked
+    early (its step buffered for a later window) or live (still open, from what is in flight), until its
+    step's own window closes (at most one per rank and closing window: a rank's waits follow each other)."""
 
-    def __init__(self) -> None:
+    def __init__(self, retention_ns: int) -> None:
         self._until: dict[StepKey, int] = {}
+        self._stepped: dict[tuple[int, int], _Stepped] = {}
+        self._retention_ns = retention_ns
 
     def unbooked_from(self, steps: Steps, stalled: npt.NDArray[np.bool_], *, release: bool) -> I64:
         """Per step, where the part of its wait not yet booked begins; with `release`, the steps' entries go
-        (their own window is closing). A loop per booked step, never per step."""
+        (their own window is closing). A loop per booked wait, never per step."""
         begin = steps.wait_start.copy()
         for key, until in list(self._until.items()):
-            row = np.flatnonzero(stalled & (steps.job == key[0]) & (steps.rank == key[1]) & (steps.batch == key[2])
-                                 & (steps.wait_start == key[3]))
+            row = np.flatnonzero(stalled & (steps.job == key[0]) & (steps.rank == key[1])
+                                 & (steps.wait_start == key[2]))
             if row.size:
                 begin[row] = until
                 if release:
@@ -107,7 +120,60 @@ class EarlyBooking:
         rows = np.flatnonzero(stalled & (begin < end_ns) & (handed_over <= watermark_ns))
         until = np.minimum(later.wait_end[rows], end_ns)
         for row, booked in zip(rows.tolist(), until.tolist(), strict=True):
-            self._until[(int(later.job[row]), int(later.rank[row]), int(later.batch[row]),
-                         int(later.wait_start[row]))] = booked
+            self._until[(int(later.job[row]), int(later.rank[row]), int(later.wait_start[row]))] = booked
         piece = later.take(rows)
         return dataclasses.replace(piece, wait_start=begin[rows], wait_end=until, compute_end=until)
+
+    def note(self, steps: Steps) -> None:
+        """Steps received (this window's and those buffered for later ones): how far each rank has stepped."""
+        for job, rank, until, batch, gpu in zip(steps.job.tolist(), steps.rank.tolist(), steps.compute_end.tolist(),
+                                                steps.batch.tolist(), steps.gpu.tolist(), strict=True):
+            had = self._stepped.get((job, rank))
+            if had is None or until > had.until_ns:
+                self._stepped[(job, rank)] = _Stepped(until, max(batch, had.batch if had else -1), gpu)
+
+    def book_open(self, flight: InFlight, end_ns: int) -> Steps:
+        """The open waits' parts before `end_ns` not booked yet, up to when each was last seen open, as rows
+        with no compute, now booked. A wait whose step was received is left to its step (`book`, or its own
+        window). Each row's batch is the one in flight the rank waits for, with its handover when done."""
+        rows = []
+        for (job, rank), wait in flight.waits.items():
+            stepped = self._stepped.get((job, rank))
+            if stepped is not None and wait.since_ns < stepped.until_ns:
+                continue  # its step is here: it knows the whole wait
+            key = (job, rank, wait.since_ns)
+            begin = self._until.get(key, wait.since_ns)
+            until = min(end_ns, wait.as_of_ns)
+            if until <= begin:
+                continue
+            self._until[key] = until
+            batch, ready = flight.awaited((job, rank), stepped.batch if stepped else -1)
+            gpu = wait.gpu if wait.gpu >= 0 or stepped is None else stepped.gpu
+            rows.append((job, rank, gpu, batch, begin, until, until, ready))
+        columns = np.array(rows, dtype=np.int64).reshape(-1, 8)
+        return Steps(*(columns[:, i] for i in range(8)))
+
+    def known_ends(self, flight: InFlight) -> dict[tuple[int, int], int]:
+        """Up to when each rank with an open wait or an ended loop is known: a wait as far as it is booked; a
+        loop that ended, and has not stepped since, for good."""
+        known = {}
+        for (job, rank), wait in flight.waits.items():
+            booked = self._until.get((job, rank, wait.since_ns))
+            if booked is not None:
+                known[(job, rank)] = booked
+        for (job, rank), ended in flight.ended.items():
+            stepped = self._stepped.get((job, rank))
+            if stepped is None or ended >= stepped.until_ns:
+                known[(job, rank)] = FOREVER
+        return known
+
+    def forget_before(self, ns: int) -> None:
+        """Let go of waits booked longer than the retention before `ns` (a wait whose step never came: its process
+        died) and of ranks that stepped last twice that long before (they left). A rank is kept while an open
+        record older than its last step can still be at hand (the retention), so that record is never taken
+        for a wait still open."""
+        self._until = {key: until for key, until in self._until.items() if until >= ns - self._retention_ns}
+        self._stepped = {key: s for key, s in self._stepped.items() if s.until_ns >= ns - 2 * self._retention_ns}
+
+
+FOREVER = np.iinfo(np.int64).max

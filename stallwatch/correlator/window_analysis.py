@@ -15,6 +15,7 @@ import numpy.typing as npt
 from stallwatch.catalogue import CAUSES
 from stallwatch.correlator.attribution import Attribution, Reads, Steps, gpu_idle_in_stalls, is_stall
 from stallwatch.correlator.cuts import CutSteps, EarlyBooking, attribute_cut, cut_at_windows
+from stallwatch.correlator.inflight import InFlight, in_flight
 from stallwatch.correlator.intervals import composite_key
 from stallwatch.correlator.results import GpuRow, JobRow, RankRow, Spans, WhatIfCurve, WindowResult, stalled_seconds
 from stallwatch.correlator.settings import CorrelatorSettings, seconds_to_ns
@@ -83,7 +84,7 @@ class WindowAnalyser:
         self.whatif = MissRatioCurve(sample_rate=s.whatif_sample_rate, max_keys=s.whatif_max_keys)
         self.cache_capacity_bytes = s.cache_capacity_bytes
         self._first_seen: dict[int, int] = {}
-        self._booking = EarlyBooking()
+        self._booking = EarlyBooking(seconds_to_ns(s.retention_s))
 
     def __call__(self, window: WindowInput) -> WindowResult:
         s = self.settings
@@ -93,20 +94,27 @@ class WindowAnalyser:
         in_window = (raw["end_ns"] >= start) & (raw["end_ns"] < end)
         miss = verdict == Verdict.MISS
         steps = _steps(window.steps)
-        reads = Reads(raw["job"], raw["rank"], raw["batch"],
-                      raw["start_ns"], raw["end_ns"], miss)
+        flight = in_flight(window.context["open"])
+        received = Reads(raw["job"], raw["rank"], raw["batch"], raw["start_ns"], raw["end_ns"], miss)
+        reads = self._with_open_reads(received, flight, window)
         threshold = seconds_to_ns(s.stall_threshold_s)
         stalled = _stalled(steps, threshold)
         later = _steps(window.later_steps) if window.later_steps else None
         later_stalled = _stalled(later, threshold) if later else np.zeros(0, dtype=bool)
-        # This window's steps (less what earlier windows booked of them), then the stall parts of later steps
-        # booked now: counted as waits here, not as steps.
+        self._booking.note(steps)
+        if later is not None:
+            self._booking.note(later)
+        # This window's steps (less what earlier windows booked of them), then the stall parts booked now: of
+        # later steps, and of waits still open. Counted as waits here, not as steps.
         own = dataclasses.replace(steps, wait_start=self._booking.unbooked_from(steps, stalled, release=True))
         early = (self._booking.book(later, later_stalled, end, window.watermark_ns) if later
                  else own.take(slice(0, 0)))
-        rows = Steps(*(np.concatenate((a, b)) for a, b in zip(own.columns(), early.columns(), strict=True)))
+        live = self._booking.book_open(flight, end)
+        rows = Steps(*(np.concatenate(parts) for parts in zip(own.columns(), early.columns(), live.columns(),
+                                                              strict=True)))
         n = len(rows)
-        cut = cut_at_windows(rows, np.concatenate((stalled, np.ones(len(early), dtype=bool))), start, end - start)
+        cut = cut_at_windows(rows, np.concatenate((stalled, np.ones(len(early) + len(live), dtype=bool))), start,
+                             end - start)
         attribution = attribute_cut(cut, n, reads, threshold)
         gpu = window.context["gpu_util"]
         idle = gpu_idle_in_stalls(cut.steps, attribution, gpu["ts_ns"], gpu["period_ns"],
@@ -119,7 +127,7 @@ class WindowAnalyser:
         spans = _spans(here, cut.stalled[:n])
         # Warm-up takes the GPU idle time of the stalls booked now, in whichever window they lie.
         idle_by_job = {job: float(idle[cut.steps.job == job].sum()) / 1e9 for job in np.unique(cut.steps.job).tolist()}
-        jobs = self._jobs(window, steps, stalled, reads, in_window, raw["bytes"], idle_by_job, spans)
+        jobs = self._jobs(window, steps, stalled, received, in_window, raw["bytes"], idle_by_job, spans)
         order = np.argsort(raw["end_ns"][in_window], kind="stable")
         self.whatif.feed(raw["key"][in_window][order], raw["bytes"][in_window][order])
         whatif: dict[float, float] = {}
@@ -135,6 +143,9 @@ class WindowAnalyser:
         earlier = tuple(self._earlier_piece(cut, attribution, idle, n, piece_start, end - start)
                         for piece_start in np.unique(cut.window_start).tolist())
         known = _known_until(steps, later, later_stalled, self._booking)
+        for rank, until in self._booking.known_ends(flight).items():
+            known[rank] = max(known.get(rank, until), until)
+        self._booking.forget_before(end)
         return WindowResult(start, end, ranks, gpus, jobs, whatif, retired, curve, spans, earlier, known)
 
     def _earlier_piece(self, cut: CutSteps, attribution: Attribution, idle: np.ndarray, n: int, window_start: int,
@@ -146,6 +157,27 @@ class WindowAnalyser:
                             attribution.cause_ns[rows], np.zeros(rows.size, dtype=bool))
         return WindowResult(window_start, window_start + window_ns, ranks, self._gpus(pieces, idle[rows]), (),
                             stall_spans=_spans(pieces, np.ones(rows.size, dtype=bool)))
+
+    def _with_open_reads(self, reads: Reads, flight: InFlight, window: WindowInput) -> Reads:
+        """The window's reads and, for the stalls booked while open, the reads still open as last seen: a miss
+        when the spoke logged one for its key or it is already open longer than a hit takes."""
+        opened = flight.open_reads()
+        if opened["key"].size == 0:
+            return reads
+        done = composite_key(np.concatenate((opened["job"], reads.job)), np.concatenate((opened["rank"], reads.rank)),
+                             np.concatenate((opened["start_ns"], reads.start)))
+        still_open = ~np.isin(done[:opened["key"].size], done[opened["key"].size:])
+        opened = {name: column[still_open] for name, column in opened.items()}
+        verdict = np.full(opened["key"].size, Verdict.UNKNOWN, dtype=np.int8)
+        spoke = window.context["spoke_request"]
+        if verdict.size and spoke["key"].size:
+            verdict = join_spoke(opened["key"], opened["end_ns"], spoke["key"], spoke["end_ns"], spoke["verdict"],
+                                 seconds_to_ns(self.settings.spoke_join_tolerance_s)).astype(np.int8)
+        unknown = np.flatnonzero(verdict == Verdict.UNKNOWN)
+        verdict[unknown] = self.latency.classify(opened["end_ns"][unknown] - opened["start_ns"][unknown])
+        return Reads(*(np.concatenate((mine, theirs)) for mine, theirs in (
+            (reads.job, opened["job"]), (reads.rank, opened["rank"]), (reads.batch, opened["batch"]),
+            (reads.start, opened["start_ns"]), (reads.end, opened["end_ns"]), (reads.miss, verdict == Verdict.MISS))))
 
     def _verdicts(self, reads: dict[str, np.ndarray], window: WindowInput) -> np.ndarray:
         """Each read's verdict: its own, else the spoke's, else the learnt latency split's."""

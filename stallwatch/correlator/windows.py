@@ -11,9 +11,10 @@ GPU sampled lately has a sample past its end, for at most `gpu_gap` past the wat
 stopped sampling is waited for no longer once its last sample is `gpu_gap` old.
 
 A closing window hands over its steps, the steps buffered for later windows, and the context they need:
-the reads, spoke requests and GPU samples ending from `lookback` before its earliest stall (a wait past
-`stall_threshold`, of its steps or of a buffered step; else from its start) up to the watermark, because a
-stall can reach back past the window's start (a 30 s hub outage) and a batch's reads precede its wait.
+the reads, spoke requests, GPU samples and open records (what the clients had in flight) from `lookback`
+before its earliest stall (a wait past `stall_threshold`, of its steps, of a buffered step or reported
+open; else from its start) up to the newest at hand, because a stall can reach back past the window's
+start (a 30 s hub outage) and a batch's reads precede its wait.
 Buffered context older than `retention` before the closed edge is let go.
 
 Memory is bounded by count as well as by time: each kind holds at most `max_buffered_events`. A batch
@@ -34,10 +35,11 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from stallwatch.client import wire
 from stallwatch.correlator.attribution import is_stall
 from stallwatch.eventbatch import SCHEMAS, Columns
 
-CONTEXT_KINDS = ("read", "spoke_request", "gpu_util")
+CONTEXT_KINDS = ("read", "spoke_request", "gpu_util", "open")
 END_OF_INPUT = np.iinfo(np.int64).max  # the watermark of a flush: nothing more will come
 # When an event began: one that began after a window's end cannot overlap that window's stalls. A GPU
 # sample's real period reaches back to the sample before it, past the period it carries (bounded by
@@ -248,6 +250,13 @@ class EventTimeWindows:
             is_stall(steps["wait_start_ns"], steps["wait_end_ns"], self.stall_threshold_ns)]
         return starts
 
+    def _open_wait_starts(self, since_ns: int) -> npt.NDArray[np.int64]:
+        """Where the waits reported open at or after `since_ns` began: stalls still under way (cuts.py)."""
+        starts = [chunk.column("open", "since_ns", (chunk.column("open", "as_of_ns") >= since_ns)
+                               & (chunk.column("open", "state") == wire.OPEN_WAIT))
+                  for chunk in self._buffers["open"] if chunk.high >= since_ns]
+        return np.concatenate(starts) if starts else np.zeros(0, dtype=np.int64)
+
     def _skip_empty(self, limit_ns: int) -> None:
         """Jump over a stretch with no buffered event at all instead of closing windows one by one."""
         assert self.closed_until is not None
@@ -278,6 +287,7 @@ class EventTimeWindows:
         # Steps of later windows whose waits began already may be booked now too (cuts.py). Only a stall
         # needs reads from before the window (its batch's): without one, the window's own are enough.
         stalls = [self._stall_starts(steps) for steps in (mine, later_steps) if steps]
+        stalls.append(self._open_wait_starts(start))
         earliest_need = min((int(s.min()) - self.lookback_ns for s in stalls if s.size), default=start)
         horizon = max(min(earliest_need, start), start - self.retention_ns)
         context: dict[str, Columns] = {}

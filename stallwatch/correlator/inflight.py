@@ -1,0 +1,107 @@
+"""What the training processes had in flight when they last looked: their `open` records, per rank.
+
+A step is sent once its wait is over, so a wait still under way is known only from the open records
+each source sends at its flushes (`wire.OPEN_*`): the trainer's open wait or the end of its loop, and
+each loader worker's batch under construction, its open read and the batch it handed over last. A
+source's latest report, the rows sharing its newest `as_of_ns`, says what it does now: a source reports
+nothing it no longer has open, so an older record is history.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from stallwatch.client import wire
+from stallwatch.correlator.intervals import composite_key
+from stallwatch.eventbatch import Columns
+
+RankKey = tuple[int, int]  # job, rank
+
+
+@dataclass(frozen=True)
+class Wait:
+    since_ns: int  # the wait_start of the step that will end it
+    as_of_ns: int  # it was still open then
+    gpu: int  # the rank's GPU, -1 unknown
+
+
+@dataclass(frozen=True)
+class Work:
+    """A loader worker's latest report."""
+
+    building: int  # the batch it builds, -1 none
+    handed: int  # the batch it handed over last, -1 none
+    handed_ns: int
+    read_batch: int  # the batch its open read serves, -1 none
+    read_key: int
+    read_since_ns: int
+    as_of_ns: int
+
+
+@dataclass(frozen=True)
+class InFlight:
+    waits: dict[RankKey, Wait]  # trainers whose latest report is an open wait
+    ended: dict[RankKey, int]  # trainers whose loop ended (when), as they last said
+    work: dict[RankKey, list[Work]]  # per rank, its workers' latest reports
+
+    def awaited(self, rank: RankKey, after_batch: int) -> tuple[int, int]:
+        """The batch the rank's wait is for, the oldest one in flight past `after_batch` (-1 unknown), and when
+        its worker handed it over (-1: not yet)."""
+        batches = [b for w in self.work.get(rank, ()) for b in (w.building, w.handed, w.read_batch)
+                   if b > after_batch]
+        if not batches:
+            return -1, -1
+        batch = min(batches)
+        handed = [w.handed_ns for w in self.work.get(rank, ()) if w.handed == batch]
+        return batch, handed[0] if handed else -1
+
+    def open_reads(self) -> Columns:
+        """The reads still open, as read rows ending when last seen open (`end_ns` = as of)."""
+        rows = [(job, rank, w.read_batch, w.read_key, w.read_since_ns, w.as_of_ns)
+                for (job, rank), works in self.work.items() for w in works if w.read_since_ns >= 0]
+        columns = np.array(rows, dtype=np.int64).reshape(-1, 6)
+        return {"job": columns[:, 0], "rank": columns[:, 1], "batch": columns[:, 2],
+                "key": columns[:, 3].astype(np.uint64), "start_ns": columns[:, 4], "end_ns": columns[:, 5]}
+
+
+def _latest_reports(opens: Columns) -> Columns:
+    """The rows of each source's (job, rank, worker) latest report."""
+    if opens["as_of_ns"].size == 0:
+        return opens
+    source = composite_key(opens["job"], opens["rank"], opens["worker"])
+    newest = np.full(int(source.max()) + 1, np.iinfo(np.int64).min, dtype=np.int64)
+    np.maximum.at(newest, source, opens["as_of_ns"].astype(np.int64))
+    latest = opens["as_of_ns"] == newest[source]
+    return {name: column[latest] for name, column in opens.items()}
+
+
+def in_flight(opens: Columns) -> InFlight:
+    """What each rank has in flight, from the open records at hand. A loop per record of the latest
+    reports: a node's few trainers and workers, each a handful of records."""
+    latest = _latest_reports(opens)
+    waits: dict[RankKey, Wait] = {}
+    ended: dict[RankKey, int] = {}
+    work: dict[tuple[int, int, int], dict[str, int]] = {}
+    columns = [latest[name].tolist() for name in ("job", "rank", "gpu", "worker", "state", "batch", "key",
+                                                  "since_ns", "as_of_ns")]
+    for job, rank, gpu, worker, state, batch, key, since, as_of in zip(*columns, strict=True):
+        if state == wire.OPEN_WAIT:
+            waits[(job, rank)] = Wait(since, as_of, gpu)
+        elif state == wire.OPEN_ENDED:
+            ended[(job, rank)] = since
+        else:
+            mine = work.setdefault((job, rank, worker), {"as_of": as_of})
+            if state == wire.OPEN_BATCH:
+                mine["building"] = batch
+            elif state == wire.OPEN_HANDED:
+                mine["handed"], mine["handed_ns"] = batch, since
+            elif state == wire.OPEN_READ:
+                mine["read_batch"], mine["read_key"], mine["read_since"] = batch, key, since
+    by_rank: dict[RankKey, list[Work]] = {}
+    for (job, rank, _), w in work.items():
+        by_rank.setdefault((job, rank), []).append(Work(
+            w.get("building", -1), w.get("handed", -1), w.get("handed_ns", -1), w.get("read_batch", -1),
+            w.get("read_key", 0), w.get("read_since", -1), w["as_of"]))
+    return InFlight(waits, ended, by_rank)
