@@ -22,15 +22,28 @@ from stallwatch.correlator.intervals import F64, I64
 
 def reuse_distances(keys: npt.NDArray[np.integer], sizes: I64) -> F64:
     """Per reference, the bytes an LRU cache must hold for it to hit; inf for a key's first reference."""
+    return distances_from_previous(previous_references(keys), sizes)
+
+
+def previous_references(keys: npt.NDArray[np.integer]) -> I64:
+    """Per reference, the index of the previous reference to the same key; -1 for a key's first."""
     n = keys.size
-    distance = np.full(n, np.inf)
+    previous = np.full(n, -1, dtype=np.int64)
     if n < 2:
-        return distance
+        return previous
     order = np.lexsort((np.arange(n), keys))
     repeat = np.flatnonzero(keys[order][1:] == keys[order][:-1]) + 1
-    reuse = np.sort(order[repeat])  # references with a previous one, in time order
-    previous = np.empty(n, dtype=np.int64)
     previous[order[repeat]] = order[repeat - 1]
+    return previous
+
+
+def distances_from_previous(previous: I64, sizes: I64) -> F64:
+    """`reuse_distances` given each reference's previous one (-1 for none): a caller that knows them (the
+    what-if's tracked keys, one reference each) need not sort its whole sequence again."""
+    distance = np.full(previous.size, np.inf)
+    reuse = np.flatnonzero(previous >= 0)  # references with a previous one, in time order
+    if reuse.size == 0:
+        return distance
     before = previous[reuse]
     weights = sizes.astype(np.float64)
     used = np.concatenate(([0.0], np.cumsum(weights)))

@@ -19,7 +19,10 @@ satisfy it (each item once per epoch); a few very hot keys make the estimate swi
 they happen to be sampled.
 
 All of it is array work: a batch's sampled references and the tracked keys (in recency order, one
-reference each) form one sequence whose exact reuse distances come from `reuse.reuse_distances`.
+reference each) form one sequence whose exact reuse distances come from `reuse.distances_from_previous`.
+The tracked keys are also held sorted, with each one's place in the recency order, so a batch finds its
+keys' previous references by binary search: a window's work grows with its sampled references, not
+with the thousands of keys tracked (with 0.5 s windows, sorting those each window was most of it).
 """
 
 from __future__ import annotations
@@ -27,12 +30,18 @@ from __future__ import annotations
 import numpy as np
 import numpy.typing as npt
 
-from stallwatch.correlator.reuse import reuse_distances
+from stallwatch.correlator.reuse import distances_from_previous, previous_references
 
 _BINS_PER_OCTAVE = 256  # a bin is 0.27 % wide: a capacity is answered to that
 _OCTAVES = 56  # 1 byte .. 2^56 bytes
 _FULL = 2**64
 FEED_SLICE = 32_768  # references folded at once
+
+
+def _distinct(values: npt.NDArray[np.uint64]) -> npt.NDArray[np.uint64]:
+    """The distinct values, sorted: `np.unique` hashes first (NumPy 2.3+), several times slower here."""
+    ordered = np.sort(values)
+    return ordered[np.concatenate(([True], ordered[1:] != ordered[:-1]))] if ordered.size else ordered
 
 
 def _mix(keys: npt.NDArray[np.uint64]) -> npt.NDArray[np.uint64]:
@@ -56,6 +65,9 @@ class MissRatioCurve:
         # Tracked keys, least recently used first, with their sizes at their last reference.
         self._keys = np.zeros(0, dtype=np.uint64)
         self._sizes = np.zeros(0, dtype=np.int64)
+        # The same keys sorted, and each one's place in the recency order above.
+        self._sorted = np.zeros(0, dtype=np.uint64)
+        self._place = np.zeros(0, dtype=np.int64)
         self._hist = np.zeros(_BINS_PER_OCTAVE * _OCTAVES, dtype=np.float64)
         self._total = 0.0
         self.failed = 0
@@ -87,40 +99,82 @@ class MissRatioCurve:
         hashes, sizes = _mix(keys[fetched]), sizes[fetched].astype(np.int64)
         chosen = self._sampled(hashes)
         hashes, sizes = hashes[chosen], sizes[chosen]
-        distinct = np.union1d(self._keys, hashes)
-        if distinct.size > self._max_keys:
+        places = self._places(hashes)
+        unseen = _distinct(hashes[places < 0])
+        if self._keys.size + unseen.size > self._max_keys:
             # The batch would pass the cap: T drops first, to keep 7/8 of the cap of these keys.
+            distinct = np.sort(np.concatenate((self._sorted, unseen)))
             self._threshold = int(distinct[self._max_keys * 7 // 8])
-            kept = self._keys < np.uint64(self._threshold)
-            self._keys, self._sizes = self._keys[kept], self._sizes[kept]
+            self._drop_keys_from(self._threshold)
             chosen = hashes < np.uint64(self._threshold)
             hashes, sizes = hashes[chosen], sizes[chosen]
-        self._reference(hashes, sizes)
+            places = self._places(hashes)
+        self._reference(hashes, sizes, places)
 
     def _sampled(self, hashes: npt.NDArray[np.uint64]) -> npt.NDArray[np.bool_]:
         if self._threshold >= _FULL:
             return np.ones(hashes.size, dtype=bool)
         return hashes < np.uint64(self._threshold)
 
-    def _reference(self, hashes: npt.NDArray[np.uint64], sizes: npt.NDArray[np.int64]) -> None:
-        """Fold references at one sampling rate into the histogram; the tracked keys precede them."""
+    def _places(self, hashes: npt.NDArray[np.uint64]) -> npt.NDArray[np.int64]:
+        """Each hash's place in the recency order of the tracked keys; -1 for a key not tracked."""
+        if self._sorted.size == 0:
+            return np.full(hashes.size, -1, dtype=np.int64)
+        at = np.minimum(np.searchsorted(self._sorted, hashes), self._sorted.size - 1)
+        return np.where(self._sorted[at] == hashes, self._place[at], -1)
+
+    def _drop_keys_from(self, threshold: int) -> None:
+        """Stop tracking the keys at or above the threshold (no longer sampled)."""
+        kept = self._keys < np.uint64(threshold)
+        self._keys, self._sizes = self._keys[kept], self._sizes[kept]
+        below = int(np.searchsorted(self._sorted, np.uint64(threshold)))
+        self._sorted = self._sorted[:below]
+        self._place = (np.cumsum(kept) - 1)[self._place[:below]]
+
+    def _reference(self, hashes: npt.NDArray[np.uint64], sizes: npt.NDArray[np.int64],
+                   places: npt.NDArray[np.int64]) -> None:
+        """Fold references at one sampling rate into the histogram; the tracked keys precede them, each
+        reference's tracked key at `places` (-1 if untracked)."""
         if hashes.size == 0:
             return
         rate = self.sample_rate
         weight = 1.0 / rate
         tracked = self._keys.size
-        sequence = np.concatenate((self._keys, hashes))
-        all_sizes = np.concatenate((self._sizes, sizes))
-        distance = reuse_distances(sequence, all_sizes)[tracked:]
+        # In the sequence (tracked keys, then the batch) a reference's previous one is the batch's last
+        # reference to its key before it, else the key's tracked place; a tracked key has none.
+        within = previous_references(hashes)
+        previous = np.concatenate((np.full(tracked, -1, dtype=np.int64),
+                                   np.where(within >= 0, tracked + within, places)))
+        distance = distances_from_previous(previous, np.concatenate((self._sizes, sizes)))[tracked:]
         reused = np.isfinite(distance)
         # Other keys' bytes are a 1/R sample of all others'; the key's own size is known exactly.
         scaled = sizes[reused] + (distance[reused] - sizes[reused]) / rate
         np.add.at(self._hist, self._bins(scaled), weight)
         self._total += weight * hashes.size
-        # The tracked keys afterwards: each one's last reference, in time order.
-        reversed_first = np.unique(sequence[::-1], return_index=True)[1]
-        last = np.sort(sequence.size - 1 - reversed_first)
-        self._keys, self._sizes = sequence[last], all_sizes[last]
+        self._retrack(hashes, sizes, places, within)
+
+    def _retrack(self, hashes: npt.NDArray[np.uint64], sizes: npt.NDArray[np.int64], places: npt.NDArray[np.int64],
+                 within: npt.NDArray[np.int64]) -> None:
+        """The tracked keys after the batch: each one's last reference, in time order. The keys the batch
+        did not use keep their order; the batch's last references follow."""
+        last = np.ones(hashes.size, dtype=bool)
+        last[within[within >= 0]] = False  # a reference some later one follows
+        last_rows = np.flatnonzero(last)
+        moved = np.zeros(self._keys.size, dtype=bool)
+        moved[places[places >= 0]] = True
+        stayed = ~moved
+        kept = int(stayed.sum())
+        new_place = np.cumsum(stayed) - 1
+        was = places[last_rows]
+        new_place[was[was >= 0]] = kept + np.flatnonzero(was >= 0)
+        self._keys = np.concatenate((self._keys[stayed], hashes[last_rows]))
+        self._sizes = np.concatenate((self._sizes[stayed], sizes[last_rows]))
+        # The index: every tracked key stays, at its new place; the batch's new keys go in, in key order.
+        fresh = np.flatnonzero(was < 0)
+        fresh = fresh[np.argsort(hashes[last_rows[fresh]])]
+        at = np.searchsorted(self._sorted, hashes[last_rows[fresh]])
+        self._sorted = np.insert(self._sorted, at, hashes[last_rows[fresh]])
+        self._place = np.insert(new_place[self._place], at, kept + fresh)
 
     @staticmethod
     def _bins(distance: npt.NDArray[np.float64]) -> npt.NDArray[np.int64]:
