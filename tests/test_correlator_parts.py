@@ -400,8 +400,7 @@ def test_stallwatch_correlate_takes_its_flags_from_the_correlator_not_the_agent(
 
 def test_service_takes_batches_from_many_threads_and_serves_catalogue_metrics(tmp_path: Path) -> None:
     batches = _scenario_batches()
-    newest = max(int(b.columns[{"step": "compute_end_ns", "read": "end_ns", "spoke_request": "end_ns",
-                                 "gpu_util": "ts_ns"}[b.kind]].max()) for b in batches)
+    newest = max(int(b.columns[SCHEMAS[b.kind].event_time].max()) for b in batches)
     settings = CorrelatorSettings(cache_capacity_bytes=1 << 30)
     # The clock just past the last window's close: a window closed later, empty, would find the ended job idle.
     settle_ns = seconds_to_ns(settings.window_s + settings.lateness_s)

@@ -59,11 +59,12 @@ class InFlight:
 
     def open_reads(self) -> Columns:
         """The reads still open, as read rows ending when last seen open (`end_ns` = as of)."""
-        rows = [(job, rank, w.read_batch, w.read_key, w.read_since_ns, w.as_of_ns)
+        rows = [(job, rank, w.read_batch, w.read_since_ns, w.as_of_ns)
                 for (job, rank), works in self.work.items() for w in works if w.read_since_ns >= 0]
-        columns = np.array(rows, dtype=np.int64).reshape(-1, 6)
+        columns = np.array(rows, dtype=np.int64).reshape(-1, 5)
+        keys = [w.read_key for works in self.work.values() for w in works if w.read_since_ns >= 0]
         return {"job": columns[:, 0], "rank": columns[:, 1], "batch": columns[:, 2],
-                "key": columns[:, 3].astype(np.uint64), "start_ns": columns[:, 4], "end_ns": columns[:, 5]}
+                "key": np.array(keys, dtype=np.uint64), "start_ns": columns[:, 3], "end_ns": columns[:, 4]}
 
 
 def _latest_reports(opens: Columns) -> Columns:

@@ -11,8 +11,8 @@ comes with its true split among the causes; the generator also records when each
 became warm and the exact LRU hit ratio at other capacities. GPU samples come the agent's way: the
 fake NVML, its GPUs busy exactly in the ranks' compute spans and sampling like a real driver
 (irregular periods, gaps), read by the real gpu collector polling every half second. Output: the
-`EventBatch`es an agent would see (`step`, `read`, `spoke_request`, `gpu_util`), in arrival order with
-bounded delays.
+`EventBatch`es an agent would see (`step`, `read`, `spoke_request`, `gpu_util`, and the `open` records each
+trainer and worker sends at its flushes every 0.2 s), in arrival order with bounded delays.
 """
 
 from __future__ import annotations
@@ -27,6 +27,8 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from stallwatch.catalogue import CAUSES
+from stallwatch.client import wire
+from stallwatch.client.transport import FLUSH_INTERVAL_NS
 from stallwatch.eventbatch import SCHEMAS, EventBatch, Verdict
 from stallwatch.exporters.gpu import GpuCollector
 from stallwatch.exporters.nvml_fake import ComputeTrace, DriverSampling, FakeGpu, FakeNVML
@@ -67,6 +69,7 @@ class Scenario:
     max_delay_s: float = 0.5  # events reach the agent up to this late (out of order)
     gpu_period_s: float = 1 / 6  # the driver's nominal sample period
     gpu_sampling: DriverSampling | None = field(default_factory=DriverSampling)  # None: an ideal grid
+    in_flight: bool = True  # sources report what they have open at their flushes, as the client does
     seed: int = 0
 
 
@@ -131,6 +134,7 @@ class _Rank:
     next_step: int = 0
     compute_end: float = 0.0
     steps: list[tuple[int, float, float, float]] = field(default_factory=list)  # batch, ws, we, ce
+    reads: list[tuple[int, int, float, float, int]] = field(default_factory=list)  # worker, batch, start, end, key
 
 
 def generate(scenario: Scenario) -> Generated:
@@ -198,6 +202,7 @@ def generate(scenario: Scenario) -> Generated:
             end = outage_end(t) + rng.uniform(*scenario.miss_s)
             truth.last_miss_s[spec.job] = t
         state.segments[k].append((t, end, CAUSES.index("cache_read" if hit else "remote_fetch")))
+        state.reads.append((worker, k, t, end, key))
         skew = state.skews[worker]
         verdict = Verdict.HIT if hit else Verdict.MISS
         reads.append((spec.job, state.rank, worker, k if spec.tagged else -1, key, spec.item_bytes, t + skew,
@@ -224,8 +229,49 @@ def generate(scenario: Scenario) -> Generated:
                 truth.stalls[(spec.job, state.rank)] = truth.stalls.get((spec.job, state.rank), 0) + 1
         truth.end_s = max(truth.end_s, state.compute_end)
     gpu_rows = _gpu_samples(ranks, scenario, truth.end_s)
-    batches = _arrange(rng, scenario.max_delay_s, steps, reads, spoke, gpu_rows)
+    opened = [row for state in ranks for row in _open_records(state)] if scenario.in_flight else []
+    batches = _arrange(rng, scenario.max_delay_s, steps, reads, spoke, gpu_rows, opened)
     return Generated(batches, truth)
+
+
+FLUSH_S = FLUSH_INTERVAL_NS / 1e9
+
+
+def _open_records(state: _Rank) -> list[tuple]:
+    """The open records a rank's trainer and workers send at their flushes (`open` rows, seconds): the trainer's
+    open wait and its loop's end; per worker, the batch it builds, its open read and its latest handover."""
+    spec = state.spec
+    rows: list[tuple] = []
+    gpu = state.gpu
+    for _, ws, we, _ in state.steps:
+        flush = ws + FLUSH_S * 0.5  # each wait seen open at the flushes within it
+        while flush < we:
+            rows.append((spec.job, state.rank, gpu, -1, wire.OPEN_WAIT, -1, 0, ws, flush))
+            flush += FLUSH_S
+    rows.append((spec.job, state.rank, gpu, -1, wire.OPEN_ENDED, -1, 0, state.compute_end, state.compute_end))
+    if not spec.tagged:
+        return rows
+    for worker in range(spec.workers):
+        skew = state.skews[worker]
+        batches = sorted((state.segments[k][0][0], state.handed_over[k], k) for k in state.handed_over
+                         if k % spec.workers == worker)
+        reads = [r for r in state.reads if r[0] == worker]
+        flush = spec.start_s + FLUSH_S * (worker + 1) / (spec.workers + 1)
+        end = max((done for _, done, _ in batches), default=spec.start_s)
+        while flush <= end:
+            looked = flush + skew
+            for began, done, k in batches:
+                if began <= flush < done:
+                    rows.append((spec.job, state.rank, gpu, worker, wire.OPEN_BATCH, k, 0, began + skew, looked))
+            for _, k, start, stop, key in reads:
+                if start <= flush < stop:
+                    rows.append((spec.job, state.rank, gpu, worker, wire.OPEN_READ, k, key, start + skew, looked))
+            handed = [(done, k) for _, done, k in batches if done <= flush]
+            if handed:
+                done, k = max(handed)
+                rows.append((spec.job, state.rank, gpu, worker, wire.OPEN_HANDED, k, 0, done + skew, looked))
+            flush += FLUSH_S
+    return rows
 
 
 def _advance_trainer(state: _Rank, index: int, heap: list, seq: int) -> int:
@@ -295,22 +341,26 @@ def _gpu_samples(ranks: list[_Rank], scenario: Scenario, end: float) -> list[tup
 
 
 # Rows are tuples in the contract's column order; times and durations in them are seconds.
-_TIMES = frozenset({"wait_start_ns", "wait_end_ns", "compute_end_ns", "start_ns", "end_ns", "ts_ns"})
+_TIMES = frozenset({"wait_start_ns", "wait_end_ns", "compute_end_ns", "start_ns", "end_ns", "ts_ns", "since_ns",
+                    "as_of_ns"})
 _OPTIONAL_TIMES = frozenset({"ready_ns"})  # times that may be unknown: negative, -1
 _DURATIONS = frozenset({"duration_ns", "upstream_ns", "period_ns"})  # negative: -1, "none"
 BASE_NS = 10**12  # monotonic clocks do not start at zero
 
 
 def _arrange(
-    rng: random.Random, max_delay: float, steps: list, reads: list, spoke: list, gpu: list
+    rng: random.Random, max_delay: float, steps: list, reads: list, spoke: list, gpu: list, opened: list
 ) -> list[EventBatch]:
     """Rows -> batches of 100 ms of arrival time per kind, every row delayed by up to `max_delay`."""
     slices: dict[tuple[int, str], list[tuple]] = defaultdict(list)
-    for kind, rows in (("step", steps), ("read", reads), ("spoke_request", spoke), ("gpu_util", gpu)):
+    flushes: dict[tuple, float] = {}  # the records of one flush of one source travel together, in one datagram
+    for kind, rows in (("step", steps), ("read", reads), ("spoke_request", spoke), ("gpu_util", gpu),
+                       ("open", opened)):
         when = list(SCHEMAS[kind].columns).index(SCHEMAS[kind].event_time)
         for row in rows:
-            arrival = row[when] + rng.uniform(0, max_delay)
-            slices[(int(arrival * 10), kind)].append(row)
+            delay = (flushes.setdefault((row[0], row[1], row[3], row[when]), rng.uniform(0, max_delay))
+                     if kind == "open" else rng.uniform(0, max_delay))
+            slices[(int((row[when] + delay) * 10), kind)].append(row)
     batches = []
     for (_, kind), rows in sorted(slices.items()):
         columns = {}
