@@ -25,7 +25,14 @@ import numpy as np
 import numpy.typing as npt
 
 from stallwatch.catalogue import CAUSES
-from stallwatch.correlator.intervals import F64, I64, composite_key, covered_and_subset, equal_join, overlap_join
+from stallwatch.correlator.intervals import (
+    F64,
+    I64,
+    composite_key,
+    covered_and_subset,
+    equal_join_columns,
+    overlap_join,
+)
 
 REMOTE, CACHE, PREPROCESS, DELIVERY, OTHER = range(len(CAUSES))
 
@@ -97,29 +104,20 @@ def attribute(steps: Steps, reads: Reads, threshold_ns: int, stalled: npt.NDArra
     ready = steps.ready[stall_index]
     we = np.where(ready >= 0, np.clip(ready, ws, waited), waited)  # the worker's part of the wait ends here
     m = stall_index.size
-    # One packing for both sides so equal (job, rank) gets equal keys.
-    owner_all = composite_key(np.concatenate((steps.job[stall_index], reads.job)),
-                              np.concatenate((steps.rank[stall_index], reads.rank)))
-    owner_steps, owner_reads = owner_all[:m], owner_all[m:]
 
-    # Critical path: reads of the awaited batch, joined on (job, rank, batch).
-    tagged_steps = steps.batch[stall_index] >= 0
-    busy_from = np.full(m, np.iinfo(np.int64).max, dtype=np.int64)
-    tagged_cover = np.zeros(m, dtype=np.int64)
-    tagged_miss = np.zeros(m, dtype=np.int64)
-    if len(reads):
-        # +1 keeps the untagged batch -1 packable; untagged rows get keys that join nothing.
-        key_all = composite_key(owner_all, np.concatenate((steps.batch[stall_index], reads.batch)) + 1)
-        key_steps, key_reads = key_all[:m], key_all[m:]
-        key_reads = np.where(reads.batch >= 0, key_reads, -1)
-        key_steps = np.where(tagged_steps, key_steps, -2)
-        step_of, read_of = equal_join(key_steps, key_reads)
-        np.minimum.at(busy_from, step_of, reads.start[read_of])
-        start = np.clip(reads.start[read_of], ws[step_of], we[step_of])
-        end = np.clip(reads.end[read_of], ws[step_of], we[step_of])
-        tagged_cover, tagged_miss = covered_and_subset(step_of, start, end, reads.miss[read_of], m)
+    # Critical path: reads of the awaited batch, joined on (job, rank, batch); untagged steps join nothing.
+    tagged = np.flatnonzero(steps.batch[stall_index] >= 0)
+    tagged_rows = stall_index[tagged]
+    tagged_of, read_of = equal_join_columns(  # the batch first: it leaves out most of the reads at once
+        (steps.batch[tagged_rows], steps.job[tagged_rows], steps.rank[tagged_rows]),
+        (reads.batch, reads.job, reads.rank))
+    step_of = tagged[tagged_of]
+    start = np.clip(reads.start[read_of], ws[step_of], we[step_of])
+    end = np.clip(reads.end[read_of], ws[step_of], we[step_of])
+    # From its batch's first read on, the worker is busy with it (clipped to the wait, as the reads are).
+    tagged_cover, tagged_miss, busy_from = covered_and_subset(step_of, start, end, reads.miss[read_of], m)
     on_path = busy_from != np.iinfo(np.int64).max
-    busy = np.where(on_path, we - np.clip(busy_from, ws, we), 0)
+    busy = np.where(on_path, we - busy_from, 0)
 
     # Overlap fallback for stalls with no read of their batch.
     fallback = ~on_path
@@ -127,12 +125,15 @@ def attribute(steps: Steps, reads: Reads, threshold_ns: int, stalled: npt.NDArra
     overlap_miss = np.zeros(m, dtype=np.int64)
     if len(reads) and fallback.any():
         which = np.flatnonzero(fallback)
-        step_of, read_of = overlap_join(owner_steps[which], ws[which], we[which],
-                                        owner_reads, reads.start, reads.end)
+        # One packing for both sides so equal (job, rank) gets equal keys.
+        owner = composite_key(np.concatenate((steps.job[stall_index[which]], reads.job)),
+                              np.concatenate((steps.rank[stall_index[which]], reads.rank)))
+        step_of, read_of = overlap_join(owner[:which.size], ws[which], we[which],
+                                        owner[which.size:], reads.start, reads.end)
         stall_of = which[step_of]
         start = np.clip(reads.start[read_of], ws[stall_of], we[stall_of])
         end = np.clip(reads.end[read_of], ws[stall_of], we[stall_of])
-        overlap_cover, overlap_miss = covered_and_subset(stall_of, start, end, reads.miss[read_of], m)
+        overlap_cover, overlap_miss, _ = covered_and_subset(stall_of, start, end, reads.miss[read_of], m)
 
     cover = np.where(on_path, tagged_cover, overlap_cover)
     missed = np.where(on_path, tagged_miss, overlap_miss)

@@ -7,6 +7,9 @@ clipped to); results come back as one value per group.
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
+
 import numpy as np
 import numpy.typing as npt
 
@@ -61,6 +64,35 @@ def equal_join(left_key: I64, right_key: I64) -> tuple[I64, I64]:
     return order[position[right]], right
 
 
+def equal_join_columns(left: Sequence[I64], right: Sequence[npt.NDArray[np.integer]]) -> tuple[I64, I64]:
+    """All (i, j) whose columns are all equal, for left rows that are distinct and few (a window's stalls)
+    and right rows that are many (its reads). Right rows outside the left's range in any column cannot
+    match: they are dropped before any key is built (column by column: put the most selective first), and
+    the rest are probed in a table of the left's keys, when that table is small; else the packed keys go
+    to `equal_join`."""
+    empty = np.zeros(0, dtype=np.int64)
+    if left[0].size == 0 or right[0].size == 0:
+        return empty, empty
+    lows = [int(column.min()) for column in left]
+    spans = [int(column.max()) - low + 1 for column, low in zip(left, lows, strict=True)]
+    if math.prod(spans) > 8 * left[0].size + 64:  # sparse keys: a table would be mostly empty
+        packed = composite_key(*(np.concatenate((a, b)) for a, b in zip(left, right, strict=True)))
+        return equal_join(packed[:left[0].size], packed[left[0].size:])
+    rows = np.flatnonzero((right[0] >= lows[0]) & (right[0] < lows[0] + spans[0]))
+    for column, low, span in zip(right[1:], lows[1:], spans[1:], strict=True):  # on the rows left: few
+        values = column[rows]
+        rows = rows[(values >= low) & (values < low + span)]
+    left_key, right_key = np.zeros(left[0].size, dtype=np.int64), np.zeros(rows.size, dtype=np.int64)
+    for a, b, low, span in zip(left, right, lows, spans, strict=True):
+        left_key = left_key * span + (a - low)
+        right_key = right_key * span + (b[rows].astype(np.int64) - low)
+    table = np.full(math.prod(spans), -1, dtype=np.int64)
+    table[left_key] = np.arange(left_key.size)
+    found = table[right_key]
+    hit = found >= 0
+    return found[hit], rows[hit]
+
+
 def overlap_join(
     left_group: I64, left_start: I64, left_end: I64, right_group: I64, right_start: I64, right_end: I64
 ) -> tuple[I64, I64]:
@@ -101,16 +133,20 @@ def _shift_groups_apart(group: I64, start: I64, end: I64) -> tuple[I64, I64]:
 
 
 def covered_and_subset(group: I64, start: I64, end: I64, subset: npt.NDArray[np.bool_],
-                       n_groups: int) -> tuple[I64, I64]:
-    """Per group, union lengths of all intervals and of the `subset` ones, sorting only once."""
+                       n_groups: int) -> tuple[I64, I64, I64]:
+    """Per group, union lengths of all intervals and of the `subset` ones, and its earliest start (int64's
+    maximum for a group without intervals), sorting only once."""
+    first = np.full(n_groups, np.iinfo(np.int64).max, dtype=np.int64)
     if group.size == 0:
         empty = np.zeros(n_groups, dtype=np.int64)
-        return empty, empty.copy()
+        return empty, empty.copy(), first
     shifted_start, shifted_end = _shift_groups_apart(group, start, end)
-    order = np.argsort(shifted_start)
+    order = np.argsort(shifted_start, kind="stable")  # reads come in runs of sorted starts: faster here
     g, s, e, chosen = group[order], shifted_start[order], shifted_end[order], subset[order]
+    leads = np.flatnonzero(np.concatenate(([True], g[1:] != g[:-1])))  # each group's earliest interval
+    first[g[leads]] = start[order[leads]]
     return (sorted_union_length(g, s, e, n_groups),
-            sorted_union_length(g[chosen], s[chosen], e[chosen], n_groups))
+            sorted_union_length(g[chosen], s[chosen], e[chosen], n_groups), first)
 
 
 def sorted_union_length(group: I64, start: I64, end: I64, n_groups: int) -> I64:

@@ -19,6 +19,8 @@ import numpy.typing as npt
 
 from stallwatch.correlator.intervals import F64, I64
 
+_DENSE_UP_TO = 256  # reuses up to which `earlier_and_larger` compares all pairs (measured faster below ~400)
+
 
 def reuse_distances(keys: npt.NDArray[np.integer], sizes: I64) -> F64:
     """Per reference, the bytes an LRU cache must hold for it to hit; inf for a key's first reference."""
@@ -62,6 +64,11 @@ def earlier_and_larger(values: I64, weights: F64) -> F64:
     out = np.zeros(m, dtype=np.float64)
     if m < 2:
         return out
+    if m <= _DENSE_UP_TO:
+        # A window's sampled reuses are a hundred or so: one comparison matrix costs less than the merge
+        # passes' dozens of small array operations each (sums of whole byte counts: exact either way).
+        dense: F64 = np.tril(values[None, :] > values[:, None], -1) @ weights
+        return dense
     span = np.int64(values.max() + 1)
     arranged = np.arange(m, dtype=np.int64)  # positions, each block of `width` sorted by value
     width = 1
