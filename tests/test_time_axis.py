@@ -17,7 +17,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from stallwatch.catalogue import CAUSES
 from stallwatch.correlator.hold import Publication, WindowHold
 from stallwatch.correlator.live import LiveCorrelator
-from stallwatch.correlator.pipeline import CorrelatorPipeline
+from stallwatch.client import wire
+from stallwatch.correlator.pipeline import CorrelatorPipeline, Watermark
 from stallwatch.correlator.results import WindowResult
 from stallwatch.correlator.settings import CorrelatorSettings
 from stallwatch.correlator.wallclock import wall_offset_ns
@@ -83,16 +84,31 @@ def in_time_order(batches: list[EventBatch]) -> list[EventBatch]:
     return [batch for _, batch in sorted(sliced, key=lambda item: item[0])]
 
 
-def outage_run() -> tuple[list[WindowResult], list[Publication]]:
+def in_flight(job: int, rank: int, since_s: float, until_s: float, state: int, batch: int = -1,
+              worker: int = -1) -> EventBatch:
+    """What a source reports open at its flushes every 0.2 s from `since_s` until `until_s`."""
+    as_of = np.arange(since_s + 0.1, until_s, 0.2)
+    n = as_of.size
+    return EventBatch("open", {"job": np.full(n, job, np.int32), "rank": np.full(n, rank, np.int32),
+                               "gpu": np.full(n, rank, np.int16), "worker": np.full(n, worker, np.int16),
+                               "state": np.full(n, state, np.int8), "batch": np.full(n, batch, np.int64),
+                               "key": np.full(n, max(batch, 0), np.uint64), "since_ns": np.full(n, ns(since_s)),
+                               "as_of_ns": np.array([ns(t) for t in as_of], np.int64)})
+
+
+def outage_run(reported_open: bool = False) -> tuple[list[WindowResult], list[Publication]]:
     """One rank stepping every 0.1 s, but waiting 30 s (2 s to 32 s) for one batch whose read missed
-    until 31.5 s; its GPU idles through the wait. 5 s windows."""
+    until 31.5 s; its GPU idles through the wait. 5 s windows. With `reported_open`, the trainer and its
+    worker report the wait, the batch and the read open at their flushes, as the client does."""
     results: list[WindowResult] = []
     published: list[Publication] = []
     hold = WindowHold(60.0, [published.append], wall_offset=lambda: 0)
     correlator = CorrelatorPipeline(FIVE_S, listeners=[results.append, hold.add])
+    reports = [in_flight(0, 0, 2.0, 32.0, wire.OPEN_WAIT), in_flight(0, 0, 2.0, 31.5, wire.OPEN_READ, 20, 0),
+               in_flight(0, 0, 2.0, 32.0, wire.OPEN_BATCH, 20, 0)] if reported_open else []
     correlator.run(in_time_order([gpu_idle_while(2.0, 32.0, 45.0), regular(0, 0, 0.0, 2.0), miss(0, 0, 20, 2.0, 31.5),
                                   steps(0, 0, [(2.0, 32.0, 32.1)], first_batch=20),
-                                  regular(0, 0, 32.1, 45.0, first_batch=21)]))
+                                  regular(0, 0, 32.1, 45.0, first_batch=21), *reports]))
     hold.flush()
     return results, published
 
@@ -139,6 +155,39 @@ def test_a_30_s_stall_is_booked_in_the_windows_it_spans_and_each_piece_sums_to_i
                    if (p.result.start_ns - BASE_NS) / S == start) == pytest.approx(seconds, abs=0.01), start
         (job,) = next(p.result.jobs for p in published if (p.result.start_ns - BASE_NS) / S == start)
         assert job.stalled_s == pytest.approx(seconds, abs=1e-6)
+
+
+def test_a_stall_reported_open_is_booked_and_published_as_each_of_its_windows_closes() -> None:
+    results, published = outage_run(reported_open=True)
+    # Every window of the wait books its own part when it closes (no piece is left for the step's window to
+    # book in earlier ones), from what is in flight: the read of the awaited batch open for seconds, a miss.
+    assert not any(r.earlier for r in results)
+    pieces = by_window(results)
+    want = {0.0: 3.0, 5.0: 5.0, 10.0: 5.0, 15.0: 5.0, 20.0: 5.0, 25.0: 5.0, 30.0: 2.0}
+    for start, seconds in want.items():
+        assert pieces[start].sum() == pytest.approx(seconds, abs=1e-6), start
+    for start in (5.0, 10.0, 15.0, 20.0, 25.0):
+        assert pieces[start][REMOTE] == pytest.approx(5.0), start
+    # The same totals as booking the stall once its step arrived (the outage_run test above).
+    after, _ = outage_run()
+    for start, split in by_window([p for r in after for p in (r, *r.earlier)]).items():
+        assert split == pytest.approx(pieces[start], abs=1e-6), start
+    # Each window goes out at its own close: the hold does not wait for a rank whose wait is booked.
+    closes = [(r.start_ns - BASE_NS) / S for r in results]
+    starts = [(p.result.start_ns - BASE_NS) / S for p in published]
+    assert starts == closes
+    assert sum(sum(g.idle_s) for p in published for g in p.result.gpus) == pytest.approx(30.0, abs=0.01)
+
+
+def test_a_rank_whose_loop_ended_is_not_waited_for() -> None:
+    published: list[Publication] = []
+    hold = WindowHold(60.0, [published.append], wall_offset=lambda: 0)
+    correlator = CorrelatorPipeline(FIVE_S, listeners=[hold.add], event_time_watermark=False)
+    ended = in_flight(0, 0, 7.3, 7.5, wire.OPEN_ENDED)
+    for batch in (regular(0, 0, 0.0, 7.3), ended):
+        correlator.emit(batch)
+    correlator.emit(Watermark(ns(10.0)))
+    assert _job_windows(published, 0) == [0.0, 5.0]  # the last window too, although the rank is silent since
 
 
 def test_a_stall_within_its_window_is_booked_whole_there() -> None:

@@ -124,23 +124,25 @@ class EarlyBooking:
         piece = later.take(rows)
         return dataclasses.replace(piece, wait_start=begin[rows], wait_end=until, compute_end=until)
 
-    def note(self, steps: Steps) -> None:
-        """Steps received (this window's and those buffered for later ones): how far each rank has stepped."""
+    def note(self, steps: Steps, *, own: bool) -> None:
+        """Steps received: this window's (`own`: booked whole now, so their waits are over and known) or those
+        buffered for later windows (they say only which batch the rank took last)."""
         for job, rank, until, batch, gpu in zip(steps.job.tolist(), steps.rank.tolist(), steps.compute_end.tolist(),
                                                 steps.batch.tolist(), steps.gpu.tolist(), strict=True):
-            had = self._stepped.get((job, rank))
-            if had is None or until > had.until_ns:
-                self._stepped[(job, rank)] = _Stepped(until, max(batch, had.batch if had else -1), gpu)
+            had = self._stepped.get((job, rank)) or _Stepped(-1, -1, gpu)
+            self._stepped[(job, rank)] = _Stepped(max(had.until_ns, until) if own else had.until_ns,
+                                                  max(had.batch, batch), gpu)
 
     def book_open(self, flight: InFlight, end_ns: int) -> Steps:
         """The open waits' parts before `end_ns` not booked yet, up to when each was last seen open, as rows
-        with no compute, now booked. A wait whose step was received is left to its step (`book`, or its own
-        window). Each row's batch is the one in flight the rank waits for, with its handover when done."""
+        with no compute, now booked. A wait whose step's own window closed is over (its report is history); one
+        whose step is buffered for a later window is booked so too, unless `book` booked it early. Each row's batch
+        is the one in flight the rank waits for, with its handover when done."""
         rows = []
         for (job, rank), wait in flight.waits.items():
             stepped = self._stepped.get((job, rank))
             if stepped is not None and wait.since_ns < stepped.until_ns:
-                continue  # its step is here: it knows the whole wait
+                continue  # its step was booked in its own window
             key = (job, rank, wait.since_ns)
             begin = self._until.get(key, wait.since_ns)
             until = min(end_ns, wait.as_of_ns)
@@ -173,7 +175,8 @@ class EarlyBooking:
         record older than its last step can still be at hand (the retention), so that record is never taken
         for a wait still open."""
         self._until = {key: until for key, until in self._until.items() if until >= ns - self._retention_ns}
-        self._stepped = {key: s for key, s in self._stepped.items() if s.until_ns >= ns - 2 * self._retention_ns}
+        self._stepped = {key: s for key, s in self._stepped.items()
+                         if s.until_ns >= ns - 2 * self._retention_ns or s.until_ns < 0}
 
 
 FOREVER = np.iinfo(np.int64).max

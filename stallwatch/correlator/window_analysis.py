@@ -101,9 +101,9 @@ class WindowAnalyser:
         stalled = _stalled(steps, threshold)
         later = _steps(window.later_steps) if window.later_steps else None
         later_stalled = _stalled(later, threshold) if later else np.zeros(0, dtype=bool)
-        self._booking.note(steps)
+        self._booking.note(steps, own=True)
         if later is not None:
-            self._booking.note(later)
+            self._booking.note(later, own=False)
         # This window's steps (less what earlier windows booked of them), then the stall parts booked now: of
         # later steps, and of waits still open. Counted as waits here, not as steps.
         own = dataclasses.replace(steps, wait_start=self._booking.unbooked_from(steps, stalled, release=True))
