@@ -40,41 +40,47 @@ class Span:
     def __init__(self, span_ns: int) -> None:
         self._span_ns = span_ns
         self._windows: deque[WindowSummary] = deque()
+        # The span (the windows overlapping the last `span_ns`, at least the newest) and its totals, worked
+        # out once per window added: an update asks for them many times, and a span holds ten summaries or
+        # more of 0.5 s windows.
+        self._recent: tuple[WindowSummary, ...] = ()
+        self._reads = self._hits = self._steps = 0
 
     def add(self, window: WindowSummary) -> None:
         self._windows.append(window)
         while self._windows[0].end_ns <= window.end_ns - 2 * self._span_ns:
             self._windows.popleft()
-
-    def recent(self) -> list[WindowSummary]:
-        """The span: the windows overlapping the last `span_ns` (at least the newest)."""
-        since = self._windows[-1].end_ns - self._span_ns
-        return [w for w in self._windows if w.end_ns > since]
+        since = window.end_ns - self._span_ns
+        self._recent = tuple(w for w in self._windows if w.end_ns > since)
+        self._reads = sum(w.reads for w in self._recent)
+        self._hits = sum(w.hits for w in self._recent)
+        self._steps = sum(w.steps for w in self._recent)
 
     def hit_ratio(self, since_ns: int | None = None) -> float | None:
         """Hits over reads in the span, or in the windows held that start at `since_ns` or later; None
         if they hold no read."""
-        windows = self.recent() if since_ns is None else [w for w in self._windows if w.start_ns >= since_ns]
+        if since_ns is None:
+            return self._hits / self._reads if self._reads else None
+        windows = [w for w in self._windows if w.start_ns >= since_ns]
         reads = sum(w.reads for w in windows)
         return sum(w.hits for w in windows) / reads if reads else None
 
     def start_ns(self) -> int:
-        return self.recent()[0].start_ns
+        return self._recent[0].start_ns
 
     def reads(self) -> int:
-        return sum(w.reads for w in self.recent())
+        return self._reads
 
     def missed(self) -> bool:
-        return any(w.hits < w.reads for w in self.recent())
+        return any(w.hits < w.reads for w in self._recent)
 
     def steps(self) -> int:
-        return sum(w.steps for w in self.recent())
+        return self._steps
 
     def pace(self, ranks: int) -> float:
         """Steps per rank per second of the span."""
-        recent = self.recent()
-        seconds = sum(w.end_ns - w.start_ns for w in recent) / 1e9
-        return sum(w.steps for w in recent) / ranks / seconds if ranks and seconds > 0 else 0.0
+        seconds = sum(w.end_ns - w.start_ns for w in self._recent) / 1e9
+        return self._steps / ranks / seconds if ranks and seconds > 0 else 0.0
 
     def dispersion(self) -> float:
         """How far the mean step time of the span's quarters spreads, relative to the span's mean.
@@ -83,10 +89,12 @@ class Span:
         window's quarters fall into the span's quarter that holds their middle. So a young job's first
         window lies in the span's last quarter and is not judged against itself, and one window as long as
         the span is judged on its own quarters. Quarters without a step are left out."""
-        recent = self.recent()
+        recent = self._recent
         end = recent[-1].end_ns
         start = min(end - self._span_ns, recent[0].start_ns)
-        middles = np.concatenate([w.start_ns + (np.arange(4) + 0.5) * (w.end_ns - w.start_ns) / 4 for w in recent])
+        starts = np.array([w.start_ns for w in recent], dtype=np.int64)
+        ends = np.array([w.end_ns for w in recent], dtype=np.int64)
+        middles = (starts[:, None] + (np.arange(4) + 0.5) * (ends - starts)[:, None] / 4).ravel()
         quarter = np.clip((middles - start) * 4 // (end - start), 0, 3).astype(np.int64)
         counts = np.bincount(quarter, weights=np.concatenate([w.quarter_steps for w in recent]), minlength=4)
         seconds = np.bincount(quarter, weights=np.concatenate([w.quarter_seconds for w in recent]), minlength=4)
@@ -99,7 +107,7 @@ class Span:
     def clean_since_ns(self, hit_ratio: float) -> int:
         """Start of the latest run of the span's windows whose own reads hit at least `hit_ratio` (a window
         without reads missed nothing); the newest window's start if it missed more."""
-        recent = self.recent()
+        recent = self._recent
         since = recent[-1].start_ns
         for window in reversed(recent):
             if window.hits < hit_ratio * window.reads:
