@@ -7,8 +7,9 @@ every second. A training node's cores are never idle (its loader workers keep th
 one burner process per core spins for the whole run (`--burners 0` for an idle machine). Every
 `--sample` seconds the agent's RSS and open file descriptors are recorded; the report gives first,
 last and max, the growth from the first to the last quarter of the run, the share of events the
-clients dropped, the share the correlator found late, and how long after an event its window's
-results were scrapeable (`benchmarks/result_delay.py`: p50 and p99).
+clients dropped, the share the correlator found late, how long after an event its window's results
+were scrapeable (`benchmarks/result_delay.py`: p50 and p99), and the CPU the agent and its receive relay
+used, each as a share of one core over the run.
 
     .venv/bin/python benchmarks/soak.py [--seconds 3600] [--rate 50000] [--sample 10] [--burners N]
 """
@@ -47,6 +48,17 @@ def nginx_line(now: float, n: int) -> str:
             f"range:-\turi:/shards/{n % 5000:05d}.tar\n")
 
 
+def cpu_seconds(process: psutil.Process) -> float:
+    times = process.cpu_times()
+    return float(times.user + times.system)
+
+
+def cpu_share(agent: psutil.Process) -> dict[str, float]:
+    """CPU seconds so far of the agent and of its receive relay (its child process)."""
+    relays = [child for child in agent.children() if "receive_relay" in " ".join(child.cmdline())]
+    return {"agent": cpu_seconds(agent), "relay": sum(cpu_seconds(relay) for relay in relays)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seconds", type=float, default=3600.0)
@@ -63,6 +75,7 @@ def main() -> None:
                          "--spoke_nginx.log", str(log), "--events.socket", socket_path], workdir / "agent.log")
     process = psutil.Process(agent.process.pid)
     burners = start_burners(args.burners)
+    cpu_before, cpu_since = cpu_share(process), time.monotonic()
     probe = ResultDelayProbe(agent.url, socket_path)
     client = subprocess.Popen([sys.executable, str(Path(__file__).parent / "flood.py"), "client", socket_path,
                                str(args.rate), str(args.seconds)], stdout=subprocess.PIPE, text=True,
@@ -86,6 +99,7 @@ def main() -> None:
                 next_sample += args.sample
             time.sleep(max(0.0, 1.0 - (time.monotonic() - start - elapsed)))
         metrics = scrape(agent.url)
+        cpu_after, cpu_wall = cpu_share(process), time.monotonic() - cpu_since
         samples.append((time.monotonic() - start, process.memory_info().rss / 2**20, process.num_fds()))
     finally:
         client.wait(timeout=args.seconds + 120)
@@ -105,6 +119,8 @@ def main() -> None:
                     "first_quarter_mean": round(statistics.mean(rss[:quarter]), 1),
                     "last_quarter_mean": round(statistics.mean(rss[-quarter:]), 1)},
         "open_fds": {"first": fds[0], "last": fds[-1], "max": max(fds)},
+        "cpu_percent_of_a_core": {name: round(100 * (cpu_after[name] - cpu_before[name]) / cpu_wall, 1)
+                                  for name in cpu_after},
         "scrape_ms": {"median": round(statistics.median(scrapes) * 1e3, 2),
                       "max": round(max(scrapes) * 1e3, 2)},
         "events_accepted": accepted,
