@@ -22,9 +22,11 @@ from stallwatch.correlator.pipeline import CorrelatorPipeline, Watermark
 from stallwatch.correlator.results import WindowResult
 from stallwatch.correlator.settings import CorrelatorSettings
 from stallwatch.correlator.wallclock import wall_offset_ns
+from stallwatch.correlator.windowfile import WindowFileWriter
 from stallwatch.demo.stack import query, start_prometheus
 from stallwatch.eventbatch import SCHEMAS, EventBatch, Verdict
 from stallwatch.harness import free_port, wait_for
+from stallwatch.report.windows import run_from_windows
 from tests.conftest import ROOT, require_binary
 from tests.scenarios.generator import BASE_NS
 
@@ -177,6 +179,35 @@ def test_a_stall_reported_open_is_booked_and_published_as_each_of_its_windows_cl
     starts = [(p.result.start_ns - BASE_NS) / S for p in published]
     assert starts == closes
     assert sum(sum(g.idle_s) for p in published for g in p.result.gpus) == pytest.approx(30.0, abs=0.01)
+
+
+@pytest.mark.parametrize("outage_s", [30.0, 60.0, 600.0])
+def test_the_window_file_draws_an_open_stall_where_the_gpu_idles(outage_s: float, tmp_path: Path) -> None:
+    """Default windows (0.5 s); a hub outage of 30 s, 60 s or 10 min reported open as it lasts: the report's
+    stall (one rank: at most one stall-second a second) lies on the windows where the GPU idles, all of it
+    `remote_fetch`."""
+    cut, back = 2.0, 2.0 + outage_s
+    end = back + 5.0
+    writer = WindowFileWriter(tmp_path / "windows.jsonl")
+    hold = WindowHold(60.0, [writer.write], wall_offset=lambda: 0)
+    correlator = CorrelatorPipeline(CorrelatorSettings(), listeners=[hold.add])
+    correlator.run(in_time_order([
+        gpu_idle_while(cut, back, end), regular(0, 0, 0.0, cut), miss(0, 0, 20, cut, back - 0.5),
+        steps(0, 0, [(cut, back, back + 0.1)], first_batch=20), regular(0, 0, back + 0.1, end, first_batch=21),
+        in_flight(0, 0, cut, back, wire.OPEN_WAIT), in_flight(0, 0, cut, back - 0.5, wire.OPEN_READ, 20, 0),
+        in_flight(0, 0, cut, back, wire.OPEN_BATCH, 20, 0)]))
+    hold.flush()
+    writer.close()
+    run = run_from_windows(tmp_path / "windows.jsonl")
+    remote = run.stall_by_cause["remote_fetch"]
+    t = remote.t - (BASE_NS / S)  # the window file's times are the events' (wall offset 0)
+    during = (t > cut + 0.25) & (t < back - 0.75)  # whole windows in the wait before the read's end
+    assert remote.v[during] == pytest.approx(1.0)
+    assert not remote.v[(t < cut) | (t > back + 0.25)].any()
+    assert max(series.v.max() for series in run.stall_by_cause.values()) <= 1.0 + 1e-9
+    assert run.gpu_utilization.v[during] == pytest.approx(0.0)
+    total = sum(float(np.sum(series.v)) * 0.5 for series in run.stall_by_cause.values())
+    assert total == pytest.approx(outage_s, abs=1e-6)
 
 
 def test_a_rank_whose_loop_ended_is_not_waited_for() -> None:

@@ -79,8 +79,9 @@ def run_from_windows(path: Path, job: str | None = None, start: float | None = N
 
     compute = total("ranks", lambda r: r["compute_s"])
     ranks = np.maximum(total("ranks", lambda r: 1), 1)
-    reads = total("jobs", lambda j: j["reads"])
-    hits = total("jobs", lambda j: j["reads"] * j["hit_ratio"])
+    # A job with no hit ratio yet (no read in its warm-up span) counts in neither.
+    reads = total("jobs", lambda j: j["reads"] if j["hit_ratio"] is not None else 0)
+    hits = total("jobs", lambda j: j["reads"] * j["hit_ratio"] if j["hit_ratio"] is not None else 0)
     run = Run(start=float(rows[0]["start_s"]), end=float(rows[-1]["end_s"]), job=job)
     run.gpu_utilization = Series(t, compute / length / ranks)  # the emulated GPU is busy while its rank computes
     run.steps_per_second = Series(t, total("ranks", lambda r: r["steps"]) / length)
