@@ -36,6 +36,9 @@ class Received:
     def rows(self, kind: str) -> int:
         return sum(len(b) for b in self.batches if b.kind == kind)
 
+    def last(self, kind: str) -> EventBatch:
+        return [b for b in self.batches if b.kind == kind][-1]
+
 
 @pytest.fixture
 def socket_path(tmp_path: Path) -> Iterator[str]:
@@ -97,7 +100,7 @@ def test_reads_carry_bytes_times_and_verdict(agent: tuple[EventsCollector, Recei
         raise OSError("no such file")
     transport.sender().flush_all()
     wait_for("2 reads at the agent", lambda: received.rows("read") == 2, 15)
-    columns = received.batches[-1].columns
+    columns = received.last("read").columns
     assert list(columns["bytes"]) == [1234, 0]
     assert list(columns["verdict"]) == [wire.VERDICT_MISS, wire.VERDICT_UNKNOWN]
     job = source_from_environment()
@@ -262,7 +265,7 @@ def test_http_get_records_the_spokes_cache_verdict(agent: tuple[EventsCollector,
     transport.sender().flush_all()
     _, received = agent
     wait_for("2 reads at the agent", lambda: received.rows("read") == 2, 15)
-    columns = received.batches[-1].columns
+    columns = received.last("read").columns
     assert list(columns["verdict"]) == [wire.VERDICT_HIT, wire.VERDICT_MISS]
     assert list(columns["key"]) == [read_key("/cached/a.bin", 0), read_key("/cold/b.bin", 100)]
 

@@ -103,8 +103,8 @@ def test_counters_count_only_what_was_really_received(
     agent = agent_factory("--no-collector.gpu", "--no-collector.host", "--events.socket", path)
     now, wall = time.monotonic_ns(), time.time_ns()
 
-    def header(steps: int, reads: int, dropped: int = 0, job: bytes = b"forger") -> bytes:
-        return (wire.HEADER.pack(wire.VERSION, 1, 0, -1, -1, 0, steps, reads, dropped, now, wall)
+    def header(steps: int, reads: int, dropped: int = 0, job: bytes = b"forger", opens: int = 0) -> bytes:
+        return (wire.HEADER.pack(wire.VERSION, 1, 0, -1, -1, 0, steps, reads, opens, dropped, now, wall)
                 + wire.STRING_LENGTH.pack(len(job)) + job)
 
     def read(size: int) -> bytes:
@@ -117,7 +117,8 @@ def test_counters_count_only_what_was_really_received(
     oversized = header(0, count, job=job) + read(1) * count
     assert len(oversized) == RECEIVE_BUFFER
     forged = [
-        header(2**32 - 1, 0),  # 4 billion steps claimed in a 51-byte datagram
+        header(2**32 - 1, 0),  # 4 billion steps claimed in a 57-byte datagram
+        header(0, 0, opens=2**32 - 1),  # and as many open records
         header(0, 4) + read(2**62 - 1) * 4,  # reads whose bytes add past int64
         header(0, 0, dropped=2**64 - 1),  # a client claiming 2**64 - 1 dropped events
         oversized + b"\0" * 1000,

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import dis
 import time
-from collections.abc import Iterable, Iterator
-from typing import Any, Generic, TypeVar
+import weakref
+from collections.abc import Generator, Iterable, Iterator
+from types import GeneratorType
+from typing import Any, Generic, TypeVar, cast
 
+from stallwatch.client import wire
 from stallwatch.client.identity import source_from_environment
-from stallwatch.client.transport import FULL, Channel, sender
+from stallwatch.client.transport import FULL, OPEN_AFTER_NS, Channel, sender
 
 T = TypeVar("T")
 
@@ -31,18 +35,30 @@ def timed_steps(items: Iterator[Any], channel: Channel) -> Iterator[Any]:
     A step is the wait inside `next()` (wait_start..wait_end) and the work that follows until the
     loop asks for the next item (compute_end). The last step ends when the loop asks again and the
     items are exhausted, or when the loop leaves early (`break`, an exception): the generator is
-    closed then and its `finally` records the step. The buffered events are flushed at the end.
+    closed then and its `finally` records the step. The buffered events are flushed at the end, with
+    the loop's end (`wire.OPEN_ENDED`).
 
     A tagged batch (`tagged`) is unwrapped: its step records the batch's own number and the loop gets the
     batch alone. Other items are numbered in arrival order from 0.
+
+    While the loop waits in `next()`, the channel's flushes report the wait (`_OpenLoop`).
     """
+    loop = _OpenLoop()
+    steps = _timed_steps(items, channel, loop)
+    # Weak: a loop left unfinished is still collected, and so closed.
+    loop.generator = weakref.ref(cast("GeneratorType[Any, None, None]", steps))
+    return steps
+
+
+def _timed_steps(items: Iterator[Any], channel: Channel, loop: _OpenLoop) -> Generator[Any, None, None]:
     # `Channel.step` inlined: a Python call less a batch, paid where the trainer's caches are cold
     # after its step (each call there costs several times its `timeit` figure, docs/benchmarks.md).
     clock, steps, flush_full = time.monotonic_ns, channel.steps, channel.flush_full
     index = 0
-    wait_start = clock()
+    wait_start = loop.start_ns = clock()
+    outer, channel.loop = channel.loop, loop  # once an epoch; a loop run inside another's step gives it back
     try:
-        for item in items:
+        for item in items:  # _WAIT_LINE: the flush thread sees the wait here, so a step stores nothing for it
             wait_end = clock()
             if type(item) is tuple and len(item) == 4 and type(item[0]) is bytes and item[0] == TAG:
                 _, index, item, handed_over = item  # noqa: PLW2901
@@ -55,10 +71,38 @@ def timed_steps(items: Iterator[Any], channel: Channel) -> Iterator[Any]:
                 steps.append((index, wait_start, wait_end, compute_end, handed_over))
                 if len(steps) >= FULL:
                     flush_full()
-            index += 1
-            wait_start = compute_end
+                index += 1
+                wait_start = compute_end
     finally:
-        channel.flush()
+        channel.end_loop(loop, outer, wait_start)
+
+
+# The line of `_timed_steps` where its generator, running, waits inside `next(items)`. Running elsewhere it
+# is between a step's end and that step's append, where the channel's last step is not yet the wait's start.
+_WAIT_LINE = next(instruction.positions.lineno for instruction in dis.get_instructions(_timed_steps)
+                  if instruction.opname.startswith("FOR_ITER") and instruction.positions is not None)
+
+
+class _OpenLoop:
+    """A `timed_steps` loop as its channel's flushes see it: waiting while its generator runs at
+    `_WAIT_LINE`, since the last step's compute end, or since the loop began before its first step."""
+
+    __slots__ = ("generator", "start_ns")
+
+    def __init__(self) -> None:
+        self.generator: weakref.ref[GeneratorType[Any, None, None]] | None = None
+        self.start_ns = -1
+
+    def open_records(self, channel: Channel, as_of_ns: int) -> list[wire.Open]:
+        generator = None if self.generator is None else self.generator()
+        if generator is None or not generator.gi_running:
+            return []
+        frame = generator.gi_frame
+        if frame is None or frame.f_lineno != _WAIT_LINE:
+            return []
+        # A loop's steps end after it began, and steps before it (another loop's) ended before it began.
+        since = max(self.start_ns, channel.last_step_end())
+        return [(wire.OPEN_WAIT, -1, 0, since, as_of_ns)] if as_of_ns - since >= OPEN_AFTER_NS else []
 
 
 class Monitored(Generic[T]):

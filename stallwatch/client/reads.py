@@ -6,6 +6,11 @@ start and end (`time.monotonic_ns()`), and the cache's verdict when the reader s
 process's read context adds the loader worker and the batch being built; the PyTorch integration
 sets both inside each worker (`bind_worker`, `set_batch`), other code may call them itself.
 Recording never raises into the reader: a failure to record only loses the event.
+
+What is in flight, as the flush thread reports it (`transport`): the batch the process is building
+(from `set_batch` until `handed_over`), the read it has open (the latest started), and the batch it
+last handed over. A read stores its location, offset and start as it starts and clears them as it
+ends, two attribute stores; its key is computed only when a flush reports it.
 """
 
 from __future__ import annotations
@@ -44,21 +49,49 @@ def verdict_from_cache_status(value: str | None) -> int:
 
 
 class _ReadContext:
-    """Where this process's reads go and which batch they serve."""
+    """Where this process's reads go, which batch they serve, and what it has in flight."""
+
+    __slots__ = ("batch", "building", "channel", "handed", "reading", "source")
+    source: wire.Source | None
+    channel: Channel | None
+    batch: int
+    building: tuple[int, int] | None  # (batch, since)
+    reading: tuple[str, int, int] | None  # (location, offset, start)
+    handed: tuple[int, int] | None  # (batch, when)
 
     def __init__(self) -> None:
-        self.source: wire.Source | None = None
-        self.channel: Channel | None = None
-        self.batch = -1
+        self.source = None
+        self._forget()
+
+    def bind(self, channel: Channel) -> Channel:
+        self.channel = channel
+        channel.reader = self
+        return channel
 
     def target(self) -> Channel:
         channel, current = self.channel, sender()
         if channel is None or channel.owner is not current:  # first read, or `configure()` chose another agent
-            self.channel = channel = current.channel(self.source or source_from_environment())
+            channel = self.bind(current.channel(self.source or source_from_environment()))
         return channel
 
-    def _forget(self) -> None:  # in a forked child: the parent's channel is not ours
+    def open_records(self, channel: Channel, as_of_ns: int) -> list[wire.Open]:
+        """The batch being built, the open read and the batch last handed over, while reading as `channel`."""
+        if channel is not self.channel:
+            return []
+        building, reading, handed, batch = self.building, self.reading, self.handed, self.batch
+        records: list[wire.Open] = []
+        if building is not None:
+            records.append((wire.OPEN_BATCH, building[0], 0, building[1], as_of_ns))
+        if reading is not None and self.reading is reading:  # still open: `batch` was the one it serves
+            location, offset, start = reading
+            records.append((wire.OPEN_READ, batch, read_key(location, offset), start, as_of_ns))
+        if handed is not None:
+            records.append((wire.OPEN_HANDED, handed[0], 0, handed[1], as_of_ns))
+        return records
+
+    def _forget(self) -> None:  # also in a forked child: the parent's channel and work are not ours
         self.channel, self.batch = None, -1
+        self.building = self.reading = self.handed = None
 
 
 _context = _ReadContext()
@@ -68,7 +101,7 @@ os.register_at_fork(after_in_child=_context._forget)
 def bind_worker(source: wire.Source) -> None:
     """Send this process's reads as `source` (job, rank, gpu and loader worker id)."""
     _context.source = source
-    _context.channel = sender().channel(source)
+    _context.bind(sender().channel(source))
 
 
 @contextlib.contextmanager
@@ -83,8 +116,15 @@ def reads_as(source: wire.Source) -> Iterator[None]:
 
 
 def set_batch(batch: int) -> None:
-    """The batch index the following reads serve (-1: unknown)."""
+    """The batch index the following reads serve, being built from now on (-1: unknown, none being built)."""
     _context.batch = batch
+    _context.building = None if batch == -1 else (batch, time.monotonic_ns())
+
+
+def handed_over(batch: int, at_ns: int) -> None:
+    """The batch was finished and handed over at `at_ns` (`time.monotonic_ns()`); none is being built."""
+    _context.handed = (batch, at_ns)
+    _context.building = None
 
 
 def current_batch() -> int:
@@ -119,12 +159,14 @@ class ReadSpan:
         self._start = 0
 
     def __enter__(self) -> ReadSpan:
-        self._start = time.monotonic_ns()
+        self._start = start = time.monotonic_ns()
+        _context.reading = (self.location, self.offset, start)
         return self
 
     def __exit__(
         self, kind: type[BaseException] | None, error: BaseException | None, traceback: TracebackType | None
     ) -> None:
+        _context.reading = None
         record_read(self.location, self.offset, self.bytes, self._start, time.monotonic_ns(), self.verdict)
 
     @staticmethod
@@ -155,21 +197,33 @@ class RecordedFile:
 
     def read(self, size: int = -1) -> bytes:
         start, offset = time.monotonic_ns(), self._position
-        data = self._file.read(size)
+        _context.reading = (self._path, offset, start)
+        try:
+            data = self._file.read(size)
+        finally:
+            _context.reading = None
         self._position += len(data)
         record_read(self._path, offset, len(data), start, time.monotonic_ns())
         return data
 
     def read1(self, size: int = -1) -> bytes:
         start, offset = time.monotonic_ns(), self._position
-        data = self._file.read1(size)  # type: ignore[attr-defined]
+        _context.reading = (self._path, offset, start)
+        try:
+            data = self._file.read1(size)  # type: ignore[attr-defined]
+        finally:
+            _context.reading = None
         self._position += len(data)
         record_read(self._path, offset, len(data), start, time.monotonic_ns())
         return data  # type: ignore[no-any-return]
 
     def readinto(self, buffer: Any) -> int:
         start, offset = time.monotonic_ns(), self._position
-        count: int = self._file.readinto(buffer)  # type: ignore[attr-defined]
+        _context.reading = (self._path, offset, start)
+        try:
+            count: int = self._file.readinto(buffer)  # type: ignore[attr-defined]
+        finally:
+            _context.reading = None
         self._position += count or 0
         record_read(self._path, offset, count or 0, start, time.monotonic_ns())
         return count

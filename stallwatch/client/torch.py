@@ -21,7 +21,8 @@ as they are:
   `multiprocessing_context` starts each worker through `_WorkerLoop`, which wraps the `get` of its
   queues in the worker. Only to workers started so are the indices sent numbered; a loader that
   starts its workers another way gets them plain, and its workers' reads carry batch -1;
-- the collate function returns the batch tagged with its number (`loop.tagged`), which the step unwraps;
+- the collate function returns the batch tagged with its number (`loop.tagged`), which the step unwraps,
+  and marks it handed over (`reads.handed_over`: the worker's latest, as its flushes report);
 - each worker's init function binds its reads to the worker's own source before the user's runs.
 
 The dataset itself is never wrapped, so `get_worker_info().dataset` is the user's dataset (the
@@ -225,7 +226,9 @@ class _TaggedCollate:
     def __call__(self, samples: list[Any]) -> TaggedBatch:
         batch = self._collate(samples)
         # The worker hands the batch over now: what the trainer waits after this is its delivery.
-        return tagged(reads.current_batch(), batch, time.monotonic_ns())
+        number, handed_ns = reads.current_batch(), time.monotonic_ns()
+        reads.handed_over(number, handed_ns)
+        return tagged(number, batch, handed_ns)
 
 
 class _BindWorker:

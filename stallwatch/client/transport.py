@@ -27,6 +27,13 @@ flush thread also flushes every `FLUSH_INTERVAL_NS` so idle processes still deli
 also flushed when full, at the end of every loader epoch, and at exit (which waits at most
 `EXIT_DRAIN_S` for room). After `fork()` (PyTorch loader workers) the child discards the parent's
 buffered events, which the parent still owns, and starts its own thread.
+
+What is in flight: every flush but a full buffer's (the training threads' own) asks the channel's
+reporters, the trainer's running loop (`loop.timed_steps`) and the process's read context (`reads`),
+what they have open, all as of one `as_of_ns`, and adds those open records to the channel's batch
+when it sends one anyway, or sends them alone when a wait, a batch or a read has been open
+`OPEN_AFTER_NS`: the agent learns of a stall while it lasts, and a steady job sends nothing more.
+The reporters read state the recording paths keep anyway, in the flush thread, under the lock.
 """
 
 from __future__ import annotations
@@ -43,6 +50,7 @@ import time
 import weakref
 from collections import deque
 from multiprocessing import util as mp_util
+from typing import Protocol
 
 from stallwatch.client import wire
 
@@ -57,12 +65,22 @@ MAX_PENDING_EVENTS = 32 * wire.MAX_EVENTS  # ~1.3 MB of encoded reads per proces
 RETRY_POLL_MS = 50
 FULL = wire.MAX_EVENTS  # events a channel holds before it flushes
 EXIT_DRAIN_S = 0.2
+# A wait, a batch or a read open this long is worth a datagram of its own; shorter ones ride along with
+# the events a flush sends anyway (a wait is not reported at all before this).
+OPEN_AFTER_NS = 100_000_000
+_LONG_OPEN_STATES = (wire.OPEN_WAIT, wire.OPEN_BATCH, wire.OPEN_READ)
+
+
+class OpenReporter(Protocol):
+    def open_records(self, channel: Channel, as_of_ns: int) -> list[wire.Open]:
+        """What is open for `channel` now, started no later than `as_of_ns`; called by a flush, under its lock."""
 
 
 class Channel:
-    """The events of one source, waiting to be sent."""
+    """The events of one source, waiting to be sent, and who reports what the source has in flight."""
 
-    __slots__ = ("dropped_total", "dropped_unreported", "owner", "reads", "source", "steps")
+    __slots__ = ("dropped_total", "dropped_unreported", "ended_ns", "last_end_ns", "loop", "owner", "reader",
+                 "reads", "source", "steps")
 
     def __init__(self, owner: Sender, source: wire.Source) -> None:
         self.owner = owner
@@ -71,6 +89,13 @@ class Channel:
         self.reads: list[wire.Read] = []
         self.dropped_unreported = 0
         self.dropped_total = 0
+        self._forget_open()
+
+    def _forget_open(self) -> None:
+        self.loop: OpenReporter | None = None  # the training loop running on this channel
+        self.reader: OpenReporter | None = None  # the process's read context, while it reads as this source
+        self.ended_ns: int | None = None  # a loop ended then (its last step's end), not yet reported
+        self.last_end_ns = -1  # the compute end of the last step packed
 
     # The recording path, paid once per event: a module constant and no local alias measured ~12 ns
     # (15 %) faster than `wire.MAX_EVENTS` and a local, with the same exact bound.
@@ -89,7 +114,33 @@ class Channel:
         self.owner.flush(self, wait=False)
 
     def flush(self) -> None:
-        self.owner.flush(self, wait=True)
+        self.owner.flush(self, wait=True, as_of_ns=time.monotonic_ns())
+
+    def end_loop(self, loop: OpenReporter, outer: OpenReporter | None, last_end_ns: int) -> None:
+        """A loop ended at `last_end_ns`: the loop it ran inside (or none) runs again; the flush says so."""
+        if self.loop is loop:
+            self.loop = outer
+        self.ended_ns = last_end_ns
+        self.flush()
+
+    def last_step_end(self) -> int:
+        """The compute end of the last step recorded (-1 none); under the sender's lock, so no one packs."""
+        steps = self.steps
+        return steps[-1][3] if steps else self.last_end_ns
+
+    def take_open(self, as_of_ns: int) -> list[wire.Open]:
+        """The open records for a flush about to pack: none unless it sends events anyway, something has
+        been open `OPEN_AFTER_NS`, or a loop ended (reported once)."""
+        opens = [record for reporter in (self.loop, self.reader) if reporter is not None
+                 for record in _open_records(reporter, self, as_of_ns) if record[3] <= as_of_ns]
+        ended = self.ended_ns
+        if ended is not None and ended <= as_of_ns:
+            opens.append((wire.OPEN_ENDED, -1, 0, ended, as_of_ns))
+            if self.ended_ns == ended:  # unless another loop ended meanwhile
+                self.ended_ns = None
+        elif not (self.steps or self.reads or _long_open(opens)):
+            return []
+        return opens
 
     def drop(self, events: int) -> None:
         self.dropped_unreported += events
@@ -99,16 +150,30 @@ class Channel:
         self.steps.clear()
         self.reads.clear()
         self.dropped_unreported = self.dropped_total = 0
+        self._forget_open()  # the parent's loops and reads: in a child their copies only seem to run
+
+
+def _long_open(opens: list[wire.Open]) -> bool:
+    return any(state in _LONG_OPEN_STATES and as_of - since >= OPEN_AFTER_NS for state, _, _, since, as_of in opens)
+
+
+def _open_records(reporter: OpenReporter, channel: Channel, as_of_ns: int) -> list[wire.Open]:
+    try:
+        return reporter.open_records(channel, as_of_ns)
+    except Exception:  # a reporter's bug costs its records, not the channel's events
+        log.debug("stallwatch: reporting open records failed", exc_info=True)
+        return []
 
 
 class _Pending:
     """An encoded batch waiting for room in the agent's queue."""
 
-    __slots__ = ("body", "channel", "events", "n_reads", "n_steps", "since_ns")
+    __slots__ = ("body", "channel", "events", "n_open", "n_reads", "n_steps", "since_ns")
 
-    def __init__(self, channel: Channel, n_steps: int, n_reads: int, body: bytes, since_ns: int) -> None:
-        self.channel, self.n_steps, self.n_reads, self.body, self.since_ns = channel, n_steps, n_reads, body, since_ns
-        self.events = n_steps + n_reads
+    def __init__(self, channel: Channel, n_steps: int, n_reads: int, n_open: int, body: bytes, since_ns: int) -> None:
+        self.channel, self.n_steps, self.n_reads, self.n_open = channel, n_steps, n_reads, n_open
+        self.body, self.since_ns = body, since_ns
+        self.events = n_steps + n_reads  # open records are a moment's view, neither bounded nor counted as dropped
 
 
 class Sender:
@@ -141,12 +206,13 @@ class Sender:
         self._ensure_flusher()
         return found
 
-    def flush(self, channel: Channel, wait: bool) -> None:
-        """Send what the channel holds. Never raises; `wait=False` gives up if another thread flushes."""
+    def flush(self, channel: Channel, wait: bool, as_of_ns: int | None = None) -> None:
+        """Send what the channel holds, with `as_of_ns` also what it has in flight then (`Channel.take_open`).
+        Never raises; `wait=False` gives up if another thread flushes."""
         if not self._lock.acquire(timeout=0.05 if wait else 0):
             return
         try:
-            self._pack(channel)
+            self._pack(channel, [] if as_of_ns is None else channel.take_open(as_of_ns))
             self._send_pending()
         except Exception:  # a bug here must never reach training code
             log.debug("stallwatch: flush failed", exc_info=True)
@@ -154,8 +220,9 @@ class Sender:
             self._lock.release()
 
     def flush_all(self) -> None:
+        as_of_ns = time.monotonic_ns()  # one moment for every record of this flush
         for channel in list(self._channels.values()):
-            self.flush(channel, wait=True)
+            self.flush(channel, wait=True, as_of_ns=as_of_ns)
 
     def flush_before_exit(self) -> None:
         """Flush everything and wait a moment (`EXIT_DRAIN_S` at most) for room for what is left pending."""
@@ -179,27 +246,35 @@ class Sender:
                 self._socket.close()
                 self._socket = None
 
-    def _pack(self, channel: Channel) -> None:
-        """Move the channel's events into batches at the end of the pending queue."""
+    def _pack(self, channel: Channel, opens: list[wire.Open]) -> None:
+        """Move the channel's events, and `opens` with the last of them, into batches at the end of the
+        pending queue."""
         now = time.monotonic_ns()
-        while channel.steps or channel.reads:
+        while channel.steps or channel.reads or opens:
             n_steps = min(len(channel.steps), wire.MAX_EVENTS)
             n_reads = min(len(channel.reads), wire.MAX_EVENTS - n_steps)
             steps, reads = channel.steps[:n_steps], channel.reads[:n_reads]
             del channel.steps[:n_steps], channel.reads[:n_reads]
-            if now < self._absent_until_ns:
-                channel.drop(n_steps + n_reads)
-                continue
+            batch_opens: list[wire.Open] = []
+            if not (channel.steps or channel.reads):
+                batch_opens, opens = opens, []
+            events = n_steps + n_reads
             try:
-                body = wire.encode_body(channel.source, steps, reads)
+                if steps:  # where the trainer's next wait starts (`Channel.last_step_end`)
+                    channel.last_end_ns = steps[-1][3]
+                body = None if now < self._absent_until_ns else wire.encode_body(channel.source, steps, reads,
+                                                                                  batch_opens)
             except Exception:  # a malformed row (struct.error, mostly): the batch is lost, and counted
-                channel.drop(n_steps + n_reads)
+                channel.drop(events)
                 self._report_unpackable()
                 continue
-            while self._pending and self._pending_events + n_steps + n_reads > MAX_PENDING_EVENTS:
+            if body is None:
+                channel.drop(events)
+                continue
+            while self._pending and self._pending_events + events > MAX_PENDING_EVENTS:
                 self._drop_pending(1)  # the oldest goes first: it is the likeliest to be late
-            self._pending.append(_Pending(channel, n_steps, n_reads, body, now))
-            self._pending_events += n_steps + n_reads
+            self._pending.append(_Pending(channel, n_steps, n_reads, len(batch_opens), body, now))
+            self._pending_events += events
 
     def _report_unpackable(self) -> None:
         """Say once per process, as a warning, that batches fail to pack (each is counted as dropped)."""
@@ -224,7 +299,8 @@ class Sender:
                 continue
             channel = batch.channel
             reported = channel.dropped_unreported
-            header = wire.encode_header(channel.source, batch.n_steps, batch.n_reads, reported, now, time.time_ns())
+            header = wire.encode_header(channel.source, batch.n_steps, batch.n_reads, reported, now, time.time_ns(),
+                                        batch.n_open)
             try:
                 self._connected().sendmsg([header, batch.body])
             except BlockingIOError:  # the agent's queue is full: the flush thread retries when it has room

@@ -151,21 +151,22 @@ def _strings(source: Source) -> list[bytes]:
 
 
 def encode_header(
-    source: Source, n_steps: int, n_reads: int, dropped: int, mono_ns: int, wall_ns: int
+    source: Source, n_steps: int, n_reads: int, dropped: int, mono_ns: int, wall_ns: int, n_open: int = 0
 ) -> bytes:
     """A batch's header, packed at send time: the drop count and clocks are those of the moment it leaves."""
     return HEADER.pack(VERSION, len(_strings(source)), 0, source.gpu, source.worker, source.rank, n_steps, n_reads,
-                       dropped, mono_ns, wall_ns)
+                       n_open, dropped, mono_ns, wall_ns)
 
 
-def encode_body(source: Source, steps: Iterable[Step], reads: Iterable[Read]) -> bytes:
-    """What follows the header: the string table and the records, in STEP/READ field order."""
+def encode_body(source: Source, steps: Iterable[Step], reads: Iterable[Read], opens: Iterable[Open] = ()) -> bytes:
+    """What follows the header: the string table and the records, in STEP/READ/OPEN field order."""
     parts: list[bytes] = []
     for string in _strings(source):
         parts += (STRING_LENGTH.pack(len(string)), string)
     # starmap keeps the per-record loop in C: ~90 ns a record here, against ~150 ns for pack_into.
     parts.extend(starmap(STEP.pack, steps))
     parts.extend(starmap(READ.pack, reads))
+    parts.extend(starmap(OPEN.pack, opens))
     return b"".join(parts)
 
 
@@ -178,6 +179,9 @@ def encode(
     dropped: int,
     mono_ns: int,
     wall_ns: int,
+    opens: Sequence[Open] = (),
 ) -> bytes:
-    """One datagram. `steps` and `reads` are tuples in STEP/READ field order, counted by the caller."""
-    return encode_header(source, n_steps, n_reads, dropped, mono_ns, wall_ns) + encode_body(source, steps, reads)
+    """One datagram. `steps` and `reads` are tuples in STEP/READ field order, counted by the caller; `opens`
+    in OPEN field order."""
+    return (encode_header(source, n_steps, n_reads, dropped, mono_ns, wall_ns, len(opens))
+            + encode_body(source, steps, reads, opens))

@@ -2,9 +2,10 @@
 
 The socket and its threads are `receiver.EventReceiver`'s; the collector gets every group of
 datagrams it drained, decodes and validates them (`events_decode`), aggregates the histograms and
-counters with NumPy one batch at a time, and hands the records to the correlator as `step` and
-`read` event batches (`stallwatch.eventbatch`). A full receive queue (`--events.queue-limit`
-events) drops whole batches, counted here.
+counters with NumPy one batch at a time, and hands the records to the correlator as `step`, `read`
+and `open` event batches (`stallwatch.eventbatch`; open records, what a client had in flight, feed
+only the correlator). A full receive queue (`--events.queue-limit` events) drops whole batches,
+counted here.
 
 Cardinality: clients choose job names and ranks, so both are capped per node, and the caps count
 live jobs: a job or (job, rank) that sent nothing for `--events.expire-after` seconds is finished,
@@ -164,7 +165,9 @@ class EventsCollector:
     def _forward(self, accepted: list[tuple[int, Decoded]]) -> None:
         sources = [{"job": job, "rank": d.source.rank, "gpu": self._gpus.index_of(d.source.gpu_uuid, d.source.gpu),
                     "worker": d.source.worker} for job, d in accepted]
-        for kind, records in (("step", [d.steps for _, d in accepted]), ("read", [d.reads for _, d in accepted])):
+        kinds = (("step", [d.steps for _, d in accepted]), ("read", [d.reads for _, d in accepted]),
+                 ("open", [d.opens for _, d in accepted]))
+        for kind, records in kinds:
             if not any(len(part) for part in records):
                 continue
             batch = _event_batch(kind, sources, records)

@@ -1,12 +1,14 @@
 """Decoding and validating one client batch (`stallwatch.client.wire`) into NumPy records.
 
 A batch is accepted whole or rejected whole with one reason from REJECT_REASONS; nothing here
-raises anything but `RejectedBatchError`, whatever the bytes. Checks, in order: the header fits and has our
-version; the string table parses as printable UTF-8 job names of bounded length; the header's job id
-names one of them; the record counts add up to exactly the bytes received; the source and record
-values are in range; and every timestamp is plausible: the batch was sent between `MAX_QUEUE_AGE_NS`
-ago and `FUTURE_SLACK_NS` from now, events end no later than it was sent and start at most
-`MAX_EVENT_AGE_NS` before, each span starts before it ends.
+raises anything but `RejectedBatchError`, whatever the bytes. Checks, in order: the header fits and
+has a version we read (`wire.VERSION`, or 2: `wire.HEADER_V2`, no open records); the string table
+parses as printable UTF-8 job names of bounded length; the header's job id names one of them; the
+record counts add up to exactly the bytes received; the source and record values are in range; and
+every timestamp is plausible: the batch was sent between `MAX_QUEUE_AGE_NS` ago and
+`FUTURE_SLACK_NS` from now, events end no later than it was sent and start at most
+`MAX_EVENT_AGE_NS` before, each span starts before it ends; an open record was open since no
+earlier than that, and looked at (`as_of_ns`) after its start and no later than the batch was sent.
 
 Clocks: `time.monotonic_ns()` is one clock for all processes of a node, except in a container with
 its own time namespace. The header carries the client's monotonic and wall clocks read together;
@@ -45,7 +47,11 @@ def _dtype(fields: Sequence[tuple[str, str]]) -> np.dtype[np.void]:
 
 STEP_DTYPE = _dtype(wire.STEP_FIELDS)
 READ_DTYPE = _dtype(wire.READ_FIELDS)
+OPEN_DTYPE = _dtype(wire.OPEN_FIELDS)
 assert STEP_DTYPE.itemsize == wire.STEP.size and READ_DTYPE.itemsize == wire.READ.size
+assert OPEN_DTYPE.itemsize == wire.OPEN.size
+# The version 2 header, decoded as version 3 with no open records: the fields before n_open, and after.
+_V2_SPLIT = [name for name, _ in wire.HEADER_FIELDS].index("n_open")
 
 Records = npt.NDArray[np.void]
 
@@ -62,25 +68,42 @@ class Decoded:
     dropped: int
     steps: Records
     reads: Records
+    opens: Records  # what the source had in flight (`wire.OPEN_FIELDS`); none from a version 2 client
 
     @property
     def events(self) -> int:
         return len(self.steps) + len(self.reads)
 
 
+def _header(data: bytes) -> tuple[tuple[int, ...], int] | None:
+    """The header's fields in HEADER_FIELDS order (n_open 0 for version 2) and its size; None if the bytes
+    are too few or the version is not one we read."""
+    version = data[0] if data else None
+    if version == wire.VERSION and len(data) >= wire.HEADER.size:
+        return wire.HEADER.unpack_from(data), wire.HEADER.size
+    if version == 2 and len(data) >= wire.HEADER_V2.size:
+        fields = wire.HEADER_V2.unpack_from(data)
+        return (*fields[:_V2_SPLIT], 0, *fields[_V2_SPLIT:]), wire.HEADER_V2.size
+    return None
+
+
+_SMALLEST_RECORD = min(wire.STEP.size, wire.READ.size, wire.OPEN.size)
+
+
 def peek_events(data: bytes, size: int | None = None) -> int:
-    """The events a batch of `size` bytes (default: all of `data`) claims, for queue accounting before
-    it is validated, but never more than its bytes could hold: a forged header must neither fill the
-    queue nor inflate a counter (0 if unreadable)."""
-    if len(data) < wire.HEADER.size:
+    """The records (events and open records) a batch of `size` bytes (default: all of `data`) claims,
+    for queue accounting before it is validated, but never more than its bytes could hold: a forged
+    header must neither fill the queue nor inflate a counter (0 if unreadable)."""
+    found = _header(data)
+    if found is None:
         return 0
-    header = wire.HEADER.unpack_from(data)
-    room = (len(data) if size is None else size) - wire.HEADER.size
-    return min(int(header[6]) + int(header[7]), room // min(wire.STEP.size, wire.READ.size))
+    header, header_size = found
+    room = (len(data) if size is None else size) - header_size
+    return min(int(header[6]) + int(header[7]) + int(header[8]), room // _SMALLEST_RECORD)
 
 
-def _strings(data: bytes, count: int) -> tuple[list[str], int]:
-    strings, offset = [], wire.HEADER.size
+def _strings(data: bytes, count: int, offset: int) -> tuple[list[str], int]:
+    strings = []
     for _ in range(count):
         if offset + wire.STRING_LENGTH.size > len(data):
             raise RejectedBatchError("truncated", "string table")
@@ -101,24 +124,27 @@ def _strings(data: bytes, count: int) -> tuple[list[str], int]:
     return strings, offset
 
 
-def _check_values(rank: int, gpu: int, worker: int, steps: Records, reads: Records) -> None:
+def _check_values(rank: int, gpu: int, worker: int, steps: Records, reads: Records, opens: Records) -> None:
     if rank < 0 or gpu < -1 or worker < -1:
         raise RejectedBatchError("bad_value", "source out of range")
-    if (steps["batch"] < -1).any() or (reads["batch"] < -1).any():
+    if (steps["batch"] < -1).any() or (reads["batch"] < -1).any() or (opens["batch"] < -1).any():
         raise RejectedBatchError("bad_value", "batch below -1")
+    if not np.isin(opens["state"], wire.OPEN_STATES).all():
+        raise RejectedBatchError("bad_value", "unknown open state")
     if ((reads["bytes"] < 0) | (reads["bytes"] > MAX_READ_BYTES)).any():
         raise RejectedBatchError("bad_value", "read bytes out of range")
     if ((reads["verdict"] < wire.VERDICT_UNKNOWN) | (reads["verdict"] > wire.VERDICT_MISS)).any():
         raise RejectedBatchError("bad_value", "unknown verdict")
 
 
-def _check_times(sent_ns: int, steps: Records, reads: Records) -> None:
+def _check_times(sent_ns: int, steps: Records, reads: Records, opens: Records) -> None:
     """Every span in [sent_ns - MAX_EVENT_AGE_NS, sent_ns] and in order, on the client's own clock."""
     oldest = sent_ns - MAX_EVENT_AGE_NS
     spans = (
         (steps["wait_start_ns"], steps["wait_end_ns"]),
         (steps["wait_end_ns"], steps["compute_end_ns"]),
         (reads["start_ns"], reads["end_ns"]),
+        (opens["since_ns"], opens["as_of_ns"]),
     )
     for start, end in spans:
         if len(start) and ((start < oldest) | (start > end) | (end > sent_ns)).any():
@@ -137,30 +163,32 @@ def _shift(records: Records, fields: Sequence[str], offset_ns: int) -> Records:
 
 def decode(data: bytes, now_ns: int, wall_now_ns: int) -> Decoded:
     """Validate and decode one batch; `now_ns` and `wall_now_ns` are the agent's clocks."""
-    if len(data) < wire.HEADER.size:
-        raise RejectedBatchError("truncated", f"{len(data)} bytes, header needs {wire.HEADER.size}")
-    version, n_strings, job, gpu, worker, rank, n_steps, n_reads, dropped, mono_ns, wall_ns = (
-        wire.HEADER.unpack_from(data)
-    )
-    if version != wire.VERSION:
-        raise RejectedBatchError("bad_version", f"version {version}, expected {wire.VERSION}")
-    strings, offset = _strings(data, n_strings)
+    found = _header(data)
+    if found is None:
+        if len(data) >= wire.HEADER_V2.size and data[0] not in (2, wire.VERSION):
+            raise RejectedBatchError("bad_version", f"version {data[0]}, expected 2 or {wire.VERSION}")
+        raise RejectedBatchError("truncated", f"{len(data)} bytes, too few for a header")
+    (_, n_strings, job, gpu, worker, rank, n_steps, n_reads, n_open, dropped, mono_ns, wall_ns), offset = found
+    strings, offset = _strings(data, n_strings, offset)
     if job >= len(strings):
         raise RejectedBatchError("unknown_string", f"job id {job} of {len(strings)} strings")
-    expected = offset + n_steps * wire.STEP.size + n_reads * wire.READ.size
+    reads_at = offset + n_steps * wire.STEP.size
+    opens_at = reads_at + n_reads * wire.READ.size
+    expected = opens_at + n_open * wire.OPEN.size
     if expected > len(data):
         raise RejectedBatchError("truncated", f"{len(data)} bytes, records need {expected}")
     if expected < len(data):
         raise RejectedBatchError("bad_length", f"{len(data) - expected} bytes after the records")
     steps: Records = np.frombuffer(data, STEP_DTYPE, n_steps, offset)
-    reads: Records = np.frombuffer(data, READ_DTYPE, n_reads, offset + n_steps * wire.STEP.size)
-    _check_values(rank, gpu, worker, steps, reads)
+    reads: Records = np.frombuffer(data, READ_DTYPE, n_reads, reads_at)
+    opens: Records = np.frombuffer(data, OPEN_DTYPE, n_open, opens_at)
+    _check_values(rank, gpu, worker, steps, reads, opens)
     if dropped > MAX_DROPPED:
         raise RejectedBatchError("bad_value", "dropped count out of range")
     clock_offset = (wall_ns - mono_ns) - (wall_now_ns - now_ns)  # add to a client time to get ours
     if not 0 < mono_ns < _SANE_NS or abs(clock_offset) > _SANE_NS // 2:
         raise RejectedBatchError("bad_timestamp", "client clock out of range")  # and int64 arithmetic stays exact
-    _check_times(mono_ns, steps, reads)
+    _check_times(mono_ns, steps, reads, opens)
     if abs(clock_offset) <= CLOCK_TOLERANCE_NS:
         clock_offset = 0
     if not now_ns - MAX_QUEUE_AGE_NS <= mono_ns + clock_offset <= now_ns + FUTURE_SLACK_NS:
@@ -170,8 +198,9 @@ def decode(data: bytes, now_ns: int, wall_now_ns: int) -> Decoded:
         steps = _shift(steps, ("wait_start_ns", "wait_end_ns", "compute_end_ns", "ready_ns"), clock_offset)
         steps["ready_ns"][~known] = -1
         reads = _shift(reads, ("start_ns", "end_ns"), clock_offset)
+        opens = _shift(opens, ("since_ns", "as_of_ns"), clock_offset)
     return Decoded(wire.Source(strings[job], rank, gpu, worker, _attributes(strings, job).get(wire.GPU_UUID, "")),
-                   dropped, steps, reads)
+                   dropped, steps, reads, opens)
 
 
 def _attributes(strings: list[str], job: int) -> dict[str, str]:
