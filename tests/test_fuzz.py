@@ -70,7 +70,16 @@ def a_batch() -> bytes:
     now = time.monotonic_ns()
     steps = [(i, now - 3000, now - 2000, now - 1000, now - 2500) for i in range(3)]
     reads = [(1, 7, 4096, now - 2000, now - 1000, wire.VERDICT_MISS)] * 2
-    return wire.encode(wire.Source("fuzz", 1, 0, 2), steps, reads, 3, 2, 0, now, time.time_ns())
+    opens = [(wire.OPEN_READ, 1, 7, now - 900, now - 10), (wire.OPEN_HANDED, 0, 0, now - 2500, now - 10)]
+    return wire.encode(wire.Source("fuzz", 1, 0, 2), steps, reads, 3, 2, 0, now, time.time_ns(), opens)
+
+
+def a_version_2_batch() -> bytes:
+    """As an older client sends it: the header without n_open, no open records."""
+    now = time.monotonic_ns()
+    source = wire.Source("fuzz", 1, 0, 2)
+    header = wire.HEADER_V2.pack(2, 1, 0, source.gpu, source.worker, source.rank, 1, 0, 0, now, time.time_ns())
+    return header + wire.encode_body(source, [(0, now - 3000, now - 2000, now - 1000, -1)], [])
 
 
 @pytest.fixture(scope="module")
@@ -81,7 +90,8 @@ def receiver() -> Iterator[EventsCollector]:
 
 
 @FUZZ
-@given(data=st.one_of(st.binary(max_size=512), st.builds(a_batch).flatmap(mutated)))
+@given(data=st.one_of(st.binary(max_size=512), st.builds(a_batch).flatmap(mutated),
+                      st.builds(a_version_2_batch).flatmap(mutated)))
 def test_event_batches(receiver: EventsCollector, data: bytes) -> None:
     before = total(receiver.collect(), "stallwatch_receiver_batches_total")
     receiver.process([data])
