@@ -20,7 +20,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -51,6 +51,8 @@ from stallwatch.report.windows import run_from_windows
 PROGRESS = re.compile(r"epoch (\d+) step (\d+)/(\d+)")
 SPOKE_NAME = "demo-spoke"
 ALERT_GRACE_SECONDS = 60.0
+RECOVERY_SECONDS = 10.0  # training after an outage, to see the job recover
+RECENT_SCRAPES = 5  # the live line's figures are over the last ~4 s of scrapes, one a second
 JOB = "demo"
 
 # The generated rules, with windows and `for`s short enough for a run of a few minutes.
@@ -80,6 +82,18 @@ class Settings(HubSettings):
     quiet: bool = False
 
     @property
+    def cut_after(self) -> float:
+        """Seconds into training when `--outage` cuts the hub."""
+        return 0.55 * self.duration
+
+    @property
+    def training_seconds(self) -> float:
+        """How long the job trains: `duration`, or longer so that an outage ends before the job does."""
+        if not self.outage:
+            return self.duration
+        return max(self.duration, self.cut_after + self.outage_seconds + RECOVERY_SECONDS)
+
+    @property
     def cache_bytes(self) -> int:
         if self.cache_size is not None:
             return self.cache_size
@@ -97,17 +111,95 @@ class Outcome:
     prometheus: str | None
     started: float
     ended: float
+    cut_at: float | None = None  # unix time the hub was cut
+    fired_at: dict[str, float] = field(default_factory=dict)  # alert -> unix time the webhook last heard it fire
 
 
-def status_line(metrics: Samples, before: Samples | None = None) -> str:
-    """Hit ratio since `before` (else since the start), the rank's input-bound ratio and the job's phase."""
-    requests = c.SPOKE_REQUESTS.name
-    served = total(metrics, requests) - (total(before, requests) if before else 0)
-    hits = total(metrics, requests, result="hit") - (total(before, requests, result="hit") if before else 0)
-    hit = f"{hits / served:4.0%}" if served else "  - "
-    bound = [v for (n, _), v in metrics.items() if n == c.INPUT_BOUND_RATIO.name]
+# (unix time, samples) of one scrape of the agent
+Scrape = tuple[float, Samples]
+
+
+def _since(recent: Sequence[Scrape], name: str, **labels: str) -> float:
+    """How much the counter `name` grew from the first of `recent` to the last (since the start for one)."""
+    last = total(recent[-1][1], name, **labels)
+    return last - total(recent[0][1], name, **labels) if len(recent) > 1 else last
+
+
+def status_line(recent: Sequence[Scrape], firing: Collection[str] = ()) -> str:
+    """What the agent's last scrapes say: the hit ratio, the input-bound ratio (stall over stall plus
+    compute seconds booked), the share of the time the ranks stalled and its main cause, the job's phase,
+    and the alerts firing. Over the scrapes' span, so a stall shows while it lasts (the correlator books it
+    window by window); one scrape: since the start, without the stalled share."""
+    served, hits = _since(recent, c.SPOKE_REQUESTS.name), _since(recent, c.SPOKE_REQUESTS.name, result="hit")
+    causes = {cause: _since(recent, c.STALL_SECONDS.name, cause=cause) for cause in c.CAUSES}
+    stalled, computed = sum(causes.values()), _since(recent, c.COMPUTE_SECONDS.name)
+    parts = [f"hit {hits / served:4.0%}" if served else "hit   - "]
+    if stalled + computed > 0:
+        parts.append(f"input-bound {stalled / (stalled + computed):4.0%}")
+    if len(recent) > 1:
+        parts.append(_stalled(recent, causes))
+    metrics = recent[-1][1]
     phase = next((dict(ls)["phase"] for (n, ls), v in metrics.items() if n == c.WARMUP_PHASE.name and v == 1), "-")
-    return f"hit {hit}  input-bound {max(bound):4.0%}  phase {phase:10}" if bound else f"hit {hit}  phase {phase}"
+    parts.append(f"phase {phase:10}")
+    if firing:
+        parts.append(f"FIRING {', '.join(sorted(firing))}")
+    return "  ".join(parts)
+
+
+def _stalled(recent: Sequence[Scrape], causes: dict[str, float]) -> str:
+    """The share of the scrapes' span the ranks spent stalled, and the cause of most of it."""
+    ranks = len({labels for name, labels in recent[-1][1] if name == c.COMPUTE_SECONDS.name}) or 1
+    seconds = (recent[-1][0] - recent[0][0]) * ranks
+    stalled = sum(causes.values())
+    # Windows are published as they close, so a scrape may hold one window more than the span: clip.
+    share = min(stalled / seconds, 1.0) if seconds > 0 else 0.0
+    cause = max(causes, key=lambda k: causes[k]) if stalled > 0 else ""
+    return f"stalled {share:4.0%} {cause:12}"
+
+
+class LiveLine:
+    """The line the demo keeps rewriting: the epoch's bar from the trainer's progress and the status from
+    the agent's scrapes. Both redraw it: the trainer prints nothing while it waits out an outage, and the
+    scrapes still show the stall. One lock keeps the line and the demo's messages whole."""
+
+    def __init__(self, quiet: bool) -> None:
+        self.quiet = quiet
+        self.started = time.time()
+        self.lock = threading.Lock()
+        self.bar = "starting"
+        self.status = ""
+        self._epoch = 0
+        self._width = 0  # of the line drawn last: a shorter one is padded over it
+
+    def progress(self, epoch: int, step: int, steps: int) -> None:
+        with self.lock:
+            if epoch != self._epoch and self._epoch:
+                self._write("\n")  # keep the finished epoch's bar on its own line
+            self._epoch = epoch
+            done = int(30 * step / steps)
+            self.bar = f"epoch {epoch:2d} [{'#' * done}{'.' * (30 - done)}] {step:3d}/{steps}"
+            self._draw()
+
+    def show(self, status: str) -> None:
+        with self.lock:
+            self.status = status
+            self._draw()
+
+    def say(self, text: str) -> None:
+        """Print `text` on a line of its own, below the live line if one is drawn."""
+        with self.lock:
+            self._write(("\n" if self._width else "") + text + "\n")
+
+    def _draw(self) -> None:
+        line = f"  {self.bar}  {self.status}  {time.time() - self.started:5.0f}s"
+        self._write("\r" + line.ljust(self._width))
+        self._width = len(line)
+
+    def _write(self, text: str) -> None:
+        if not self.quiet:
+            print(text, end="", flush=True)
+        if text.endswith("\n"):
+            self._width = 0
 
 
 class Demo:
@@ -115,17 +207,26 @@ class Demo:
         self.s = settings
         self._stack = contextlib.ExitStack()
         self.alerts: list[dict[str, Any]] = []
+        self.fired_at: dict[str, float] = {}
+        self.firing: set[str] = set()
         self.webhook: Webhook | None = None
+        self.cut_at: float | None = None
+        self.live = LiveLine(settings.quiet)
 
     def say(self, text: str) -> None:
-        if not self.s.quiet:
-            print(text, flush=True)
+        self.live.say(text)
 
     def _on_alert(self, notification: dict[str, Any]) -> None:
         for alert in notification.get("alerts", []):
             self.alerts.append(alert)
-            labels = alert.get("labels", {})
-            self.say(f"\n  ALERT received by the webhook: {labels.get('alertname')} ({alert.get('status')}) "
+            name, status = alert.get("labels", {}).get("alertname", "?"), alert.get("status")
+            if status == "firing":
+                if name not in self.firing:
+                    self.fired_at[name] = time.time()
+                self.firing.add(name)
+            else:
+                self.firing.discard(name)
+            self.say(f"  ALERT received by the webhook: {name} ({status}) "
                      f"{alert.get('annotations', {}).get('description', '')}")
 
     def _start_agent(self, work: Path, spoke: Nginx, hub_url: str) -> AgentProcess:
@@ -144,7 +245,8 @@ class Demo:
         if alertmanager_bin is not None:
             webhook = self.webhook = Webhook(self._on_alert)
             self._stack.callback(webhook.close)
-            alertmanager = start_alertmanager(alertmanager_bin, work / "alertmanager", webhook.url)
+            alertmanager = start_alertmanager(alertmanager_bin, work / "alertmanager", webhook.url,
+                                              send_resolved=True)
             self._stack.callback(alertmanager.close)
             self.say(f"  alertmanager {alertmanager.url} -> webhook {webhook.url}")
         target = agent_url.split("//")[1].split("/", maxsplit=1)[0]
@@ -175,26 +277,29 @@ class Demo:
             agent_url = self._start_agent(work, spoke, hub.url).url
             self.say(f"  agent        {agent_url}")
             prometheus = self._start_monitoring(work, agent_url)
-            started = time.time()
+            if s.training_seconds > s.duration:
+                self.say(f"  the hub is cut {s.cut_after:.0f} s in for {s.outage_seconds:.0f} s: the job trains "
+                         f"{s.training_seconds:.0f} s instead of {s.duration:.0f} s, to recover after it")
+            started = self.live.started = time.time()
             trainer = subprocess.Popen(
                 [sys.executable, "-m", "stallwatch.demo.trainer", "--spoke", spoke.url(), "--shards", str(s.shards),
                  "--batch-size", str(s.batch_size), "--workers", str(s.workers), "--step-seconds",
-                 str(s.step_seconds), "--duration", str(s.duration), "--trace", str(work / "gpu.trace"),
+                 str(s.step_seconds), "--duration", str(s.training_seconds), "--trace", str(work / "gpu.trace"),
                  "--job", JOB],
                 stdout=subprocess.PIPE, stderr=(work / "trainer.log").open("w"), text=True,
                 env=dict(os.environ, STALLWATCH_SOCKET=str(work / "events.sock")),
             )
             self._stack.callback(stop_process, trainer)
-            self._follow(trainer, agent_url, hub, started)
+            self._follow(trainer, agent_url, hub)
             ended = time.time()
             time.sleep(s.window_seconds + CorrelatorSettings().lateness_s + 2)  # the last windows close, get scraped
             if s.outage and self.webhook is not None and not self.alerts:
-                self.say("\n  waiting for the stall alert to travel through Prometheus and Alertmanager")
+                self.say("  waiting for the stall alert to travel through Prometheus and Alertmanager")
                 deadline = time.monotonic() + ALERT_GRACE_SECONDS
                 while not self.alerts and time.monotonic() < deadline:
                     time.sleep(0.5)
             metrics = scrape(agent_url)
-            self.say(f"\nfinal: {status_line(metrics)}")
+            self.say(f"final: {status_line([(time.time(), metrics)])}")
             if while_running is not None:
                 while_running(prometheus.url if prometheus else None, agent_url)
             report_path = work / "report.html"
@@ -204,46 +309,35 @@ class Demo:
             self.say(f"alerts received: {sorted({a['labels']['alertname'] for a in self.alerts}) or 'none'}")
             self.say(f"report: {report_path}")
             return Outcome(report_path, work / "windows.jsonl", list(self.alerts), metrics,
-                           prometheus.url if prometheus else None, started, ended)
+                           prometheus.url if prometheus else None, started, ended, self.cut_at, dict(self.fired_at))
 
-    def _follow(self, trainer: subprocess.Popen[str], agent_url: str, hub: Hub, started: float) -> None:
-        """Print a progress bar per epoch with the live hit ratio, input-bound ratio and phase."""
-        s = self.s
-        outage_at = started + s.duration * 0.55 if s.outage else None
-        status = {"line": ""}
+    def _follow(self, trainer: subprocess.Popen[str], agent_url: str, hub: Hub) -> None:
+        """Show a progress bar per epoch with the live status (`status_line`), until the trainer exits."""
         stop = threading.Event()
-
-        def refresh() -> None:
-            recent: list[Samples] = []  # the last few scrapes: the hit ratio shown is over ~5 s
-            while not stop.wait(1.0):
-                with contextlib.suppress(OSError, ValueError):
-                    recent = [*recent[-4:], scrape(agent_url)]
-                    status["line"] = status_line(recent[-1], recent[0] if len(recent) > 1 else None)
-
-        threading.Thread(target=refresh, daemon=True).start()
+        threading.Thread(target=self._refresh, args=(agent_url, hub, stop), daemon=True).start()
         assert trainer.stdout is not None
-        epoch_seen = 0
         try:
             for line in trainer.stdout:
                 match = PROGRESS.match(line)
-                if not match:
-                    continue
-                epoch, step, steps = (int(g) for g in match.groups())
-                if epoch != epoch_seen and epoch_seen:
-                    self.say("")  # keep the finished epoch's bar on its own line
-                epoch_seen = epoch
-                if outage_at is not None and time.time() >= outage_at:
-                    hub.cut_for(s.outage_seconds)
-                    self.say(f"\n  hub cut for {s.outage_seconds:.0f} s (emulated region-link outage)")
-                    outage_at = None
-                done = int(30 * step / steps)
-                if not s.quiet:
-                    elapsed = time.time() - started
-                    print(f"\r  epoch {epoch:2d} [{'#' * done}{'.' * (30 - done)}] {step:3d}/{steps}  "
-                          f"{status['line']}  {elapsed:5.0f}s", end="", flush=True)
+                if match:
+                    self.live.progress(*(int(g) for g in match.groups()))
         finally:
             stop.set()
             trainer.wait(timeout=60)
+
+    def _refresh(self, agent_url: str, hub: Hub, stop: threading.Event) -> None:
+        """Every second: cut the hub when its time comes, scrape the agent and redraw the live line."""
+        s = self.s
+        cut_at = self.live.started + s.cut_after if s.outage else None
+        recent: list[Scrape] = []
+        while not stop.wait(1.0):
+            if cut_at is not None and time.time() >= cut_at:
+                hub.cut_for(s.outage_seconds)
+                self.cut_at, cut_at = time.time(), None
+                self.say(f"  hub cut for {s.outage_seconds:.0f} s (emulated region-link outage)")
+            with contextlib.suppress(OSError, ValueError):
+                recent = [*recent[1 - RECENT_SCRAPES:], (time.time(), scrape(agent_url))]
+                self.live.show(status_line(recent, self.firing))
 
 
 def _size(text: str) -> int:

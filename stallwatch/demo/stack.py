@@ -70,12 +70,14 @@ class Server:
         stop_process(self.process)
 
 
-def start_alertmanager(binary: str, workdir: Path, webhook_url: str, group_wait: str = "1s") -> Server:
+def start_alertmanager(binary: str, workdir: Path, webhook_url: str, group_wait: str = "1s",
+                       send_resolved: bool = False) -> Server:
+    """`send_resolved`: the webhook also hears when an alert stops firing (the demo's live line drops it)."""
     workdir.mkdir(parents=True, exist_ok=True)
     (workdir / "alertmanager.yml").write_text(yaml.safe_dump({
         "route": {"receiver": "hook", "group_by": ["alertname", "instance"], "group_wait": group_wait,
                   "group_interval": "1s", "repeat_interval": "1h"},
-        "receivers": [{"name": "hook", "webhook_configs": [{"url": webhook_url, "send_resolved": False}]}],
+        "receivers": [{"name": "hook", "webhook_configs": [{"url": webhook_url, "send_resolved": send_resolved}]}],
     }))
     port = free_port()
     return Server([binary, f"--config.file={workdir / 'alertmanager.yml'}", f"--storage.path={workdir / 'data'}",

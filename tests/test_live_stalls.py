@@ -1,0 +1,205 @@
+"""Stalls seen while they last, on the real stack: a real agent fed by a real PyTorch job through the
+client, a real Prometheus scraping it every second, and the demo's outage through Alertmanager.
+
+The client reports what is in flight at each flush (a trainer waiting, a worker's read open) and the
+correlator books an open stall window by window, so the stall counter rises during the stall, the stall
+alert fires during the outage, and a job that ends is not waited for.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from torch.utils.data import DataLoader, Dataset
+
+from stallwatch import catalogue as c
+from stallwatch.client import ReadSpan
+from stallwatch.client.torch import instrument
+from stallwatch.demo.run import DEMO_THRESHOLDS, Demo, Outcome, Settings
+from stallwatch.demo.stack import Server, query, start_prometheus
+from stallwatch.harness import AgentProcess, scrape, total
+from stallwatch.mixin.config import duration_seconds
+from tests.conftest import ROOT, require_binary
+
+pytestmark = pytest.mark.slow
+STALL_THRESHOLD_S = 0.001  # the correlator's: shorter waits are not stalls
+STARVED = "StallwatchGPUsStarvedByRemoteFetches"
+
+
+class Items(Dataset[bytes]):
+    """Small files, each read through the client (`ReadSpan`); the read of item `hang_index` hangs
+    `hang_s` inside its span (a remote read that does not answer), and says on stdout when it began."""
+
+    def __init__(self, folder: str, items: int, hang_index: int, hang_s: float) -> None:
+        self.folder, self.items, self.hang_index, self.hang_s = Path(folder), items, hang_index, hang_s
+
+    def __len__(self) -> int:
+        return self.items
+
+    def __getitem__(self, index: int) -> bytes:
+        path = self.folder / str(index % 8)
+        with ReadSpan(str(path)) as span:
+            if index == self.hang_index:
+                print(json.dumps({"hang_started": time.time()}), flush=True)
+                time.sleep(self.hang_s)
+            data = path.read_bytes()
+            span.bytes = len(data)
+        return data
+
+
+def job(options: dict[str, Any]) -> None:
+    """A small training job (run in a process of its own): two loader workers, a fixed compute per step,
+    epochs until `train_s` has passed. Prints its loop's end (unix time) and its own measure of the steps:
+    the seconds computed and the waits over the stall threshold."""
+    folder = Path(options["folder"])
+    for name in range(8):
+        (folder / str(name)).write_bytes(os.urandom(4096))
+    dataset = Items(str(folder), options["items"], options.get("hang_index", -1), options.get("hang_s", 0.0))
+    loader = instrument(DataLoader(dataset, batch_size=4, num_workers=2), job=options["job"], rank=0)
+    computed = stalled = 0.0
+    deadline = time.monotonic() + options["train_s"]
+    while time.monotonic() < deadline:
+        batches = iter(loader)  # starts the epoch's workers: the client times the waits from here on
+        asked = time.monotonic()
+        for _batch in batches:
+            got = time.monotonic()
+            stalled += got - asked if got - asked > STALL_THRESHOLD_S else 0.0
+            time.sleep(options["compute_s"])
+            asked = time.monotonic()
+            computed += asked - got
+    print(json.dumps({"ended": time.time(), "computed": computed, "stalled": stalled}), flush=True)
+
+
+def start_job(socket: str, **options: Any) -> subprocess.Popen[str]:
+    code = f"import json; from tests.test_live_stalls import job; job(json.loads({json.dumps(options)!r}))"
+    return subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stdout=subprocess.PIPE, text=True,
+                            env=dict(os.environ, STALLWATCH_SOCKET=socket))
+
+
+def next_line(process: subprocess.Popen[str]) -> dict[str, Any]:
+    """The job's next report on stdout."""
+    assert process.stdout is not None
+    line = process.stdout.readline()
+    assert line, f"the job exited ({process.wait()}) without reporting"
+    reply: dict[str, Any] = json.loads(line)
+    return reply
+
+
+@pytest.fixture
+def socket() -> str:
+    return os.path.join(tempfile.mkdtemp(prefix="sw-"), "events.sock")  # short: sun_path holds 108 bytes
+
+
+@pytest.fixture
+def agent(agent_factory: Callable[..., AgentProcess], socket: str) -> AgentProcess:
+    return agent_factory("--events.socket", socket, "--no-collector.gpu", "--no-collector.host")
+
+
+@pytest.fixture
+def prometheus(agent: AgentProcess, tmp_path: Path) -> Iterator[Server]:
+    target = agent.url.split("//")[1].split("/", maxsplit=1)[0]
+    server = start_prometheus(require_binary("prometheus", "prometheus"), tmp_path / "prometheus", [target], [])
+    yield server
+    server.close()
+
+
+def stalls(samples: dict[Any, float], name: str) -> dict[str, float]:
+    return {cause: total(samples, c.STALL_SECONDS.name, training_job=name, cause=cause) for cause in c.CAUSES}
+
+
+def prometheus_stalls(prometheus: str, name: str) -> dict[str, float]:
+    """The job's stall seconds by cause in Prometheus now (its latest samples)."""
+    reply = query(prometheus, f'sum by (cause) ({c.STALL_SECONDS.name}{{training_job="{name}"}})')
+    return {r["metric"]["cause"]: float(r["value"][1]) for r in reply["data"]["result"]}
+
+
+def test_a_hanging_reads_stall_is_booked_while_it_lasts(
+        agent: AgentProcess, prometheus: Server, socket: str, tmp_path: Path) -> None:
+    """A worker's read hangs 20 s; 12 s into it the agent and Prometheus (1 s scrapes) hold 8 s or more of
+    the rank's stall, nearly all remote_fetch (an open read that long is a miss): the counter rises with the
+    stall, within about 2 s of real time, not when the batch finally arrives."""
+    process = start_job(socket, folder=str(tmp_path), job="hang", items=400, hang_index=160, hang_s=20.0,
+                        compute_s=0.05, train_s=1.0)
+    try:
+        hang_started = next_line(process)["hang_started"]
+        before = stalls(scrape(agent.url), "hang")
+        time.sleep(max(0.0, hang_started + 12.0 - time.time()))
+        in_agent, in_prometheus = stalls(scrape(agent.url), "hang"), prometheus_stalls(prometheus.url, "hang")
+        booked = {cause: in_agent[cause] - before[cause] for cause in c.CAUSES}
+        assert sum(booked.values()) >= 8.0, (booked, before)
+        assert booked["remote_fetch"] >= 0.9 * sum(booked.values()), booked
+        assert sum(in_prometheus.values()) - sum(before.values()) >= 8.0, (in_prometheus, before)
+        print(f"12 s into the hang: {sum(booked.values()):.2f} s booked on /metrics, "
+              f"{sum(in_prometheus.values()) - sum(before.values()):.2f} s in Prometheus, by cause {booked}")
+        assert next_line(process)["ended"] > hang_started + 20.0
+    finally:
+        process.kill()
+        process.wait()
+
+
+def test_a_short_jobs_series_reach_the_agent_within_3_s_of_its_end(
+        agent: AgentProcess, socket: str, tmp_path: Path) -> None:
+    """A job trains 5 s and exits; its rank's stall and compute seconds, all of them (its own measure), are
+    on the agent's /metrics within 3 s of its loop's end: the agent does not wait for the ended rank."""
+    process = start_job(socket, folder=str(tmp_path), job="short", items=200, compute_s=0.02, train_s=5.0)
+    truth = next_line(process)
+    seen: list[tuple[float, float, float]] = []  # (unix time, stall, compute seconds on /metrics)
+    while time.time() < truth["ended"] + 10.0:
+        samples = scrape(agent.url)
+        seen.append((time.time(), sum(stalls(samples, "short").values()),
+                     total(samples, c.COMPUTE_SECONDS.name, training_job="short")))
+        time.sleep(0.1)
+    assert process.wait(timeout=30) == 0
+    final = seen[-1][1:]
+    assert final[1] == pytest.approx(truth["computed"], rel=0.02, abs=0.02), (final, truth)
+    assert final[0] == pytest.approx(truth["stalled"], rel=0.05, abs=0.05), (final, truth)
+    reached = next(at for at, *values in seen if tuple(values) == final)
+    assert reached - truth["ended"] <= 3.0, (reached - truth["ended"], seen[:40])
+    print(f"the short job's last seconds on /metrics {reached - truth['ended']:.2f} s after its end")
+
+
+@pytest.fixture(scope="module")
+def outage(tmp_path_factory: pytest.TempPathFactory) -> tuple[Outcome, dict[str, list[float]]]:
+    """The demo with a 60 s outage, cut 22 s in (so the job trains 92 s), and the times Prometheus had
+    the starvation alert pending and firing."""
+    for binary, package in (("nginx", "nginx-light"), ("prometheus", "prometheus"),
+                            ("prometheus-alertmanager", "prometheus-alertmanager")):
+        require_binary(binary, package)
+    settings = Settings(duration=40, shards=48, shard_mib=1, bandwidth_mbit=100, outage=True, outage_seconds=60,
+                        quiet=True, workdir=tmp_path_factory.mktemp("outage"))
+    states: dict[str, list[float]] = {}
+
+    def alert_states(prometheus: str | None, agent: str) -> None:
+        assert prometheus is not None
+        reply = query(prometheus, f'ALERTS{{alertname="{STARVED}"}}[10m]')["data"]["result"]
+        for series in reply:
+            states.setdefault(series["metric"]["alertstate"], []).extend(float(at) for at, _ in series["values"])
+
+    return Demo(settings).run(while_running=alert_states), states
+
+
+def test_the_outage_alert_fires_during_the_outage(outage: tuple[Outcome, dict[str, list[float]]]) -> None:
+    """The starvation alert, not firing when the hub is cut, fires while it is still cut, and no later than
+    the cut plus its `for`, its rate window and 30 s: the stall is booked as it lasts, not after the outage."""
+    outcome, states = outage
+    cut = outcome.cut_at
+    assert cut is not None and STARVED in outcome.fired_at, (outcome.alerts, states)
+    firing = states.get("firing", [])
+    assert not [at for at in firing if cut - 2.0 <= at <= cut], "already firing when the hub was cut"
+    fired = min(at for at in firing if at > cut)
+    pending = min(at for at in states.get("pending", []) if at > cut - 2.0)
+    received = outcome.fired_at[STARVED]
+    since_cut = {"pending": pending - cut, "firing": fired - cut, "received": received - cut}
+    deadline = cut + duration_seconds(DEMO_THRESHOLDS.gpu_starved_for) + duration_seconds(
+        DEMO_THRESHOLDS.rate_window) + 30.0
+    assert fired <= received < min(cut + 60.0, deadline), since_cut
+    print(f"starvation alert after the cut (s): {since_cut}")
