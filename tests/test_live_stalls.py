@@ -26,7 +26,7 @@ from stallwatch.client import ReadSpan
 from stallwatch.client.torch import instrument
 from stallwatch.demo.run import DEMO_THRESHOLDS, Demo, Outcome, Settings
 from stallwatch.demo.stack import Server, query, start_prometheus
-from stallwatch.harness import AgentProcess, scrape, total
+from stallwatch.harness import AgentProcess, Samples, scrape, total
 from stallwatch.mixin.config import duration_seconds
 from tests.conftest import ROOT, require_binary
 
@@ -112,7 +112,7 @@ def prometheus(agent: AgentProcess, tmp_path: Path) -> Iterator[Server]:
     server.close()
 
 
-def stalls(samples: dict[Any, float], name: str) -> dict[str, float]:
+def stalls(samples: Samples, name: str) -> dict[str, float]:
     return {cause: total(samples, c.STALL_SECONDS.name, training_job=name, cause=cause) for cause in c.CAUSES}
 
 
