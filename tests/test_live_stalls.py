@@ -24,7 +24,7 @@ from torch.utils.data import DataLoader, Dataset
 from stallwatch import catalogue as c
 from stallwatch.client import ReadSpan
 from stallwatch.client.torch import instrument
-from stallwatch.demo.run import DEMO_THRESHOLDS, Demo, Outcome, Settings
+from stallwatch.demo.run import DEMO_THRESHOLDS, Demo, Outcome, Settings, status_line
 from stallwatch.demo.stack import Server, query, start_prometheus
 from stallwatch.harness import AgentProcess, Samples, scrape, total
 from stallwatch.mixin.config import duration_seconds
@@ -203,3 +203,19 @@ def test_the_outage_alert_fires_during_the_outage(outage: tuple[Outcome, dict[st
         DEMO_THRESHOLDS.rate_window) + 30.0
     assert fired <= received < min(cut + 60.0, deadline), since_cut
     print(f"starvation alert after the cut (s): {since_cut}")
+
+
+def test_the_demos_live_line_shows_a_stall_from_the_last_scrapes() -> None:
+    """Over the scrapes' span: the share of it the rank stalled and the main cause, the input-bound ratio of
+    the seconds booked in it, the alerts firing; a series the agent forgot and began again counts from 0."""
+    def stall(cause: str) -> tuple[str, tuple[tuple[str, str], ...]]:
+        return c.STALL_SECONDS.name, (("cause", cause), ("rank", "0"), ("training_job", "demo"))
+
+    compute = (c.COMPUTE_SECONDS.name, (("rank", "0"), ("training_job", "demo")))
+    first = {stall("remote_fetch"): 10.0, stall("delivery"): 1.0, compute: 50.0}
+    during = {stall("remote_fetch"): 13.8, stall("delivery"): 1.0, compute: 50.0}
+    line = status_line([(100.0, first), (102.0, {}), (104.0, during)], {STARVED})
+    assert "input-bound 100%" in line and "stalled  95% remote_fetch" in line and f"FIRING {STARVED}" in line
+    forgotten = {stall("remote_fetch"): 300.0, stall("delivery"): 5.0, compute: 50.0}
+    began_again = {stall("remote_fetch"): 0.5, stall("delivery"): 3.0, compute: 1.0}
+    assert "stalled  88% delivery" in status_line([(100.0, forgotten), (104.0, began_again)])

@@ -38,7 +38,6 @@ from stallwatch.harness import (
     find_binary,
     scrape,
     stop_process,
-    total,
     wait_for,
 )
 from stallwatch.mixin.alerts import render_alerting_rules
@@ -120,9 +119,15 @@ Scrape = tuple[float, Samples]
 
 
 def _since(recent: Sequence[Scrape], name: str, **labels: str) -> float:
-    """How much the counter `name` grew from the first of `recent` to the last (since the start for one)."""
-    last = total(recent[-1][1], name, **labels)
-    return last - total(recent[0][1], name, **labels) if len(recent) > 1 else last
+    """How much the counter `name` grew from the first of `recent` to the last (since the start for one),
+    summed over its series; a series that went down was reset (the agent forgot it and began it again),
+    and grew by its whole last value, as Prometheus's increase() counts it."""
+    first = recent[0][1] if len(recent) > 1 else {}
+    grown = 0.0
+    for key, value in recent[-1][1].items():
+        if key[0] == name and all((k, x) in key[1] for k, x in labels.items()):
+            grown += value if value < first.get(key, 0.0) else value - first.get(key, 0.0)
+    return grown
 
 
 def status_line(recent: Sequence[Scrape], firing: Collection[str] = ()) -> str:
