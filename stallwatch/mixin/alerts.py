@@ -3,6 +3,13 @@
 Every threshold and `for` comes from one `Thresholds` instance (`config.py`); alert names are CamelCase
 with the shared `ALERT_PREFIX`. Where a recording rule exists the alert reads it (`rules.py`). The
 runbook text of each alert is rendered into docs/runbooks.md (`runbooks.py`).
+
+An alert that reads the correlator's series itself (the hub alert's stall share, the warm-up phase, the
+count of a job's GPUs) reads them now, with no `offset`: unlike a recording rule it is evaluated again
+at every evaluation, so a sample that arrives late counts from the next one on. The newest
+`correlator_lag` of its window is still empty at each evaluation: a 5 min rate reads at most that share
+(about 6 % with the defaults) low, and a condition holds at most that much later, for as long as it holds. An offset
+would delay it by the whole lag instead.
 """
 
 from __future__ import annotations

@@ -31,10 +31,12 @@ def duration_seconds(duration: str) -> float:
 def correlator_lag(settings: CorrelatorSettings, scrape_interval: str) -> str:
     """How long after its sample timestamp (its window's end) a correlator series can be read in Prometheus,
     at most, as a duration in whole seconds: the window closes the lateness after its end, or up to `gpu_gap`
-    later while a GPU's next sample is awaited; the hold keeps it while a stall is under way across its end
-    (one window allowed for that: docs/attribution.md); the next scrape takes it."""
-    closed = settings.lateness_s + settings.gpu_gap_s
-    return f"{math.ceil(closed + settings.window_s + duration_seconds(scrape_interval))}s"
+    later while a GPU's next sample is awaited; the next scrape takes it. A stall under way no longer holds
+    its window (its seconds are booked as they accrue: docs/attribution.md), so no window is allowed for the
+    hold. Whole seconds strictly past the sum: the correlator closes windows on a 0.1 s tick and a scrape
+    takes its own time, which a sum that is already whole would leave uncovered."""
+    published = settings.lateness_s + settings.gpu_gap_s + duration_seconds(scrape_interval)
+    return f"{math.floor(published) + 1}s"
 
 
 def _doc(text: str) -> dict[str, str]:
@@ -102,10 +104,10 @@ class Thresholds:
     agent_scrape_interval: str = field(default="15s", metadata=_doc(
         "How often Prometheus scrapes the agents (the chart's ServiceMonitor default); part of `correlator_lag`."))
     correlator_lag: str = field(default="", metadata=_doc(
-        "How far back the job-level recording rules read the correlator's series (`offset`), so that every "
-        "sample of their window has arrived: the correlator's samples carry their window's end but are "
-        "scrapeable only this long after it. Empty: derived from the correlator's default window, lateness and "
-        "GPU gap and `agent_scrape_interval` (`config.correlator_lag`); the recorded series lag the events by it."))
+        "How far back every recording rule reads the correlator's series (`offset`), so that every sample it "
+        "reads has arrived: the correlator's samples carry their window's end but are "
+        "scrapeable only this long after it. Empty: derived from the correlator's default lateness and GPU gap "
+        "and `agent_scrape_interval` (`config.correlator_lag`); the recorded series lag the events by it."))
     runbook_base_url: str = field(default="docs/runbooks.md", metadata=_doc(
         "Where docs/runbooks.md is served; each alert's runbook_url is this plus the alert's anchor."))
 

@@ -42,6 +42,11 @@ def selector(metric: AnyMetricDef, *matchers: str, suffix: str = "") -> str:
     return f"{metric.name}{suffix}{body}"
 
 
+def back(metric: AnyMetricDef, offset: str, *matchers: str) -> str:
+    """`name{matchers} offset 19s`: a gauge's value as of `offset` ago."""
+    return f"{selector(metric, *matchers)} offset {offset}"
+
+
 def rate(metric: AnyMetricDef, window: str, *matchers: str, suffix: str = "", offset: str = "") -> str:
     """`rate(name{matchers}[window])`, read `offset` back (`offset 25s`) when given."""
     if metric.kind is Kind.GAUGE:

@@ -1,6 +1,15 @@
 """The recording rules (`alerts/recording-rules.yaml`) that the alerts and cluster-wide views read.
 
 Names follow `level:metric:operation`; rates are over `Thresholds.rate_window`.
+
+The correlator's series carry their window's end as sample timestamp but reach Prometheus only up to
+`correlator_lag` later (config.py), stall seconds included: a stall's are booked as they accrue, on time,
+but each sample is still stamped before it is scrapeable. A recording rule is evaluated once and keeps what
+it found, so one evaluated now would find the newest `correlator_lag` of its window still empty and
+under-count it for good, or record a gauge's value from before that lag as the value now. Every rule that
+reads the correlator's series therefore reads them `correlator_lag` back (`offset`), once every sample it
+reads is in; the recorded series lag the events by that. The spoke rules read series stamped at the scrape,
+which are complete the moment they are scrapeable, and need no offset.
 """
 
 from __future__ import annotations
@@ -8,23 +17,25 @@ from __future__ import annotations
 from stallwatch import catalogue as c
 from stallwatch.mixin.config import Thresholds
 from stallwatch.mixin.prometheus import RecordingRule, RuleGroup, render_rules
-from stallwatch.mixin.promql import by, rate, selector
+from stallwatch.mixin.promql import back, by, rate
 
 J = c.JOB_LABEL
 
 
 def stall_rate_rule(t: Thresholds) -> RecordingRule:
     return RecordingRule(f"{J}_cause:{c.STALL_SECONDS.name.removesuffix('_total')}:rate{t.rate_window}",
-                         by(f"{J}, cause", "sum", rate(c.STALL_SECONDS, t.rate_window)))
+                         by(f"{J}, cause", "sum", rate(c.STALL_SECONDS, t.rate_window, offset=t.correlator_lag)))
 
 
 def gpu_stall_idle_rule(t: Thresholds) -> RecordingRule:
     return RecordingRule(f"{J}_cause:{c.GPU_STALL_IDLE_SECONDS.name.removesuffix('_total')}:rate{t.rate_window}",
-                         by(f"{J}, cause", "sum", rate(c.GPU_STALL_IDLE_SECONDS, t.rate_window)))
+                         by(f"{J}, cause", "sum",
+                            rate(c.GPU_STALL_IDLE_SECONDS, t.rate_window, offset=t.correlator_lag)))
 
 
 def input_bound_rule(t: Thresholds) -> RecordingRule:
-    return RecordingRule(f"{J}:{c.INPUT_BOUND_RATIO.name}:avg", by(J, "avg", selector(c.INPUT_BOUND_RATIO)))
+    return RecordingRule(f"{J}:{c.INPUT_BOUND_RATIO.name}:avg",
+                         by(J, "avg", back(c.INPUT_BOUND_RATIO, t.correlator_lag)))
 
 
 def hit_ratio_rule(t: Thresholds) -> RecordingRule:
@@ -46,11 +57,6 @@ def spoke_bytes_rule(t: Thresholds) -> RecordingRule:
 # (Prometheus evaluates every node's counters at the same wall-clock instants, so the windows line up
 # across nodes); times the job's GPUs it is the GPU-seconds the job lost. The sum over nodes bounds it
 # from above. docs/attribution.md gives the error bound.
-#
-# The correlator's counters carry their window's end as sample timestamp but reach Prometheus only
-# `correlator_lag` later, so a rule evaluated now would find the newest part of its window still empty
-# and under-count it, for good (a rule is evaluated once). The job rules' rates therefore read their
-# window `correlator_lag` back, once every sample of it is in; the recorded series lag the events by that.
 JOB_KEY = f"cluster, {J}"  # a job's name is unique within its cluster
 RANK_KEY = f"{JOB_KEY}, instance, node, rank"
 STALL = c.STALL_SECONDS.name.removesuffix("_total")

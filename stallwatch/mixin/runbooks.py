@@ -29,7 +29,10 @@ def render_runbooks() -> str:
     ]
     lines += [f"| `{f.name}` | `{getattr(t, f.name)}` | {f.metadata['doc']} |" for f in fields(t)]
     lines += ["", "## Recording rules", "", "The alerts and cluster-wide views read these "
-              "(`level:metric:operation`).", "", "| record | expression |", "|---|---|"]
+              "(`level:metric:operation`). Those made from the correlator's series read them `correlator_lag` "
+              f"({t.correlator_lag}) back, once every sample is in, so each stands that far behind the raw "
+              "series it is made from (docs/attribution.md, \"Read a lag back\").",
+              "", "| record | expression |", "|---|---|"]
     lines += [f"| `{r.record}` | `{r.expr}` |" for g in recording_groups(t) for r in g.rules
               if isinstance(r, RecordingRule)]
     for alert in all_alerts(t):
