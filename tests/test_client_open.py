@@ -28,6 +28,7 @@ class Datagrams:
 
     def __init__(self, path: str) -> None:
         self._socket = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)  # as the agent's
         self._socket.bind(path)
         self._socket.settimeout(0.1)
         self.decoded: list[Decoded] = []
@@ -115,10 +116,18 @@ def test_a_hanging_read_is_seen_while_it_hangs(datagrams: Datagrams, tmp_path: P
     for _ in loader:
         time.sleep(0.01)
     looped_at = time.monotonic_ns()
-    wait_for("the loop's end at the agent", lambda: bool(datagrams.opens(wire.OPEN_ENDED)), 10)
     hung_key = read_key(str(paths[HANG_INDEX]), 0)
-    (hung,) = [read for read in datagrams.rows("reads") if read["key"] == hung_key]
+
+    def hung_reads() -> list[dict[str, int]]:
+        return [read for read in datagrams.rows("reads") if read["key"] == hung_key]
+
+    # The workers' last datagrams may come after the trainer's (a busy machine delays their flushes).
+    wait_for("the loop's end and the hung read at the agent",
+             lambda: bool(datagrams.opens(wire.OPEN_ENDED) and hung_reads()), 10)
+    (hung,) = hung_reads()
     batch = hung["batch"]
+    wait_for("the hung batch's handover", lambda: any(
+        record["batch"] == batch for record in datagrams.opens(wire.OPEN_HANDED)), 10)
     steps = {step["batch"]: step for step in datagrams.rows("steps")}
     assert len(steps) == 4 and hung["end_ns"] - hung["start_ns"] >= HANG_S * 1e9
 
