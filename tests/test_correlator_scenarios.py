@@ -267,8 +267,9 @@ def test_delivery_after_the_worker_handed_the_batch_over_is_its_own_cause(
     outcome = correlate(Scenario([spec], cache_bytes=800 * MB, prewarm=prewarm, seed=seed))
     assert_every_rank_close(outcome)
     assert_gpu_idle_close(outcome)
-    stall = outcome.stall_by_rank()[(0, 0)]
-    assert stall[DELIVERY] > 0.1 * stall.sum()
+    # Delivery is booked as such (a cold spoke's fetches can make it a small share of the stall: seed 14169).
+    truth = outcome.generated.truth.stall_s[(0, 0)]
+    assert outcome.stall_by_rank()[(0, 0)][DELIVERY] > 0.9 * truth[DELIVERY] > 0
 
 
 @pytest.mark.parametrize("spec, scenario", [

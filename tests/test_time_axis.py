@@ -190,7 +190,9 @@ def test_the_window_file_draws_an_open_stall_where_the_gpu_idles(outage_s: float
     end = back + 5.0
     writer = WindowFileWriter(tmp_path / "windows.jsonl")
     hold = WindowHold(60.0, [writer.write], wall_offset=lambda: 0)
-    correlator = CorrelatorPipeline(CorrelatorSettings(), listeners=[hold.add])
+    retired: list[float] = []  # when the job was taken for gone (its series would go, its counters restart)
+    correlator = CorrelatorPipeline(CorrelatorSettings(), listeners=[hold.add, lambda r: retired.extend(
+        [(r.end_ns - BASE_NS) / S] * len(r.retired_jobs))])
     correlator.run(in_time_order([
         gpu_idle_while(cut, back, end), regular(0, 0, 0.0, cut), miss(0, 0, 20, cut, back - 0.5),
         steps(0, 0, [(cut, back, back + 0.1)], first_batch=20), regular(0, 0, back + 0.1, end, first_batch=21),
@@ -198,6 +200,7 @@ def test_the_window_file_draws_an_open_stall_where_the_gpu_idles(outage_s: float
         in_flight(0, 0, cut, back, wire.OPEN_BATCH, 20, 0)]))
     hold.flush()
     writer.close()
+    assert not retired  # a rank seen waiting is alive, however long it waits (jobs expire after 120 s without)
     run = run_from_windows(tmp_path / "windows.jsonl")
     remote = run.stall_by_cause["remote_fetch"]
     t = remote.t - (BASE_NS / S)  # the window file's times are the events' (wall offset 0)

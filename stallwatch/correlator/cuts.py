@@ -27,7 +27,7 @@ import numpy.typing as npt
 
 from stallwatch.correlator.attribution import Attribution, Reads, Steps, attribute
 from stallwatch.correlator.inflight import InFlight
-from stallwatch.correlator.intervals import I64
+from stallwatch.correlator.intervals import I64, composite_key
 
 
 @dataclass(frozen=True)
@@ -125,19 +125,32 @@ class EarlyBooking:
         return dataclasses.replace(piece, wait_start=begin[rows], wait_end=until, compute_end=until)
 
     def note(self, steps: Steps, *, own: bool) -> None:
-        """Steps received: this window's (`own`: booked whole now, so their waits are over and known) or those
-        buffered for later windows (they say only which batch the rank took last)."""
-        for job, rank, until, batch, gpu in zip(steps.job.tolist(), steps.rank.tolist(), steps.compute_end.tolist(),
-                                                steps.batch.tolist(), steps.gpu.tolist(), strict=True):
+        """Steps received: this window's (`own`: booked whole now, so their waits are over and known, and the batch
+        taken last) or those buffered for later windows (they say only the rank's GPU). A loop per rank."""
+        if not len(steps):
+            return
+        _, first, group = np.unique(composite_key(steps.job, steps.rank), return_index=True, return_inverse=True)
+        until = np.full(first.size, -1, dtype=np.int64)
+        batch = np.full(first.size, -1, dtype=np.int64)
+        np.maximum.at(until, group, steps.compute_end)
+        np.maximum.at(batch, group, steps.batch)
+        for job, rank, gpu, newest, taken in zip(steps.job[first].tolist(), steps.rank[first].tolist(),
+                                                 steps.gpu[first].tolist(), until.tolist(), batch.tolist(),
+                                                 strict=True):
             had = self._stepped.get((job, rank)) or _Stepped(-1, -1, gpu)
-            self._stepped[(job, rank)] = _Stepped(max(had.until_ns, until) if own else had.until_ns,
-                                                  max(had.batch, batch), gpu)
+            self._stepped[(job, rank)] = (_Stepped(max(had.until_ns, newest), max(had.batch, taken), gpu) if own
+                                          else _Stepped(had.until_ns, had.batch, gpu))
 
-    def book_open(self, flight: InFlight, end_ns: int) -> Steps:
+    def book_open(self, flight: InFlight, end_ns: int, later: Steps | None) -> Steps:
         """The open waits' parts before `end_ns` not booked yet, up to when each was last seen open, as rows
         with no compute, now booked. A wait whose step's own window closed is over (its report is history); one
-        whose step is buffered for a later window is booked so too, unless `book` booked it early. Each row's batch
-        is the one in flight the rank waits for, with its handover when done."""
+        whose step is buffered for a later window is booked so too, unless `book` booked it early, with the step's
+        batch and handover. Otherwise each row's batch is the one in flight the rank waits for, with its handover
+        when done."""
+        received = {} if later is None else {
+            (job, rank, start): (batch, ready) for job, rank, start, batch, ready in zip(
+                later.job.tolist(), later.rank.tolist(), later.wait_start.tolist(), later.batch.tolist(),
+                later.ready.tolist(), strict=True)}
         rows = []
         for (job, rank), wait in flight.waits.items():
             stepped = self._stepped.get((job, rank))
@@ -149,7 +162,8 @@ class EarlyBooking:
             if until <= begin:
                 continue
             self._until[key] = until
-            batch, ready = flight.awaited((job, rank), stepped.batch if stepped else -1)
+            batch, ready = received.get(key) or flight.awaited((job, rank), _taken_before(
+                stepped.batch if stepped else -1, later, job, rank, wait.since_ns))
             gpu = wait.gpu if wait.gpu >= 0 or stepped is None else stepped.gpu
             rows.append((job, rank, gpu, batch, begin, until, until, ready))
         columns = np.array(rows, dtype=np.int64).reshape(-1, 8)
@@ -180,3 +194,12 @@ class EarlyBooking:
 
 
 FOREVER = np.iinfo(np.int64).max
+
+
+def _taken_before(taken: int, later: Steps | None, job: int, rank: int, since_ns: int) -> int:
+    """The last batch the rank took before its wait since `since_ns`: its steps buffered for later windows count
+    when their waits came before (those after it may be in already, since events arrive out of order)."""
+    if later is None:
+        return taken
+    before = later.batch[(later.job == job) & (later.rank == rank) & (later.wait_start < since_ns)]
+    return max(taken, int(before.max())) if before.size else taken

@@ -45,17 +45,18 @@ class InFlight:
     waits: dict[RankKey, Wait]  # trainers whose latest report is an open wait
     ended: dict[RankKey, int]  # trainers whose loop ended (when), as they last said
     work: dict[RankKey, list[Work]]  # per rank, its workers' latest reports
+    # Per rank, every batch its workers reported at hand (building, reading or handed over), and when it was handed
+    # over (-1: not seen handed over). Not only the latest reports: a worker may be on its next batch already.
+    batches: dict[RankKey, dict[int, int]]
 
     def awaited(self, rank: RankKey, after_batch: int) -> tuple[int, int]:
-        """The batch the rank's wait is for, the oldest one in flight past `after_batch` (-1 unknown), and when
-        its worker handed it over (-1: not yet)."""
-        batches = [b for w in self.work.get(rank, ()) for b in (w.building, w.handed, w.read_batch)
-                   if b > after_batch]
+        """The batch the rank's wait is for, the oldest one reported past `after_batch` (-1 unknown), and when its
+        worker handed it over (-1: not yet)."""
+        batches = [b for b in self.batches.get(rank, {}) if b > after_batch]
         if not batches:
             return -1, -1
         batch = min(batches)
-        handed = [w.handed_ns for w in self.work.get(rank, ()) if w.handed == batch]
-        return batch, handed[0] if handed else -1
+        return batch, self.batches[rank][batch]
 
     def open_reads(self) -> Columns:
         """The reads still open, as read rows ending when last seen open (`end_ns` = as of)."""
@@ -76,6 +77,23 @@ def _latest_reports(opens: Columns) -> Columns:
     np.maximum.at(newest, source, opens["as_of_ns"].astype(np.int64))
     latest = opens["as_of_ns"] == newest[source]
     return {name: column[latest] for name, column in opens.items()}
+
+
+def _batches(opens: Columns) -> dict[RankKey, dict[int, int]]:
+    """Per rank, each batch its workers reported, with its handover time (-1 none). A loop per distinct batch."""
+    worked = (opens["worker"] >= 0) & (opens["batch"] >= 0)
+    handed = np.where(opens["state"] == wire.OPEN_HANDED, opens["since_ns"], -1)[worked]
+    key = composite_key(opens["job"][worked], opens["rank"][worked], opens["batch"][worked])
+    if key.size == 0:
+        return {}
+    _, first, group = np.unique(key, return_index=True, return_inverse=True)
+    when = np.full(first.size, -1, dtype=np.int64)
+    np.maximum.at(when, group, handed)
+    out: dict[RankKey, dict[int, int]] = {}
+    for job, rank, batch, at in zip(opens["job"][worked][first].tolist(), opens["rank"][worked][first].tolist(),
+                                    opens["batch"][worked][first].tolist(), when.tolist(), strict=True):
+        out.setdefault((job, rank), {})[batch] = at
+    return out
 
 
 def in_flight(opens: Columns) -> InFlight:
@@ -105,4 +123,4 @@ def in_flight(opens: Columns) -> InFlight:
         by_rank.setdefault((job, rank), []).append(Work(
             w.get("building", -1), w.get("handed", -1), w.get("handed_ns", -1), w.get("read_batch", -1),
             w.get("read_key", 0), w.get("read_since", -1), w["as_of"]))
-    return InFlight(waits, ended, by_rank)
+    return InFlight(waits, ended, by_rank, _batches(opens))

@@ -76,6 +76,7 @@ class JobWindow:
     stall_idle_gpu_seconds: float
     stall_start_ns: npt.NDArray[np.int64]  # this window's stalls
     stall_end_ns: npt.NDArray[np.int64]
+    waiting: bool = False  # a rank of the job was seen waiting in this window: it is alive, though it took no step
 
 
 @dataclass
@@ -111,8 +112,9 @@ class WarmupTracker:
         ratio = state.span.hit_ratio()
         if ratio is not None:
             state.hit_ratio = ratio
-        if seen.steps:
+        if seen.steps or seen.waiting:
             state.last_step_ns = end_ns
+        if seen.steps:
             state.ranks = seen.ranks
         if state.unconfirmed_until_ns is not None and seen.steps:
             until = state.unconfirmed_until_ns
@@ -169,7 +171,7 @@ class WarmupTracker:
         return (STEADY, None) if state.span.dispersion() <= allowed else (TRANSITION, DISPERSION)
 
     def expire(self, now_ns: int) -> list[int]:
-        """Forget jobs with no step for `expiry_s`; their ids, so their series can go too."""
+        """Forget jobs with no step, and no rank seen waiting, for `expiry_s`; their ids, so their series can go too."""
         gone = [job for job, state in self.jobs.items() if now_ns - state.last_step_ns > self.settings.expiry_s * 1e9]
         for job in gone:
             del self.jobs[job]

@@ -109,7 +109,7 @@ class WindowAnalyser:
         own = dataclasses.replace(steps, wait_start=self._booking.unbooked_from(steps, stalled, release=True))
         early = (self._booking.book(later, later_stalled, end, window.watermark_ns) if later
                  else own.take(slice(0, 0)))
-        live = self._booking.book_open(flight, end)
+        live = self._booking.book_open(flight, end, later)
         rows = Steps(*(np.concatenate(parts) for parts in zip(own.columns(), early.columns(), live.columns(),
                                                               strict=True)))
         n = len(rows)
@@ -127,7 +127,8 @@ class WindowAnalyser:
         spans = _spans(here, cut.stalled[:n])
         # Warm-up takes the GPU idle time of the stalls booked now, in whichever window they lie.
         idle_by_job = {job: float(idle[cut.steps.job == job].sum()) / 1e9 for job in np.unique(cut.steps.job).tolist()}
-        jobs = self._jobs(window, steps, stalled, received, in_window, raw["bytes"], idle_by_job, spans)
+        jobs = self._jobs(window, steps, stalled, received, in_window, raw["bytes"], idle_by_job, spans,
+                          set(live.job.tolist()))
         order = np.argsort(raw["end_ns"][in_window], kind="stable")
         self.whatif.feed(raw["key"][in_window][order], raw["bytes"][in_window][order])
         whatif: dict[float, float] = {}
@@ -219,7 +220,8 @@ class WindowAnalyser:
         return tuple(GpuRow(int(k[0]), int(k[1]), tuple(map(float, s))) for k, s in zip(keys, sums, strict=True))
 
     def _jobs(self, window: WindowInput, steps: Steps, stalled: np.ndarray, reads: Reads, in_window: np.ndarray,
-              sizes: np.ndarray, idle_by_job: Mapping[int, float], spans: Mapping[int, Spans]) -> tuple[JobRow, ...]:
+              sizes: np.ndarray, idle_by_job: Mapping[int, float], spans: Mapping[int, Spans],
+              waiting: set[int]) -> tuple[JobRow, ...]:
         read_jobs = reads.job[in_window]
         for job, first in self._earliest(steps, reads, in_window).items():
             self._first_seen[job] = min(self._first_seen.get(job, first), first)
@@ -241,6 +243,7 @@ class WindowAnalyser:
                 stall_idle_gpu_seconds=idle_by_job.get(job, 0.0),
                 stall_start_ns=steps.wait_start[mine & stalled],
                 stall_end_ns=steps.wait_end[mine & stalled],
+                waiting=job in waiting,
             )
             state = self.warmup.update(job, window.start_ns, window.end_ns, seen, self._first_seen[job],
                                        complete=not window.final)

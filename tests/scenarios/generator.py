@@ -17,7 +17,9 @@ trainer and worker sends at its flushes every 0.2 s), in arrival order with boun
 
 from __future__ import annotations
 
+import bisect
 import heapq
+import itertools
 import random
 import time
 from collections import OrderedDict, defaultdict, deque
@@ -351,18 +353,38 @@ BASE_NS = 10**12  # monotonic clocks do not start at zero
 def _arrange(
     rng: random.Random, max_delay: float, steps: list, reads: list, spoke: list, gpu: list, opened: list
 ) -> list[EventBatch]:
-    """Rows -> batches of 100 ms of arrival time per kind, every row delayed by up to `max_delay`."""
+    """Rows -> batches of 100 ms of arrival time per kind, every row delayed by up to `max_delay`. A source that
+    reports what it has open sends its reads with the next report, as the client does (one flush, one
+    datagram): a report that no longer has a read open comes with or after that read."""
     slices: dict[tuple[int, str], list[tuple]] = defaultdict(list)
-    flushes: dict[tuple, float] = {}  # the records of one flush of one source travel together, in one datagram
+    reports: dict[tuple[int, int, int], list[float]] = defaultdict(list)  # per source, the times it reported
+    arrival: dict[tuple[int, int, int, float], float] = {}
+    for job, rank, _, worker, *_, as_of in opened:
+        if (job, rank, worker, as_of) not in arrival:
+            reports[(job, rank, worker)].append(as_of)
+            arrival[(job, rank, worker, as_of)] = as_of + rng.uniform(0, max_delay)
+    for source, times in reports.items():  # a source's datagrams arrive in the order it sent them
+        times.sort()
+        for before, after in itertools.pairwise(times):
+            arrival[(*source, after)] = max(arrival[(*source, after)], arrival[(*source, before)])
+
+    def arrives(kind: str, row: tuple, at: float) -> float:
+        if kind == "open":
+            return arrival[(row[0], row[1], row[3], at)]
+        flushes = reports.get((row[0], row[1], row[2])) if kind == "read" else None
+        if flushes and at <= flushes[-1]:
+            report = flushes[bisect.bisect_left(flushes, at)]
+            return arrival[(row[0], row[1], row[2], report)]
+        return at + rng.uniform(0, max_delay)
+
     for kind, rows in (("step", steps), ("read", reads), ("spoke_request", spoke), ("gpu_util", gpu),
                        ("open", opened)):
         when = list(SCHEMAS[kind].columns).index(SCHEMAS[kind].event_time)
         for row in rows:
-            delay = (flushes.setdefault((row[0], row[1], row[3], row[when]), rng.uniform(0, max_delay))
-                     if kind == "open" else rng.uniform(0, max_delay))
-            slices[(int((row[when] + delay) * 10), kind)].append(row)
+            slices[(int(arrives(kind, row, row[when]) * 10), kind)].append(row)
     batches = []
-    for (_, kind), rows in sorted(slices.items()):
+    # Within a slice, a source's open records come after its reads, as the agent hands a datagram's on.
+    for (_, kind), rows in sorted(slices.items(), key=lambda item: (item[0][0], item[0][1] == "open", item[0][1])):
         columns = {}
         for position, name in enumerate(SCHEMAS[kind].columns):
             values = [row[position] for row in rows]
