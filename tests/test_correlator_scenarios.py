@@ -9,8 +9,8 @@ Example counts stay small: each example simulates one to two minutes of a traini
 from __future__ import annotations
 
 import itertools
-from typing import Any
 from collections import defaultdict
+from typing import Any
 
 import numpy as np
 import pytest

@@ -15,9 +15,9 @@ from prometheus_client import CollectorRegistry, generate_latest, start_http_ser
 from prometheus_client.parser import text_string_to_metric_families
 
 from stallwatch.catalogue import CAUSES
+from stallwatch.client import wire
 from stallwatch.correlator.hold import Publication, WindowHold
 from stallwatch.correlator.live import LiveCorrelator
-from stallwatch.client import wire
 from stallwatch.correlator.pipeline import CorrelatorPipeline, Watermark
 from stallwatch.correlator.results import WindowResult
 from stallwatch.correlator.settings import CorrelatorSettings
