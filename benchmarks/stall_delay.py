@@ -61,9 +61,12 @@ class Scraper:
 
 
 def stall_seconds(exposition: str) -> float:
+    """The loop's stall seconds, all causes: each series' newest sample (a scrape carries every window published
+    since the one before, each with its timestamp, in time order)."""
     wanted = f'{JOB_LABEL}="{JOB}"'
-    return sum(float(line.split()[1]) for line in exposition.splitlines()
-               if line.startswith(STALL_SECONDS.name + "{") and wanted in line)
+    newest = {line.split()[0]: float(line.split()[1]) for line in exposition.splitlines()
+              if line.startswith(STALL_SECONDS.name + "{") and wanted in line}
+    return sum(newest.values())
 
 
 def batches(plan: list[float], stalls: list[tuple[float, float]]) -> Iterator[int]:
@@ -84,19 +87,18 @@ def batches(plan: list[float], stalls: list[tuple[float, float]]) -> Iterator[in
 
 
 def delays(stalls: list[tuple[float, float]], seen: list[tuple[float, float]]) -> dict[float, list[float]]:
-    """Per planned length (rounded), the delay of each instant of its stalls."""
+    """Per planned length (rounded), the delay of each instant of its stalls. The stalls before one are all
+    booked by the time it begins (SETTLE_S apart), so it counts from the last scrape before it."""
     out: dict[float, list[float]] = {}
-    before = 0.0  # stall seconds of the stalls before this one
     for began, ended in stalls:
-        length = ended - began
+        before = max((value for t, value in seen if t < began), default=0.0)
         instant = began + INSTANT_S
         while instant <= ended:
             needed = before + (instant - began) - 0.001
             at = next((t for t, value in seen if value >= needed), None)
             if at is not None:
-                out.setdefault(round(length, 1), []).append(max(0.0, at - instant))
+                out.setdefault(round(ended - began, 1), []).append(max(0.0, at - instant))
             instant += INSTANT_S
-        before += length
     return out
 
 
@@ -142,6 +144,7 @@ def main() -> None:
             burner.wait()
         stop_agent(agent)
     found = delays(stalls, scraper.seen)
+
     booked = scraper.seen[-1][1] if scraper.seen else 0.0
     print(json.dumps({
         "burners": args.burners,
