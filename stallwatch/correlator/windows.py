@@ -52,6 +52,9 @@ BEGIN: Mapping[str, Callable[[_Chunk], npt.NDArray[np.int64]]] = {
 # Small batches (a receiver batch is a few hundred events) are merged into one chunk per this many
 # events: thousands of small arrays freed on another thread fragment the heap, a few large ones do not.
 MERGE_EVENTS = 32_768
+# A kind whose batches are tiny (GPU samples: a few per batch) would never reach MERGE_EVENTS, and every close
+# walks every chunk: its unmerged batches are merged once this many are waiting.
+MERGE_CHUNKS = 16
 _OFFSET_DTYPES = (np.uint8, np.uint16, np.uint32)
 
 
@@ -66,20 +69,29 @@ class _Chunk:
     columns: Columns
     bases: dict[str, int] = field(default_factory=dict)  # column -> the value its offsets start from
     merged: bool = False
+    events: int = field(init=False)
+    # Columns restored to the contract's dtype, kept while the chunk is within the context that windows
+    # hand over: consecutive windows' contexts overlap by seconds, and restoring a column costs a pass.
+    _restored: dict[str, npt.NDArray[Any]] = field(default_factory=dict, init=False, repr=False)
 
-    @property
-    def events(self) -> int:
-        return int(next(iter(self.columns.values())).size)
+    def __post_init__(self) -> None:
+        self.events = int(next(iter(self.columns.values())).size)
 
     def column(self, kind: str, name: str, rows: npt.NDArray[np.bool_] | None = None) -> npt.NDArray[Any]:
         """One column in the contract's dtype, of all rows or of the masked ones."""
-        stored = self.columns[name] if rows is None else self.columns[name][rows]
         if name not in self.bases:
-            return stored
-        dtype = SCHEMAS[kind].columns[name]
-        values = stored.astype(dtype)
-        values += dtype.type(self.bases[name])
-        return values
+            return self.columns[name] if rows is None else self.columns[name][rows]
+        values = self._restored.get(name)
+        if values is None:
+            dtype = SCHEMAS[kind].columns[name]
+            values = self.columns[name].astype(dtype)
+            values += dtype.type(self.bases[name])
+            self._restored[name] = values
+        return values if rows is None else values[rows]
+
+    def forget_restored(self) -> None:
+        """Keep only the compact columns: the chunk fell out of the context windows hand over."""
+        self._restored.clear()
 
     def subset(self, kind: str, rows: npt.NDArray[np.bool_]) -> _Chunk:
         times = self.column(kind, SCHEMAS[kind].event_time, rows)
@@ -151,6 +163,7 @@ class EventTimeWindows:
     _buffers: dict[str, list[_Chunk]] = field(default_factory=lambda: {kind: [] for kind in SCHEMAS})
     _buffered: Counter[str] = field(default_factory=Counter)
     _unmerged: Counter[str] = field(default_factory=Counter)  # events in the chunks after the last merged one
+    _unmerged_chunks: Counter[str] = field(default_factory=Counter)  # and those chunks
     _newest: int | None = None
     _gpu_sampled: dict[int, int] = field(default_factory=dict)  # per GPU, its newest sample's stamp
 
@@ -174,10 +187,12 @@ class EventTimeWindows:
         chunks.append(_Chunk(int(times.min()), int(times.max()), columns))
         self._buffered[kind] += int(times.size)
         self._unmerged[kind] += int(times.size)
-        if self._unmerged[kind] >= MERGE_EVENTS:
+        self._unmerged_chunks[kind] += 1
+        if self._unmerged[kind] >= MERGE_EVENTS or self._unmerged_chunks[kind] >= MERGE_CHUNKS:
             tail = _unmerged_tail(chunks)
             chunks[tail:] = [_merge(kind, chunks[tail:])]
             self._unmerged[kind] = 0
+            self._unmerged_chunks[kind] = 0
         newest = int(times.max())
         self._newest = newest if self._newest is None else max(self._newest, newest)
         if kind == "gpu_util":  # a node's few GPUs
@@ -215,7 +230,9 @@ class EventTimeWindows:
     def _keep(self, kind: str, chunks: list[_Chunk]) -> None:
         self._buffers[kind] = chunks
         self._buffered[kind] = sum(c.events for c in chunks)
-        self._unmerged[kind] = sum(c.events for c in chunks[_unmerged_tail(chunks):])
+        tail = _unmerged_tail(chunks)
+        self._unmerged[kind] = sum(c.events for c in chunks[tail:])
+        self._unmerged_chunks[kind] = len(chunks) - tail
 
     def advance(self, watermark_ns: int) -> list[WindowInput]:
         """Close every window whose end is at or before the watermark."""
@@ -295,8 +312,10 @@ class EventTimeWindows:
             parts = []
             for chunk in self._buffers[kind]:
                 if chunk.high < horizon:
+                    chunk.forget_restored()
                     continue
-                keep = chunk.column(kind, SCHEMAS[kind].event_time) >= horizon
+                keep = (chunk.column(kind, SCHEMAS[kind].event_time) >= horizon if chunk.low < horizon
+                        else np.ones(chunk.events, dtype=bool))
                 if kind in BEGIN:
                     keep &= BEGIN[kind](chunk) < end
                 if keep.all():
@@ -307,5 +326,6 @@ class EventTimeWindows:
         self.closed_until = end
         keep_from = end - self.retention_ns
         for kind in CONTEXT_KINDS:
-            self._keep(kind, [c for c in self._buffers[kind] if c.high >= keep_from])
+            if any(c.high < keep_from for c in self._buffers[kind]):
+                self._keep(kind, [c for c in self._buffers[kind] if c.high >= keep_from])
         return WindowInput(start, end, mine, context, final, watermark_ns, later_steps)
