@@ -27,7 +27,7 @@ import numpy.typing as npt
 
 from stallwatch.correlator.attribution import Attribution, Reads, Steps, attribute
 from stallwatch.correlator.inflight import InFlight
-from stallwatch.correlator.intervals import I64, composite_key
+from stallwatch.correlator.intervals import I64, composite_key, equal_join_columns
 
 
 @dataclass(frozen=True)
@@ -101,15 +101,19 @@ class EarlyBooking:
 
     def unbooked_from(self, steps: Steps, stalled: npt.NDArray[np.bool_], *, release: bool) -> I64:
         """Per step, where the part of its wait not yet booked begins; with `release`, the steps' entries go
-        (their own window is closing). A loop per booked wait, never per step."""
+        (their own window is closing). One join of the booked waits with the stalled steps."""
         begin = steps.wait_start.copy()
-        for key, until in list(self._until.items()):
-            row = np.flatnonzero(stalled & (steps.job == key[0]) & (steps.rank == key[1])
-                                 & (steps.wait_start == key[2]))
-            if row.size:
-                begin[row] = until
-                if release:
-                    del self._until[key]
+        if not self._until or not len(steps):
+            return begin
+        keys = list(self._until)
+        booked = np.array(keys, dtype=np.int64).reshape(-1, 3)
+        rows = np.flatnonzero(stalled)
+        booked_of, row_of = equal_join_columns(  # the wait start first: it leaves out most steps at once
+            (booked[:, 2], booked[:, 0], booked[:, 1]), (steps.wait_start[rows], steps.job[rows], steps.rank[rows]))
+        begin[rows[row_of]] = np.array([self._until[keys[i]] for i in booked_of.tolist()], dtype=np.int64)
+        if release:
+            for i in np.unique(booked_of).tolist():
+                del self._until[keys[i]]
         return begin
 
     def book(self, later: Steps, stalled: npt.NDArray[np.bool_], end_ns: int, watermark_ns: int) -> Steps:
