@@ -70,7 +70,7 @@ def _known_until(steps: Steps, later: Steps | None, later_stalled: npt.NDArray[n
         earliest = np.full(len(keys), np.iinfo(np.int64).max, dtype=np.int64)
         np.minimum.at(earliest, group[len(steps):][pending], begin[pending])
         known = np.minimum(known, earliest)
-    return {(int(k[0]), int(k[1])): int(t) for k, t in zip(keys, known, strict=True)}
+    return {(job, rank): t for (job, rank), t in zip(keys.tolist(), known.tolist(), strict=True)}
 
 
 class WindowAnalyser:
@@ -90,9 +90,12 @@ class WindowAnalyser:
         s = self.settings
         start, end = window.start_ns, window.end_ns
         raw = window.context["read"]
-        verdict = self._verdicts(raw, window)
         in_window = (raw["end_ns"] >= start) & (raw["end_ns"] < end)
+        verdict = self._verdicts(raw, window, in_window)
         miss = verdict == Verdict.MISS
+        # The window's own reads, once: the jobs' counts, the what-if and the warm-up take only these.
+        own_reads = {name: raw[name][in_window] for name in ("job", "start_ns", "end_ns", "key", "bytes")}
+        own_reads["miss"] = miss[in_window]
         steps = _steps(window.steps)
         flight = in_flight(window.context["open"])
         received = Reads(raw["job"], raw["rank"], raw["batch"], raw["start_ns"], raw["end_ns"], miss)
@@ -127,10 +130,9 @@ class WindowAnalyser:
         spans = _spans(here, cut.stalled[:n])
         # Warm-up takes the GPU idle time of the stalls booked now, in whichever window they lie.
         idle_by_job = {job: float(idle[cut.steps.job == job].sum()) / 1e9 for job in np.unique(cut.steps.job).tolist()}
-        jobs = self._jobs(window, steps, stalled, received, in_window, raw["bytes"], idle_by_job, spans,
-                          set(live.job.tolist()))
-        order = np.argsort(raw["end_ns"][in_window], kind="stable")
-        self.whatif.feed(raw["key"][in_window][order], raw["bytes"][in_window][order])
+        jobs = self._jobs(window, steps, stalled, own_reads, idle_by_job, spans, set(live.job.tolist()))
+        order = np.argsort(own_reads["end_ns"], kind="stable")
+        self.whatif.feed(own_reads["key"][order], own_reads["bytes"][order])
         whatif: dict[float, float] = {}
         if self.cache_capacity_bytes:
             for factor in WHATIF_FACTORS:
@@ -180,8 +182,9 @@ class WindowAnalyser:
             (reads.job, opened["job"]), (reads.rank, opened["rank"]), (reads.batch, opened["batch"]),
             (reads.start, opened["start_ns"]), (reads.end, opened["end_ns"]), (reads.miss, verdict == Verdict.MISS))))
 
-    def _verdicts(self, reads: dict[str, np.ndarray], window: WindowInput) -> np.ndarray:
-        """Each read's verdict: its own, else the spoke's, else the learnt latency split's."""
+    def _verdicts(self, reads: dict[str, np.ndarray], window: WindowInput, in_window: np.ndarray) -> np.ndarray:
+        """Each read's verdict: its own, else the spoke's, else the learnt latency split's (learnt from the window's
+        own reads)."""
         verdict = reads["verdict"].astype(np.int8, copy=True)
         unknown = np.flatnonzero(verdict == Verdict.UNKNOWN)
         spoke = window.context["spoke_request"]
@@ -189,11 +192,9 @@ class WindowAnalyser:
             tolerance = seconds_to_ns(self.settings.spoke_join_tolerance_s)
             verdict[unknown] = join_spoke(reads["key"][unknown], reads["end_ns"][unknown], spoke["key"],
                                           spoke["end_ns"], spoke["verdict"], tolerance)
-        duration = reads["end_ns"] - reads["start_ns"]
-        in_window = (reads["end_ns"] >= window.start_ns) & (reads["end_ns"] < window.end_ns)
-        self.latency.learn(duration[in_window])
+        self.latency.learn(reads["end_ns"][in_window] - reads["start_ns"][in_window])
         unknown = np.flatnonzero(verdict == Verdict.UNKNOWN)
-        verdict[unknown] = self.latency.classify(duration[unknown])
+        verdict[unknown] = self.latency.classify(reads["end_ns"][unknown] - reads["start_ns"][unknown])
         return verdict
 
     @staticmethod
@@ -208,8 +209,8 @@ class WindowAnalyser:
         counts = np.bincount(group, weights=counted, minlength=n).astype(np.int64)
         stalls = np.stack([np.bincount(group, weights=causes[:, c], minlength=n) for c in range(len(CAUSES))],
                           axis=1) / 1e9
-        return tuple(RankRow(int(k[0]), int(k[1]), int(c), float(w), float(p), tuple(map(float, s)))
-                     for k, c, w, p, s in zip(keys, counts, waits, computes, stalls, strict=True))
+        return tuple(RankRow(job, rank, c, w, p, tuple(s)) for (job, rank), c, w, p, s in zip(
+            keys.tolist(), counts.tolist(), waits.tolist(), computes.tolist(), stalls.tolist(), strict=True))
 
     @staticmethod
     def _gpus(steps: Steps, idle: np.ndarray) -> tuple[GpuRow, ...]:
@@ -217,20 +218,20 @@ class WindowAnalyser:
         keys, group = _group(steps.job[has], steps.gpu[has])
         sums = np.stack([np.bincount(group, weights=idle[has, c], minlength=len(keys)) for c in range(len(CAUSES))],
                         axis=1) / 1e9
-        return tuple(GpuRow(int(k[0]), int(k[1]), tuple(map(float, s))) for k, s in zip(keys, sums, strict=True))
+        return tuple(GpuRow(job, gpu, tuple(s)) for (job, gpu), s in zip(keys.tolist(), sums.tolist(), strict=True))
 
-    def _jobs(self, window: WindowInput, steps: Steps, stalled: np.ndarray, reads: Reads, in_window: np.ndarray,
-              sizes: np.ndarray, idle_by_job: Mapping[int, float], spans: Mapping[int, Spans],
-              waiting: set[int]) -> tuple[JobRow, ...]:
-        read_jobs = reads.job[in_window]
-        for job, first in self._earliest(steps, reads, in_window).items():
+    def _jobs(self, window: WindowInput, steps: Steps, stalled: np.ndarray, reads: Columns,
+              idle_by_job: Mapping[int, float], spans: Mapping[int, Spans], waiting: set[int]) -> tuple[JobRow, ...]:
+        """Per job, the window's warm-up row; `reads` are the window's own, with their resolved `miss`."""
+        read_jobs = reads["job"]
+        for job, first in self._earliest(steps, reads).items():
             self._first_seen[job] = min(self._first_seen.get(job, first), first)
         step_seconds = (steps.compute_end - steps.wait_start) / 1e9
         rows = []
         for job in sorted(set(self._first_seen) | set(self.warmup.jobs)):
             mine = steps.job == job
             read_mine = read_jobs == job
-            misses = reads.miss[in_window] & read_mine
+            misses = reads["miss"] & read_mine
             seen = JobWindow(
                 steps=int(mine.sum()),
                 ranks=int(np.unique(steps.rank[mine]).size) or self._known_ranks(job),
@@ -239,7 +240,7 @@ class WindowAnalyser:
                                      // (window.end_ns - window.start_ns), 0, 3),
                 reads=int(read_mine.sum()),
                 hits=int((read_mine & ~misses).sum()),
-                hub_bytes=int(sizes[in_window][misses].sum()),
+                hub_bytes=int(reads["bytes"][misses].sum()),
                 stall_idle_gpu_seconds=idle_by_job.get(job, 0.0),
                 stall_start_ns=steps.wait_start[mine & stalled],
                 stall_end_ns=steps.wait_end[mine & stalled],
@@ -257,10 +258,10 @@ class WindowAnalyser:
         return state.ranks if state is not None else 0
 
     @staticmethod
-    def _earliest(steps: Steps, reads: Reads, in_window: np.ndarray) -> dict[int, int]:
+    def _earliest(steps: Steps, reads: Columns) -> dict[int, int]:
         """Per job, the earliest wait or read start. A loop per job: no sort of the window's reads."""
         earliest: dict[int, int] = {}
-        for jobs, times in ((steps.job, steps.wait_start), (reads.job[in_window], reads.start[in_window])):
+        for jobs, times in ((steps.job, steps.wait_start), (reads["job"], reads["start_ns"])):
             for job in np.unique(jobs).tolist():
                 first = int(times[jobs == job].min())
                 earliest[job] = min(earliest.get(job, first), first)
