@@ -29,6 +29,7 @@ from pathlib import Path
 import psutil
 
 from benchmarks.result_delay import ResultDelayProbe, summary
+from stallwatch.eventbatch import SCHEMAS
 from stallwatch.harness import scrape, start_agent, stop_agent, timed_scrape, total
 
 ROTATE_SECONDS = 300
@@ -129,7 +130,7 @@ def main() -> None:
         "client_dropped_percent": round(100 * client_dropped / max(1.0, accepted + client_dropped), 3),
         "result_delay": summary(probe.delays_s()),
         "correlator_late_events": {kind: total(metrics, "stallwatch_correlator_late_events_total", kind=kind)
-                                   for kind in ("step", "read", "spoke_request", "gpu_util")},
+                                   for kind in SCHEMAS},
         "correlator_late_percent": round(
             100 * total(metrics, "stallwatch_correlator_late_events_total") / max(1.0, accepted), 3),
         "spoke_lines_written": lines,
