@@ -3,8 +3,9 @@
 A step is sent once its wait is over, so a wait still under way is known only from the open records
 each source sends at its flushes (`wire.OPEN_*`): the trainer's open wait or the end of its loop, and
 each loader worker's batch under construction, its open read and the batch it handed over last. A
-source's latest report, the rows sharing its newest `as_of_ns`, says what it does now: a source reports
-nothing it no longer has open, so an older record is history.
+source's latest report, the rows sharing its newest `as_of_ns`, says what it does now (its wait, its open
+read): a source reports nothing it no longer has open, so an older record is history. Which batches the
+workers have built or are building, and when they handed each over, every record at hand says.
 """
 
 from __future__ import annotations
@@ -28,15 +29,14 @@ class Wait:
 
 
 @dataclass(frozen=True)
-class Work:
-    """A loader worker's latest report."""
+class OpenRead:
+    """A loader worker's read still open in its latest report."""
 
-    building: int  # the batch it builds, -1 none
-    handed: int  # the batch it handed over last, -1 none
-    handed_ns: int
-    read_batch: int  # the batch its open read serves, -1 none
-    read_key: int
-    read_since_ns: int
+    job: int
+    rank: int
+    batch: int
+    key: int
+    since_ns: int
     as_of_ns: int
 
 
@@ -44,7 +44,7 @@ class Work:
 class InFlight:
     waits: dict[RankKey, Wait]  # trainers whose latest report is an open wait
     ended: dict[RankKey, int]  # trainers whose loop ended (when), as they last said
-    work: dict[RankKey, list[Work]]  # per rank, its workers' latest reports
+    reads: list[OpenRead]
     # Per rank, every batch its workers reported at hand (building, reading or handed over), and when it was handed
     # over (-1: not seen handed over). Not only the latest reports: a worker may be on its next batch already.
     batches: dict[RankKey, dict[int, int]]
@@ -60,12 +60,11 @@ class InFlight:
 
     def open_reads(self) -> Columns:
         """The reads still open, as read rows ending when last seen open (`end_ns` = as of)."""
-        rows = [(job, rank, w.read_batch, w.read_since_ns, w.as_of_ns)
-                for (job, rank), works in self.work.items() for w in works if w.read_since_ns >= 0]
-        columns = np.array(rows, dtype=np.int64).reshape(-1, 5)
-        keys = [w.read_key for works in self.work.values() for w in works if w.read_since_ns >= 0]
+        columns = np.array([(r.job, r.rank, r.batch, r.since_ns, r.as_of_ns) for r in self.reads],
+                           dtype=np.int64).reshape(-1, 5)
         return {"job": columns[:, 0], "rank": columns[:, 1], "batch": columns[:, 2],
-                "key": np.array(keys, dtype=np.uint64), "start_ns": columns[:, 3], "end_ns": columns[:, 4]}
+                "key": np.array([r.key for r in self.reads], dtype=np.uint64), "start_ns": columns[:, 3],
+                "end_ns": columns[:, 4]}
 
 
 def _latest_reports(opens: Columns) -> Columns:
@@ -102,25 +101,14 @@ def in_flight(opens: Columns) -> InFlight:
     latest = _latest_reports(opens)
     waits: dict[RankKey, Wait] = {}
     ended: dict[RankKey, int] = {}
-    work: dict[tuple[int, int, int], dict[str, int]] = {}
-    columns = [latest[name].tolist() for name in ("job", "rank", "gpu", "worker", "state", "batch", "key",
-                                                  "since_ns", "as_of_ns")]
-    for job, rank, gpu, worker, state, batch, key, since, as_of in zip(*columns, strict=True):
+    reads: list[OpenRead] = []
+    columns = [latest[name].tolist() for name in ("job", "rank", "gpu", "state", "batch", "key", "since_ns",
+                                                  "as_of_ns")]
+    for job, rank, gpu, state, batch, key, since, as_of in zip(*columns, strict=True):
         if state == wire.OPEN_WAIT:
             waits[(job, rank)] = Wait(since, as_of, gpu)
         elif state == wire.OPEN_ENDED:
             ended[(job, rank)] = since
-        else:
-            mine = work.setdefault((job, rank, worker), {"as_of": as_of})
-            if state == wire.OPEN_BATCH:
-                mine["building"] = batch
-            elif state == wire.OPEN_HANDED:
-                mine["handed"], mine["handed_ns"] = batch, since
-            elif state == wire.OPEN_READ:
-                mine["read_batch"], mine["read_key"], mine["read_since"] = batch, key, since
-    by_rank: dict[RankKey, list[Work]] = {}
-    for (job, rank, _), w in work.items():
-        by_rank.setdefault((job, rank), []).append(Work(
-            w.get("building", -1), w.get("handed", -1), w.get("handed_ns", -1), w.get("read_batch", -1),
-            w.get("read_key", 0), w.get("read_since", -1), w["as_of"]))
-    return InFlight(waits, ended, by_rank, _batches(opens))
+        elif state == wire.OPEN_READ:
+            reads.append(OpenRead(job, rank, batch, key, since, as_of))
+    return InFlight(waits, ended, reads, _batches(opens))
