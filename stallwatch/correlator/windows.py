@@ -70,28 +70,20 @@ class _Chunk:
     bases: dict[str, int] = field(default_factory=dict)  # column -> the value its offsets start from
     merged: bool = False
     events: int = field(init=False)
-    # Columns restored to the contract's dtype, kept while the chunk is within the context that windows
-    # hand over: consecutive windows' contexts overlap by seconds, and restoring a column costs a pass.
-    _restored: dict[str, npt.NDArray[Any]] = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.events = int(next(iter(self.columns.values())).size)
 
     def column(self, kind: str, name: str, rows: npt.NDArray[np.bool_] | None = None) -> npt.NDArray[Any]:
         """One column in the contract's dtype, of all rows or of the masked ones."""
+        stored = self.columns[name] if rows is None else self.columns[name][rows]
         if name not in self.bases:
-            return self.columns[name] if rows is None else self.columns[name][rows]
-        values = self._restored.get(name)
-        if values is None:
-            dtype = SCHEMAS[kind].columns[name]
-            values = self.columns[name].astype(dtype)
-            values += dtype.type(self.bases[name])
-            self._restored[name] = values
-        return values if rows is None else values[rows]
-
-    def forget_restored(self) -> None:
-        """Keep only the compact columns: the chunk fell out of the context windows hand over."""
-        self._restored.clear()
+            return stored
+        # Restored on every call, never kept: the compact columns are what keeps a flood's store small.
+        dtype = SCHEMAS[kind].columns[name]
+        values = stored.astype(dtype)
+        values += dtype.type(self.bases[name])
+        return values
 
     def subset(self, kind: str, rows: npt.NDArray[np.bool_]) -> _Chunk:
         times = self.column(kind, SCHEMAS[kind].event_time, rows)
@@ -312,7 +304,6 @@ class EventTimeWindows:
             parts = []
             for chunk in self._buffers[kind]:
                 if chunk.high < horizon:
-                    chunk.forget_restored()
                     continue
                 keep = (chunk.column(kind, SCHEMAS[kind].event_time) >= horizon if chunk.low < horizon
                         else np.ones(chunk.events, dtype=bool))
