@@ -171,30 +171,30 @@ class WindowAnalyser:
                              np.concatenate((opened["start_ns"], reads.start)))
         still_open = ~np.isin(done[:opened["key"].size], done[opened["key"].size:])
         opened = {name: column[still_open] for name, column in opened.items()}
-        verdict = np.full(opened["key"].size, Verdict.UNKNOWN, dtype=np.int8)
-        spoke = window.context["spoke_request"]
-        if verdict.size and spoke["key"].size:
-            verdict = join_spoke(opened["key"], opened["end_ns"], spoke["key"], spoke["end_ns"], spoke["verdict"],
-                                 seconds_to_ns(self.settings.spoke_join_tolerance_s)).astype(np.int8)
-        unknown = np.flatnonzero(verdict == Verdict.UNKNOWN)
-        verdict[unknown] = self.latency.classify(opened["end_ns"][unknown] - opened["start_ns"][unknown])
+        verdict = self._resolved(np.full(opened["key"].size, Verdict.UNKNOWN, dtype=np.int8), opened["key"],
+                                 opened["start_ns"], opened["end_ns"], window)
         return Reads(*(np.concatenate((mine, theirs)) for mine, theirs in (
             (reads.job, opened["job"]), (reads.rank, opened["rank"]), (reads.batch, opened["batch"]),
             (reads.start, opened["start_ns"]), (reads.end, opened["end_ns"]), (reads.miss, verdict == Verdict.MISS))))
 
     def _verdicts(self, reads: dict[str, np.ndarray], window: WindowInput, in_window: np.ndarray) -> np.ndarray:
-        """Each read's verdict: its own, else the spoke's, else the learnt latency split's (learnt from the window's
-        own reads)."""
-        verdict = reads["verdict"].astype(np.int8, copy=True)
+        """Each read's verdict: its own, else the spoke's, else the latency split's (learnt from the window's own
+        reads)."""
+        self.latency.learn(reads["end_ns"][in_window] - reads["start_ns"][in_window])
+        return self._resolved(reads["verdict"].astype(np.int8, copy=True), reads["key"], reads["start_ns"],
+                              reads["end_ns"], window)
+
+    def _resolved(self, verdict: np.ndarray, key: np.ndarray, start: np.ndarray, end: np.ndarray,
+                  window: WindowInput) -> np.ndarray:
+        """The unknown verdicts (in place) from the spoke's log for the read's key, else from the latency split."""
         unknown = np.flatnonzero(verdict == Verdict.UNKNOWN)
         spoke = window.context["spoke_request"]
         if unknown.size and spoke["key"].size:
             tolerance = seconds_to_ns(self.settings.spoke_join_tolerance_s)
-            verdict[unknown] = join_spoke(reads["key"][unknown], reads["end_ns"][unknown], spoke["key"],
-                                          spoke["end_ns"], spoke["verdict"], tolerance)
-        self.latency.learn(reads["end_ns"][in_window] - reads["start_ns"][in_window])
+            verdict[unknown] = join_spoke(key[unknown], end[unknown], spoke["key"], spoke["end_ns"], spoke["verdict"],
+                                          tolerance)
         unknown = np.flatnonzero(verdict == Verdict.UNKNOWN)
-        verdict[unknown] = self.latency.classify(reads["end_ns"][unknown] - reads["start_ns"][unknown])
+        verdict[unknown] = self.latency.classify(end[unknown] - start[unknown])
         return verdict
 
     @staticmethod
