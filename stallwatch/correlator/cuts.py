@@ -27,7 +27,7 @@ import numpy.typing as npt
 
 from stallwatch.correlator.attribution import Attribution, Reads, Steps, attribute
 from stallwatch.correlator.inflight import InFlight
-from stallwatch.correlator.intervals import I64, composite_key, equal_join_columns
+from stallwatch.correlator.intervals import I64, distinct_rows, equal_join_columns
 
 
 @dataclass(frozen=True)
@@ -133,7 +133,7 @@ class EarlyBooking:
         taken last) or those buffered for later windows (they say only the rank's GPU). A loop per rank."""
         if not len(steps):
             return
-        _, first, group = np.unique(composite_key(steps.job, steps.rank), return_index=True, return_inverse=True)
+        first, group = distinct_rows(steps.job, steps.rank)
         until = np.full(first.size, -1, dtype=np.int64)
         batch = np.full(first.size, -1, dtype=np.int64)
         np.maximum.at(until, group, steps.compute_end)

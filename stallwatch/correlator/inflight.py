@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from stallwatch.client import wire
-from stallwatch.correlator.intervals import composite_key
+from stallwatch.correlator.intervals import composite_key, distinct_rows
 from stallwatch.eventbatch import Columns
 
 RankKey = tuple[int, int]  # job, rank
@@ -82,10 +82,7 @@ def _batches(opens: Columns) -> dict[RankKey, dict[int, int]]:
     """Per rank, each batch its workers reported, with its handover time (-1 none). A loop per distinct batch."""
     worked = (opens["worker"] >= 0) & (opens["batch"] >= 0)
     handed = np.where(opens["state"] == wire.OPEN_HANDED, opens["since_ns"], -1)[worked]
-    key = composite_key(opens["job"][worked], opens["rank"][worked], opens["batch"][worked])
-    if key.size == 0:
-        return {}
-    _, first, group = np.unique(key, return_index=True, return_inverse=True)
+    first, group = distinct_rows(opens["job"][worked], opens["rank"][worked], opens["batch"][worked])
     when = np.full(first.size, -1, dtype=np.int64)
     np.maximum.at(when, group, handed)
     out: dict[RankKey, dict[int, int]] = {}

@@ -42,6 +42,14 @@ def composite_key(*parts: npt.NDArray[np.integer]) -> I64:
     return key
 
 
+def distinct_rows(*columns: npt.NDArray[np.integer]) -> tuple[I64, I64]:
+    """The first row of each distinct combination of the columns (in key order), and each row's group index."""
+    if columns[0].size == 0:
+        return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
+    _, first, group = np.unique(composite_key(*columns), return_index=True, return_inverse=True)
+    return first.astype(np.int64), group.reshape(-1).astype(np.int64)
+
+
 def equal_join(left_key: I64, right_key: I64) -> tuple[I64, I64]:
     """All (i, j) with left_key[i] == right_key[j], for left keys that are distinct (e.g. one step
     per (job, rank, batch)). Only the left side, the small one, is sorted; the right is probed."""

@@ -16,7 +16,7 @@ from stallwatch.catalogue import CAUSES
 from stallwatch.correlator.attribution import Attribution, Reads, Steps, gpu_idle_in_stalls, is_stall
 from stallwatch.correlator.cuts import CutSteps, EarlyBooking, attribute_cut, cut_at_windows
 from stallwatch.correlator.inflight import InFlight, in_flight
-from stallwatch.correlator.intervals import composite_key
+from stallwatch.correlator.intervals import composite_key, distinct_rows
 from stallwatch.correlator.results import GpuRow, JobRow, RankRow, Spans, WhatIfCurve, WindowResult, stalled_seconds
 from stallwatch.correlator.settings import CorrelatorSettings, seconds_to_ns
 from stallwatch.correlator.verdicts import LatencySplit, join_spoke
@@ -30,10 +30,8 @@ WHATIF_FACTORS = (0.5, 1.0, 2.0, 4.0)
 
 def _group(*columns: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Distinct rows of the given integer columns, and each input row's group index."""
-    if columns[0].size == 0:
-        return np.zeros((0, len(columns)), dtype=np.int64), np.zeros(0, dtype=np.int64)
-    _, first, inverse = np.unique(composite_key(*columns), return_index=True, return_inverse=True)
-    return np.stack([c[first].astype(np.int64) for c in columns], axis=1), inverse.reshape(-1)
+    first, group = distinct_rows(*columns)
+    return np.stack([c[first].astype(np.int64) for c in columns], axis=1).reshape(-1, len(columns)), group
 
 
 def _steps(columns: Columns) -> Steps:
