@@ -15,6 +15,7 @@ import numpy as np
 from streamz import Stream
 
 from stallwatch.catalogue import CAUSES
+from stallwatch.correlator.attribution import CACHE, DELIVERY, OTHER, PREPROCESS, REMOTE
 from stallwatch.eventbatch import EventBatch, Verdict
 
 Interval = tuple[int, int]
@@ -67,12 +68,12 @@ class NaiveAttributor:
         cover = _union([(s, e) for s, e, _ in clipped])
         missed = _union([(s, e) for s, e, miss in clipped if miss])
         busy = we - min(max(min(s for s, _, _ in mine), ws), we) if mine else 0
-        split[0] += missed
-        split[1] += cover - missed
+        split[REMOTE] += missed
+        split[CACHE] += cover - missed
         preprocess = max(busy - cover, 0) if mine else 0
-        split[2] += preprocess
-        split[3] += waited - we
-        split[4] += (we - ws) - cover - preprocess
+        split[PREPROCESS] += preprocess
+        split[DELIVERY] += waited - we
+        split[OTHER] += (we - ws) - cover - preprocess
 
 
 def rows(batch: EventBatch) -> Iterator[tuple[str, dict[str, int]]]:

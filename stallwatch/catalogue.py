@@ -330,7 +330,7 @@ SPOKE_NFS_READ_ERRORS = counter(
 
 
 # --- correlator: stall attribution, GPU idle, warm-up, cache what-if ---------------------------------
-CAUSES = ("remote_fetch", "cache_read", "preprocess", "delivery", "other")
+CAUSES = ("remote_fetch", "cache_read", "direct_read", "preprocess", "delivery", "other")
 PHASES = ("cold", "transition", "steady")
 STALL_SECONDS = counter(
     "correlator", "stall_seconds_total", "seconds", [JOB_LABEL, "rank", "cause"],

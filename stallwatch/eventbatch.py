@@ -110,6 +110,7 @@ class Verdict(IntEnum):
     UNKNOWN = -1
     HIT = 0
     MISS = 1
+    DIRECT = 2  # the read crossed no spoke: the correlator's own resolution, never on the wire
 
 
 @dataclass(frozen=True)

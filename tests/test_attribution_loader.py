@@ -28,6 +28,7 @@ from torch.utils.data import DataLoader, Dataset
 from stallwatch.catalogue import CAUSES
 from stallwatch.client import ReadSpan, transport, wire
 from stallwatch.client.torch import instrument
+from stallwatch.correlator.attribution import CACHE, DELIVERY, OTHER, PREPROCESS, REMOTE
 from stallwatch.correlator.eventfile import read_events
 from stallwatch.correlator.pipeline import CorrelatorPipeline
 from stallwatch.correlator.results import WindowResult
@@ -35,7 +36,6 @@ from stallwatch.correlator.settings import CorrelatorSettings
 from tests.conftest import AgentProcess, stop_agent
 
 pytestmark = pytest.mark.slow
-REMOTE, CACHE, PREPROCESS, DELIVERY, OTHER = range(len(CAUSES))
 Span = tuple[int, int]
 
 

@@ -29,7 +29,7 @@ from stallwatch.correlator.wallclock import wall_offset_ns
 from stallwatch.correlator.warmup import JobWindow, WarmupTracker
 from stallwatch.correlator.whatif import FEED_SLICE, MissRatioCurve
 from stallwatch.correlator.windows import MERGE_EVENTS, EventTimeWindows
-from stallwatch.eventbatch import SCHEMAS, EventBatch, Interner, MalformedEventBatchError
+from stallwatch.eventbatch import SCHEMAS, EventBatch, Interner, MalformedEventBatchError, Verdict
 from tests.scenarios.generator import BASE_NS, JobSpec, LruCache, Scenario, exact_lru_hit_ratio, generate
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -69,17 +69,39 @@ def test_worked_example_of_the_docs() -> None:
 
     steps = Steps(job=a(0), rank=a(0), gpu=a(0), batch=a(5), wait_start=a(0), wait_end=a(100 * ms),
                   compute_end=a(150 * ms), ready=a(90 * ms))
+    miss_hit = np.array([Verdict.MISS, Verdict.HIT], np.int8)
     tagged = Reads(job=a(0, 0), rank=a(0, 0), batch=a(5, 5), start=a(10 * ms, 30 * ms), end=a(40 * ms, 60 * ms),
-                   miss=np.array([True, False]))
+                   verdict=miss_hit)
     split = attribute(steps, tagged, threshold_ns=ms)
-    assert (split.cause_ns[0] / ms).tolist() == [30, 20, 30, 10, 10]
-    untagged = Reads(tagged.job, tagged.rank, a(-1, -1), tagged.start, tagged.end, tagged.miss)
-    assert (attribute(steps, untagged, threshold_ns=ms).cause_ns[0] / ms).tolist() == [30, 20, 0, 10, 40]
+    assert (split.cause_ns[0] / ms).tolist() == [30, 20, 0, 30, 10, 10]
+    untagged = Reads(tagged.job, tagged.rank, a(-1, -1), tagged.start, tagged.end, tagged.verdict)
+    assert (attribute(steps, untagged, threshold_ns=ms).cause_ns[0] / ms).tolist() == [30, 20, 0, 0, 10, 40]
     unknown_handover = Steps(**{**vars(steps), "ready": a(-1)})
-    assert (attribute(unknown_handover, tagged, threshold_ns=ms).cause_ns[0] / ms).tolist() == [30, 20, 40, 0, 10]
+    assert (attribute(unknown_handover, tagged, threshold_ns=ms).cause_ns[0] / ms).tolist() == [30, 20, 0, 40, 0, 10]
     idle = gpu_idle_in_stalls(steps, split, sample_ts=a(50 * ms, 100 * ms), sample_period=a(50 * ms, 50 * ms),
                               sample_gpu=a(0, 0), sample_util=np.zeros(2, np.float32))
-    assert (idle[0] / ms).tolist() == [30, 20, 30, 10, 10]
+    assert (idle[0] / ms).tolist() == [30, 20, 0, 30, 10, 10]
+
+
+def test_reads_that_cross_no_spoke_are_direct_reads_after_misses_and_before_hits() -> None:
+    """The worked example's hit 30-60 ms crossed no spoke: 40-60 ms is `direct_read`. Where reads overlap, a
+    miss wins over a direct read and a direct read over a hit."""
+    ms = 1_000_000
+
+    def a(*values: int) -> np.ndarray:
+        return np.array(values, dtype=np.int64)
+
+    steps = Steps(job=a(0), rank=a(0), gpu=a(0), batch=a(5), wait_start=a(0), wait_end=a(100 * ms),
+                  compute_end=a(150 * ms), ready=a(90 * ms))
+
+    def split(*verdicts: Verdict) -> list[float]:
+        reads = Reads(job=a(0, 0), rank=a(0, 0), batch=a(5, 5), start=a(10 * ms, 30 * ms), end=a(40 * ms, 60 * ms),
+                      verdict=np.array(verdicts, np.int8))
+        return (attribute(steps, reads, threshold_ns=ms).cause_ns[0] / ms).tolist()
+
+    assert split(Verdict.MISS, Verdict.DIRECT) == [30, 0, 20, 30, 10, 10]
+    assert split(Verdict.DIRECT, Verdict.HIT) == [0, 20, 30, 30, 10, 10]
+    assert split(Verdict.DIRECT, Verdict.DIRECT) == [0, 0, 50, 30, 10, 10]
 
 
 def test_gpu_samples_cover_their_real_period_and_never_give_more_idle_than_they_saw() -> None:
@@ -92,7 +114,7 @@ def test_gpu_samples_cover_their_real_period_and_never_give_more_idle_than_they_
 
     steps = Steps(job=a(0, 0), rank=a(0, 1), gpu=a(0, 0), batch=a(1, 1), wait_start=a(200 * ms, 300 * ms),
                   wait_end=a(400 * ms, 500 * ms), compute_end=a(950 * ms, 950 * ms), ready=a(-1, -1))
-    split = attribute(steps, Reads(a(), a(), a(), a(), a(), np.zeros(0, bool)), threshold_ns=ms)
+    split = attribute(steps, Reads(a(), a(), a(), a(), a(), np.zeros(0, np.int8)), threshold_ns=ms)
     idle = gpu_idle_in_stalls(steps, split, sample_ts=a(100 * ms, 900 * ms), sample_period=a(100 * ms, 400 * ms),
                               sample_gpu=a(0, 0), sample_util=np.array([1.0, 0.5], np.float32))
     # 400 ms idle in 100-900 ms; the stalls overlap it for 200 ms each: each gets all of its overlap.

@@ -18,6 +18,7 @@ from hypothesis import Phase, example, given, settings
 from hypothesis import strategies as st
 
 from stallwatch.catalogue import CAUSES
+from stallwatch.correlator.attribution import DELIVERY, OTHER, PREPROCESS, REMOTE
 from stallwatch.correlator.settings import CorrelatorSettings
 from tests.scenarios.generator import BASE_NS, JobSpec, Scenario, exact_lru_hit_ratio
 from tests.scenarios.run import Outcome, assert_attribution_close, correlate
@@ -29,7 +30,6 @@ WITHIN_S = 5.0
 # No shrinking: one example simulates a minute of a node; a failure prints its seeds to rerun.
 FEW = settings(max_examples=4, deadline=None, phases=(Phase.explicit, Phase.reuse, Phase.generate))
 seeds = st.integers(0, 2**16)
-REMOTE, CACHE, PREPROCESS, DELIVERY, OTHER = (CAUSES.index(c) for c in CAUSES)
 
 
 def assert_every_rank_close(outcome: Outcome) -> None:

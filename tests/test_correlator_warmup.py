@@ -14,12 +14,12 @@ SECOND = 10**9
 MB = 1 << 20
 
 
-def _window(hits: int, reads: int = 19, steps: int = 8, step_s: float = 0.12) -> JobWindow:
+def _window(hits: int, reads: int = 19, steps: int = 8, step_s: float = 0.12, direct_reads: int = 0) -> JobWindow:
     """One 1 s window of the demo's job: ~19 reads and 8 steps."""
     empty = np.zeros(0, dtype=np.int64)
     return JobWindow(steps=steps, ranks=1, step_seconds=np.full(steps, step_s), step_quarter=np.arange(steps) % 4,
                      reads=reads, hits=hits, hub_bytes=0, stall_idle_gpu_seconds=0.0, stall_start_ns=empty,
-                     stall_end_ns=empty)
+                     stall_end_ns=empty, direct_reads=direct_reads)
 
 
 def _phases(tracker: WarmupTracker, windows: list[JobWindow]) -> list[str]:
@@ -54,3 +54,15 @@ def test_time_to_steady_is_within_one_short_window_of_the_last_miss() -> None:
         row = next(j for j in outcome.windows[-1].jobs if j.job == 0)
         assert row.time_to_steady_s is not None
         assert abs(row.time_to_steady_s - outcome.generated.truth.last_miss_s[0]) <= 1.0
+
+
+def test_a_job_reading_through_no_spoke_is_judged_on_its_steps_and_a_spoke_read_brings_the_hit_ratio_back() -> None:
+    """Nothing to warm: a job whose reads all crossed no spoke is steady once its pace is (not cold for ever for
+    want of a hit ratio); once reads cross a spoke their misses count again."""
+    tracker = WarmupTracker()
+    phases = _phases(tracker, [_window(0, reads=0, direct_reads=19) for _ in range(8)])
+    assert phases[-1] == "steady" and tracker.jobs[0].time_to_steady_s is not None, phases
+    assert tracker.jobs[0].hit_ratio is None
+    assert _phases(WarmupTracker(), [_window(0, reads=0) for _ in range(8)])[-1] == "cold"
+    later = tracker.update(0, 8 * SECOND, 9 * SECOND, _window(0, reads=19), 0, complete=True)
+    assert later.phase == "cold"

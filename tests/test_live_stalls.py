@@ -100,8 +100,12 @@ def socket() -> str:
 
 
 @pytest.fixture
-def agent(agent_factory: Callable[..., AgentProcess], socket: str) -> AgentProcess:
-    return agent_factory("--events.socket", socket, "--no-collector.gpu", "--no-collector.host")
+def agent(agent_factory: Callable[..., AgentProcess], socket: str, tmp_path: Path) -> AgentProcess:
+    """An agent with a spoke: its nginx collector on (over a log nobody writes), so reads may cross a spoke."""
+    spoke_log = tmp_path / "spoke.log"
+    spoke_log.touch()
+    return agent_factory("--events.socket", socket, "--no-collector.gpu", "--no-collector.host",
+                         "--collector.spoke_nginx", "--spoke_nginx.log", str(spoke_log))
 
 
 @pytest.fixture
@@ -144,6 +148,29 @@ def test_a_hanging_reads_stall_is_booked_while_it_lasts(
     finally:
         process.kill()
         process.wait()
+
+
+def test_a_slow_read_on_a_node_without_a_spoke_is_a_direct_read_not_a_remote_fetch(
+        agent_factory: Callable[..., AgentProcess], socket: str, tmp_path: Path) -> None:
+    """No spoke collector on: a local read that takes 3 s crosses no spoke, so its stall is `direct_read`, none
+    of it `remote_fetch` (the latency split would call a read that slow a miss)."""
+    agent = agent_factory("--events.socket", socket, "--no-collector.gpu", "--no-collector.host")
+    process = start_job(socket, folder=str(tmp_path), job="local", items=160, hang_index=60, hang_s=3.0,
+                        compute_s=0.02, train_s=0.5)
+    try:
+        next_line(process)
+        truth = next_line(process)
+        assert process.wait(timeout=30) == 0
+    finally:
+        process.kill()
+    booked: dict[str, float] = {}
+    deadline = time.monotonic() + 10.0
+    while time.monotonic() < deadline and sum(booked.values()) < truth["stalled"] * 0.95:
+        booked = stalls(scrape(agent.url), "local")
+        time.sleep(0.2)
+    print(f"a 3 s local read with no spoke: stall seconds by cause {booked}, the job's own {truth['stalled']:.2f} s")
+    assert booked["direct_read"] >= 2.7, booked
+    assert booked["remote_fetch"] == 0.0 and booked["cache_read"] == 0.0, booked
 
 
 def test_a_short_jobs_series_reach_the_agent_within_3_s_of_its_end(

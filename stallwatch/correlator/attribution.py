@@ -1,4 +1,4 @@
-"""Split every stall's seconds among `remote_fetch`, `cache_read`, `preprocess`, `delivery`, `other`.
+"""Split every stall's seconds among `remote_fetch`, `cache_read`, `direct_read`, `preprocess`, `delivery`, `other`.
 
 A stall is a loader wait [wait_start, wait_end] longer than the threshold. Each instant of it gets
 one cause, so the causes always sum to the stall:
@@ -8,9 +8,10 @@ one cause, so the causes always sum to the stall:
   result queue, pin-memory, unpickling); the rules below split the wait up to it.
 - Critical path, when the step's batch has tagged reads: the trainer waiting on batch k waits on the
   worker producing batch k. From the first read of batch k on, that worker is busy with it: an
-  instant covered by a missed read of batch k is `remote_fetch`, else by a hit `cache_read`, else
-  (busy but not reading) `preprocess`. Before the worker started batch k: `other`.
-- Overlap, when it has none: the rank's reads (any worker) overlapping the wait, misses before hits;
+  instant covered by a missed read of batch k is `remote_fetch`, else by a read that crossed no spoke
+  `direct_read`, else by a hit `cache_read`, else (busy but not reading) `preprocess`. Before the
+  worker started batch k: `other`.
+- Overlap, when it has none: the rank's reads (any worker) overlapping the wait, in the same order;
   uncovered instants are `other` (without tags, a busy worker cannot be told from an idle one).
 
 All of it is joins, clips and per-group union lengths on arrays (see intervals.py).
@@ -29,12 +30,13 @@ from stallwatch.correlator.intervals import (
     F64,
     I64,
     composite_key,
-    covered_and_subset,
+    covered_and_subsets,
     equal_join_columns,
     overlap_join,
 )
+from stallwatch.eventbatch import Verdict
 
-REMOTE, CACHE, PREPROCESS, DELIVERY, OTHER = range(len(CAUSES))
+REMOTE, CACHE, DIRECT, PREPROCESS, DELIVERY, OTHER = range(len(CAUSES))
 
 
 @dataclass(frozen=True)
@@ -67,7 +69,7 @@ class Reads:
     batch: I64
     start: I64
     end: I64
-    miss: npt.NDArray[np.bool_]  # resolved verdict: True for a miss (went to the hub)
+    verdict: npt.NDArray[np.int8]  # resolved: HIT, MISS (went to the hub) or DIRECT (crossed no spoke)
 
     def __len__(self) -> int:
         return int(self.job.size)
@@ -117,14 +119,18 @@ def attribute(steps: Steps, reads: Reads, threshold_ns: int, stalled: npt.NDArra
     start = np.clip(reads.start[read_of], ws[step_of], we[step_of])
     end = np.clip(reads.end[read_of], ws[step_of], we[step_of])
     # From its batch's first read on, the worker is busy with it (clipped to the wait, as the reads are).
-    tagged_cover, tagged_miss, busy_from = covered_and_subset(step_of, start, end, reads.miss[read_of], m)
+    # Nested by priority: the misses, then the misses and the reads that crossed no spoke (only when any did).
+    subsets = (reads.verdict == Verdict.MISS,) + ((reads.verdict != Verdict.HIT,)
+                                                  if (reads.verdict == Verdict.DIRECT).any() else ())
+    tagged_cover, tagged_subsets, busy_from = covered_and_subsets(
+        step_of, start, end, tuple(subset[read_of] for subset in subsets), m)
     on_path = busy_from != np.iinfo(np.int64).max
     busy = np.where(on_path, we - busy_from, 0)
 
     # Overlap fallback for stalls with no read of their batch.
     fallback = ~on_path
     overlap_cover = np.zeros(m, dtype=np.int64)
-    overlap_miss = np.zeros(m, dtype=np.int64)
+    overlap_subsets = tuple(np.zeros(m, dtype=np.int64) for _ in subsets)
     if len(reads) and fallback.any():
         which = np.flatnonzero(fallback)
         # One packing for both sides so equal (job, rank) gets equal keys.
@@ -135,13 +141,17 @@ def attribute(steps: Steps, reads: Reads, threshold_ns: int, stalled: npt.NDArra
         stall_of = which[step_of]
         start = np.clip(reads.start[read_of], ws[stall_of], we[stall_of])
         end = np.clip(reads.end[read_of], ws[stall_of], we[stall_of])
-        overlap_cover, overlap_miss, _ = covered_and_subset(stall_of, start, end, reads.miss[read_of], m)
+        overlap_cover, overlap_subsets, _ = covered_and_subsets(
+            stall_of, start, end, tuple(subset[read_of] for subset in subsets), m)
 
     cover = np.where(on_path, tagged_cover, overlap_cover)
-    missed = np.where(on_path, tagged_miss, overlap_miss)
+    covers = [np.where(on_path, tagged, overlap) for tagged, overlap in zip(tagged_subsets, overlap_subsets,
+                                                                              strict=True)]
+    missed, not_hit = covers[0], covers[-1]
     split = causes[stall_index]
     split[:, REMOTE] = missed
-    split[:, CACHE] = cover - missed
+    split[:, DIRECT] = not_hit - missed
+    split[:, CACHE] = cover - not_hit
     split[:, PREPROCESS] = np.where(on_path, np.maximum(busy - cover, 0), 0)
     split[:, DELIVERY] = waited - we
     split[:, OTHER] = (waited - ws) - split[:, :OTHER].sum(axis=1)

@@ -140,21 +140,21 @@ def _shift_groups_apart(group: I64, start: I64, end: I64) -> tuple[I64, I64]:
     return start + shift, end + shift
 
 
-def covered_and_subset(group: I64, start: I64, end: I64, subset: npt.NDArray[np.bool_],
-                       n_groups: int) -> tuple[I64, I64, I64]:
-    """Per group, union lengths of all intervals and of the `subset` ones, and its earliest start (int64's
+def covered_and_subsets(group: I64, start: I64, end: I64, subsets: tuple[npt.NDArray[np.bool_], ...],
+                        n_groups: int) -> tuple[I64, tuple[I64, ...], I64]:
+    """Per group, union lengths of all intervals and of each `subsets` mask's, and its earliest start (int64's
     maximum for a group without intervals), sorting only once."""
     first = np.full(n_groups, np.iinfo(np.int64).max, dtype=np.int64)
     if group.size == 0:
-        empty = np.zeros(n_groups, dtype=np.int64)
-        return empty, empty.copy(), first
+        return np.zeros(n_groups, dtype=np.int64), tuple(np.zeros(n_groups, dtype=np.int64) for _ in subsets), first
     shifted_start, shifted_end = _shift_groups_apart(group, start, end)
     order = np.argsort(shifted_start, kind="stable")  # reads come in runs of sorted starts: faster here
-    g, s, e, chosen = group[order], shifted_start[order], shifted_end[order], subset[order]
+    g, s, e = group[order], shifted_start[order], shifted_end[order]
     leads = np.flatnonzero(np.concatenate(([True], g[1:] != g[:-1])))  # each group's earliest interval
     first[g[leads]] = start[order[leads]]
+    chosen = tuple(subset[order] for subset in subsets)
     return (sorted_union_length(g, s, e, n_groups),
-            sorted_union_length(g[chosen], s[chosen], e[chosen], n_groups), first)
+            tuple(sorted_union_length(g[c], s[c], e[c], n_groups) for c in chosen), first)
 
 
 def sorted_union_length(group: I64, start: I64, end: I64, n_groups: int) -> I64:

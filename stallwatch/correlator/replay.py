@@ -9,6 +9,7 @@ per-rank summary of stall seconds by cause on stderr. The file is what `stallwat
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from collections import defaultdict
 from collections.abc import Sequence
@@ -25,6 +26,8 @@ def main(argv: Sequence[str]) -> int:
     parser = argparse.ArgumentParser(prog="stallwatch correlate", description=__doc__.splitlines()[0])
     parser.add_argument("file", metavar="FILE", help="event file recorded by the agent")
     settings.add_arguments(parser.add_argument_group("correlator"), "")
+    parser.add_argument("--no-spoke", dest="spoke", action="store_false",
+                        help="the recording node had no spoke collector: reads with no verdict are direct_read")
     options = parser.parse_args(argv)
     totals: dict[tuple[int, int], list[float]] = defaultdict(lambda: [0.0] * len(CAUSES))
 
@@ -42,7 +45,7 @@ def main(argv: Sequence[str]) -> int:
         print("stallwatch correlate: the file records no wall-clock offset (version 1): window times are the "
               "node's monotonic clock", file=sys.stderr)
     window_file = WindowFileWriter(options.correlator_record_windows or sys.stdout)
-    chosen = settings.from_options(options)
+    chosen = dataclasses.replace(settings.from_options(options), spoke=options.spoke)
     hold = WindowHold(chosen.retention_s, [window_file.write, summarise], wall_offset=lambda: offset or 0)
     correlator = CorrelatorPipeline(chosen, listeners=[hold.add])
     try:

@@ -29,6 +29,9 @@ class CorrelatorSettings:
     # are shed and counted.
     max_buffered_events: int = 300_000
     spoke_join_tolerance_s: float = 1.0
+    # Whether the node has a spoke for reads to cross (the agent: a spoke collector is on). Without one, a read
+    # with no verdict of its own is `direct_read`: a slow local read is not a remote fetch.
+    spoke: bool = True
     cache_capacity_bytes: int | None = None
     whatif_sample_rate: float = 1.0  # the initial rate: every key until the cap, then it lowers itself
     whatif_max_keys: int = 8192

@@ -77,6 +77,7 @@ class JobWindow:
     stall_start_ns: npt.NDArray[np.int64]  # this window's stalls
     stall_end_ns: npt.NDArray[np.int64]
     waiting: bool = False  # a rank of the job was seen waiting in this window: it is alive, though it took no step
+    direct_reads: int = 0  # reads that crossed no spoke (not in `reads`)
 
 
 @dataclass
@@ -88,6 +89,7 @@ class JobWarmup:
     phase: str = COLD
     steady_from_ns: int = 0  # start of the span that last entered steady
     hit_ratio: float | None = None  # of the latest span with reads
+    direct: bool = False  # it read through no spoke: nothing to warm until a read crosses one
     steady_pace: float | None = None  # steps per rank per second while steady
     time_to_steady_s: float | None = None
     idle_gpu_seconds: float = 0.0
@@ -112,6 +114,7 @@ class WarmupTracker:
         ratio = state.span.hit_ratio()
         if ratio is not None:
             state.hit_ratio = ratio
+        state.direct = state.direct or seen.direct_reads > 0
         if seen.steps or seen.waiting:
             state.last_step_ns = end_ns
         if seen.steps:
@@ -143,23 +146,14 @@ class WarmupTracker:
         return state
 
     def _phase(self, state: JobWarmup, complete: bool, filling: bool) -> tuple[str, str | None]:
-        """The phase of the job's span and, when it is not steady, why (HIT_RATIO, PACE or DISPERSION)."""
+        """The phase of the job's span and, when it is not steady, why (HIT_RATIO, PACE or DISPERSION). A job
+        whose reads crossed no spoke is judged on its steps alone."""
         s = self.settings
-        ratio = state.hit_ratio
-        margin = s.hit_ratio_hysteresis
-        if ratio is None:
-            return COLD, HIT_RATIO
-        reads = state.span.reads()
-        if filling and reads:  # a young job's span holds few reads: judged on its ratio's upper bound
-            ratio = min(1.0, ratio + 2 * math.sqrt(ratio * (1 - ratio) / reads))
-        if ratio < s.cold_hit_ratio - (0.0 if state.phase == COLD else margin):
-            return COLD, HIT_RATIO
         steady = state.phase == STEADY
-        if steady:  # staying steady is judged on up to two spans' reads: one span's wobble is not a change
-            longer = state.span.hit_ratio(since_ns=state.steady_from_ns)
-            ratio = ratio if longer is None else longer
-        if ratio < s.steady_hit_ratio - (margin if steady else 0.0):
-            return TRANSITION, HIT_RATIO
+        if state.hit_ratio is not None or not state.direct:
+            cold = self._phase_by_hit_ratio(state, filling)
+            if cold is not None:
+                return cold, HIT_RATIO
         # Entering as well as staying: a span may end in a stall.
         if state.steady_pace is not None and complete and state.span.pace(state.ranks) < s.min_pace * state.steady_pace:
             return TRANSITION, PACE
@@ -169,6 +163,24 @@ class WarmupTracker:
             return STEADY, None
         allowed = s.max_dispersion * (s.dispersion_hysteresis if steady else 1.0)
         return (STEADY, None) if state.span.dispersion() <= allowed else (TRANSITION, DISPERSION)
+
+    def _phase_by_hit_ratio(self, state: JobWarmup, filling: bool) -> str | None:
+        """COLD or TRANSITION when the span's hit ratio says so (none yet is cold); None when it hits as steady."""
+        s = self.settings
+        ratio = state.hit_ratio
+        if ratio is None:
+            return COLD
+        margin = s.hit_ratio_hysteresis
+        reads = state.span.reads()
+        if filling and reads:  # a young job's span holds few reads: judged on its ratio's upper bound
+            ratio = min(1.0, ratio + 2 * math.sqrt(ratio * (1 - ratio) / reads))
+        if ratio < s.cold_hit_ratio - (0.0 if state.phase == COLD else margin):
+            return COLD
+        steady = state.phase == STEADY
+        if steady:  # staying steady is judged on up to two spans' reads: one span's wobble is not a change
+            longer = state.span.hit_ratio(since_ns=state.steady_from_ns)
+            ratio = ratio if longer is None else longer
+        return TRANSITION if ratio < s.steady_hit_ratio - (margin if steady else 0.0) else None
 
     def expire(self, now_ns: int) -> list[int]:
         """Forget jobs with no step, and no rank seen waiting, for `expiry_s`; their ids, so their series can go too."""

@@ -90,13 +90,12 @@ class WindowAnalyser:
         raw = window.context["read"]
         in_window = (raw["end_ns"] >= start) & (raw["end_ns"] < end)
         verdict = self._verdicts(raw, window, in_window)
-        miss = verdict == Verdict.MISS
         # The window's own reads, once: the jobs' counts, the what-if and the warm-up take only these.
         own_reads = {name: raw[name][in_window] for name in ("job", "start_ns", "end_ns", "key", "bytes")}
-        own_reads["miss"] = miss[in_window]
+        own_reads["verdict"] = verdict[in_window]
         steps = _steps(window.steps)
         flight = in_flight(window.context["open"])
-        received = Reads(raw["job"], raw["rank"], raw["batch"], raw["start_ns"], raw["end_ns"], miss)
+        received = Reads(raw["job"], raw["rank"], raw["batch"], raw["start_ns"], raw["end_ns"], verdict)
         reads = self._with_open_reads(received, flight, window)
         threshold = seconds_to_ns(s.stall_threshold_s)
         stalled = _stalled(steps, threshold)
@@ -161,7 +160,8 @@ class WindowAnalyser:
 
     def _with_open_reads(self, reads: Reads, flight: InFlight, window: WindowInput) -> Reads:
         """The window's reads and, for the stalls booked while open, the reads still open as last seen: a miss
-        when the spoke logged one for its key or it is already open longer than a hit takes."""
+        when the spoke logged one for its key or it is already open longer than a hit takes (direct when reads
+        cross no spoke)."""
         opened = flight.open_reads()
         if opened["key"].size == 0:
             return reads
@@ -173,7 +173,7 @@ class WindowAnalyser:
                                  opened["start_ns"], opened["end_ns"], window)
         return Reads(*(np.concatenate((mine, theirs)) for mine, theirs in (
             (reads.job, opened["job"]), (reads.rank, opened["rank"]), (reads.batch, opened["batch"]),
-            (reads.start, opened["start_ns"]), (reads.end, opened["end_ns"]), (reads.miss, verdict == Verdict.MISS))))
+            (reads.start, opened["start_ns"]), (reads.end, opened["end_ns"]), (reads.verdict, verdict))))
 
     def _verdicts(self, reads: dict[str, np.ndarray], window: WindowInput, in_window: np.ndarray) -> np.ndarray:
         """Each read's verdict: its own, else the spoke's, else the latency split's (learnt from the window's own
@@ -184,7 +184,8 @@ class WindowAnalyser:
 
     def _resolved(self, verdict: np.ndarray, key: np.ndarray, start: np.ndarray, end: np.ndarray,
                   window: WindowInput) -> np.ndarray:
-        """The unknown verdicts (in place) from the spoke's log for the read's key, else from the latency split."""
+        """The unknown verdicts (in place) from the spoke's log for the read's key, else from the latency split, or
+        `DIRECT` when the node has no spoke for reads to cross."""
         unknown = np.flatnonzero(verdict == Verdict.UNKNOWN)
         spoke = window.context["spoke_request"]
         if unknown.size and spoke["key"].size:
@@ -192,7 +193,8 @@ class WindowAnalyser:
             verdict[unknown] = join_spoke(key[unknown], end[unknown], spoke["key"], spoke["end_ns"], spoke["verdict"],
                                           tolerance)
         unknown = np.flatnonzero(verdict == Verdict.UNKNOWN)
-        verdict[unknown] = self.latency.classify(end[unknown] - start[unknown])
+        verdict[unknown] = (self.latency.classify(end[unknown] - start[unknown]) if self.settings.spoke
+                            else Verdict.DIRECT)
         return verdict
 
     @staticmethod
@@ -220,8 +222,10 @@ class WindowAnalyser:
 
     def _jobs(self, window: WindowInput, steps: Steps, stalled: np.ndarray, reads: Columns,
               idle_by_job: Mapping[int, float], spans: Mapping[int, Spans], waiting: set[int]) -> tuple[JobRow, ...]:
-        """Per job, the window's warm-up row; `reads` are the window's own, with their resolved `miss`."""
+        """Per job, the window's warm-up row; `reads` are the window's own, with their resolved `verdict`. Only the
+        reads that crossed a spoke count towards its hit ratio."""
         read_jobs = reads["job"]
+        missed, hit, direct = (reads["verdict"] == verdict for verdict in (Verdict.MISS, Verdict.HIT, Verdict.DIRECT))
         for job, first in self._earliest(steps, reads).items():
             self._first_seen[job] = min(self._first_seen.get(job, first), first)
         step_seconds = (steps.compute_end - steps.wait_start) / 1e9
@@ -229,20 +233,21 @@ class WindowAnalyser:
         for job in sorted(set(self._first_seen) | set(self.warmup.jobs)):
             mine = steps.job == job
             read_mine = read_jobs == job
-            misses = reads["miss"] & read_mine
+            misses, hits = read_mine & missed, read_mine & hit
             seen = JobWindow(
                 steps=int(mine.sum()),
                 ranks=int(np.unique(steps.rank[mine]).size) or self._known_ranks(job),
                 step_seconds=step_seconds[mine],
                 step_quarter=np.clip((steps.compute_end[mine] - window.start_ns) * 4
                                      // (window.end_ns - window.start_ns), 0, 3),
-                reads=int(read_mine.sum()),
-                hits=int((read_mine & ~misses).sum()),
+                reads=int(misses.sum()) + int(hits.sum()),
+                hits=int(hits.sum()),
                 hub_bytes=int(reads["bytes"][misses].sum()),
                 stall_idle_gpu_seconds=idle_by_job.get(job, 0.0),
                 stall_start_ns=steps.wait_start[mine & stalled],
                 stall_end_ns=steps.wait_end[mine & stalled],
                 waiting=job in waiting,
+                direct_reads=int((read_mine & direct).sum()),
             )
             state = self.warmup.update(job, window.start_ns, window.end_ns, seen, self._first_seen[job],
                                        complete=not window.final)

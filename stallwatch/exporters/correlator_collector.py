@@ -10,11 +10,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import logging
 
 from stallwatch.correlator import settings
 from stallwatch.correlator.live import DEFAULT_BACKLOG_EVENTS, LiveCorrelator
 from stallwatch.exporters.collector import CollectorContext, register_event_consumer
 from stallwatch.flags import positive_int
+
+log = logging.getLogger("stallwatch.agent")
 
 
 def _add_arguments(group: argparse._ArgumentGroup) -> None:
@@ -29,12 +32,16 @@ def _add_arguments(group: argparse._ArgumentGroup) -> None:
 
 def _from_context(context: CollectorContext) -> LiveCorrelator:
     """The receiver's label caps and expiry (`--events.rank-limit`, `--events.expire-after`) hold for the
-    correlator's series too, and a job retires from the warm-up tracker after the same idle time."""
+    correlator's series too, and a job retires from the warm-up tracker after the same idle time. Reads cross
+    a spoke only on a node with a spoke collector on."""
     options = context.options
     shared = settings.from_options(options)
     warmup = dataclasses.replace(shared.warmup, expiry_s=options.events_expire_after)
+    spoke = any(value for name, value in vars(options).items() if name.startswith("collector_spoke_"))
+    if not spoke:
+        log.info("no spoke collector is on: reads without a verdict of their own are booked direct_read")
     return LiveCorrelator(
-        dataclasses.replace(shared, warmup=warmup),
+        dataclasses.replace(shared, warmup=warmup, spoke=spoke),
         job_names=context.jobs.name,
         spokes=context.spokes,
         windows_path=options.correlator_record_windows,

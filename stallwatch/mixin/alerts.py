@@ -76,8 +76,9 @@ def training_alerts(t: Thresholds) -> tuple[AlertRule, ...]:
             runbook="The ranks' loader wait divided by wait plus compute is above the threshold: the input "
                     "pipeline, not the model, sets the pace (TensorFlow's input-pipeline analyzer calls 20 % or "
                     "more 'highly input-bound').\n\n"
-                    "Check: *Training input stalls*: which cause dominates the stall seconds. `remote_fetch` and "
-                    "`cache_read` point at storage; `preprocess` at CPU-bound workers; `delivery` at the batch's "
+                    "Check: *Training input stalls*: which cause dominates the stall seconds. `remote_fetch`, "
+                    "`cache_read` and `direct_read` (reads through no spoke) point at storage; `preprocess` at "
+                    "CPU-bound workers; `delivery` at the batch's "
                     "trip from its worker to the trainer (pickling, queues, pin-memory); `other` at missing read "
                     "events (is the client wrapping the loader's dataset?).\n\n"
                     "Act: for preprocessing, more workers or cheaper transforms; for delivery, smaller batch "
@@ -113,7 +114,8 @@ def training_alerts(t: Thresholds) -> tuple[AlertRule, ...]:
                     "Check: the *Job across nodes* row of *Training input stalls*: the gating node and rank and the "
                     "cause of their stalls. `remote_fetch` there points at that node's spoke (cold, smaller than "
                     "the working set, a slow hub link: the *Spoke cache* dashboard for that spoke); `preprocess` "
-                    "at that node's CPUs or loader workers; `cache_read` at its local cache disk.\n\n"
+                    "at that node's CPUs or loader workers; `cache_read` at its local cache disk; `direct_read` at "
+                    "storage the node reads through no spoke.\n\n"
                     "Act: warm or grow that node's spoke, give the node's ranks more loader workers, or move the "
                     "job off the node; the other nodes are waiting, not at fault.",
         ),
