@@ -59,9 +59,9 @@ class MetricDef(Generic[F]):
     buckets: tuple[float, ...] = ()
 
     def family(self) -> F:
-        """An empty family of this metric, ready for add_metric()."""
+        """An empty family of this metric, ready for add_metric(); its unit goes to OpenMetrics' `# UNIT` line."""
         family_type = _FAMILY_TYPES[self.kind]
-        return family_type(self.name, self.help, labels=list(self.labels))  # type: ignore[return-value]
+        return family_type(self.name, self.help, labels=list(self.labels), unit=self.unit)  # type: ignore[return-value]
 
 
 AnyMetricDef = MetricDef[CounterMetricFamily] | MetricDef[GaugeMetricFamily] | MetricDef[HistogramMetricFamily]

@@ -6,6 +6,7 @@ import re
 import subprocess
 
 from prometheus_client.exposition import generate_latest
+from prometheus_client.openmetrics.exposition import generate_latest as openmetrics_latest
 from prometheus_client.registry import CollectorRegistry
 
 from stallwatch import catalogue
@@ -67,6 +68,13 @@ def test_promtool_finds_nothing_to_complain_about(promtool: str) -> None:
     assert result.returncode == 0 and not result.stdout.strip() and not result.stderr.strip(), (
         result.stdout + result.stderr
     ).decode()
+
+
+def test_the_openmetrics_exposition_gives_each_metric_its_unit() -> None:
+    registry = CollectorRegistry()
+    registry.register(PopulatedCatalogue())
+    units = dict(re.findall(r"^# UNIT (\S+) (\S+)$", openmetrics_latest(registry).decode(), re.MULTILINE))
+    assert units == {m.name.removesuffix("_total"): m.unit for m in catalogue.all_metrics() if m.unit}
 
 
 def test_promtool_lint_does_catch_a_bad_name(promtool: str) -> None:
