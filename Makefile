@@ -3,21 +3,47 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+STAGE := build/dist
+DIST := dist
 
-.PHONY: test demo generate lint typecheck pytest system-deps helm-tools benchmarks image protos clean
+# Each distribution is built from a folder of its own (an sdist holds only what lies under its project):
+# the client's metadata (clients/python) beside stallwatch/client, and the agent's beside the rest.
+define stage
+	rm -rf $(STAGE) && mkdir -p $(STAGE)/client $(STAGE)/agent
+	cp clients/python/pyproject.toml clients/python/README.md $(STAGE)/client/
+	tar -c --exclude=__pycache__ stallwatch/client | tar -x -C $(STAGE)/client
+	tar -c --exclude=__pycache__ --exclude=stallwatch/client --exclude=stallwatch/_revision \
+	  pyproject.toml README.md stallwatch | tar -x -C $(STAGE)/agent
+	git rev-parse HEAD > $(STAGE)/agent/stallwatch/_revision 2>/dev/null || true
+endef
+
+.PHONY: test demo dist generate lint typecheck pytest system-deps helm-tools benchmarks image protos clean
 
 test: $(STAMP) system-deps helm-tools lint typecheck pytest
 
 demo: $(STAMP) system-deps
 	$(PY) -m stallwatch demo $(DEMO_ARGS)
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml clients/python/pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	# The CPU wheel of torch 2.13.0: any other version would pull a multi-GB CUDA build.
+	# What the client tests run on: the CPU wheel of torch 2.13.0 (any other version would pull a
+	# multi-GB CUDA build). The client itself pins no torch.
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[test,torch,report]'
+	$(stage)
+	# The agent needs the client's distribution: pip installs the staged copy, which is never imported.
+	# The compat editable install puts the checkout on the path, and its regular package `stallwatch`
+	# (with stallwatch/client) wins over the namespace portion the copy lays in site-packages.
+	$(PY) -m pip install -q $(STAGE)/client -e '.[test,report]' --config-settings editable_mode=compat
 	touch $@
+
+# The two distributions, wheel and sdist each, into dist/: stallwatch-client (stallwatch/client) and
+# stallwatch (the rest, with the revision it was built from: stallwatch/build.py). Built offline.
+dist: $(STAMP)
+	$(stage)
+	rm -rf $(DIST)
+	$(PY) -m build -q --no-isolation --outdir $(DIST) $(STAGE)/client
+	$(PY) -m build -q --no-isolation --outdir $(DIST) $(STAGE)/agent
 
 system-deps:
 	scripts/install-system-deps.sh
@@ -50,4 +76,4 @@ benchmarks: $(STAMP)
 	$(PY) benchmarks/run_all.py
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) build dist *.egg-info .pytest_cache .mypy_cache .ruff_cache
