@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import subprocess
 import sys
@@ -17,7 +18,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from stallwatch import catalogue
 from stallwatch.correlator.attribution import Reads, Steps, attribute, gpu_idle_in_stalls
 from stallwatch.correlator.eventfile import EventFileError, EventFileWriter, read_events, recorded_wall_offset
-from stallwatch.correlator.intervals import overlap_join, union_length
+from stallwatch.correlator.intervals import composite_key, overlap_join, union_length
 from stallwatch.correlator.live import LiveCorrelator
 from stallwatch.correlator.metrics import whatif_spoke_label
 from stallwatch.correlator.pipeline import CorrelatorPipeline
@@ -58,6 +59,35 @@ def test_overlap_join_matches_brute_force(left: list[tuple[int, int, int]], righ
     expected = {(a, b) for a, (g, s, d) in enumerate(left) for b, (h, t, e) in enumerate(right)
                 if g == h and s < t + e and s + d > t}
     assert set(zip(i.tolist(), j.tolist(), strict=True)) == expected
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(*[st.integers(-2**63, 2**63 - 1) | st.integers(-3, 3)] * 3), min_size=1, max_size=30))
+def test_composite_keys_keep_the_order_and_the_distinctness_of_rows_however_far_apart(
+        rows: list[tuple[int, int, int]]) -> None:
+    """A forged batch number of 2^62 (or ranks at both ends of int64) must not wrap the packed key: rows
+    that differ get different keys, in the rows' lexicographic order."""
+    columns = [np.array(column, dtype=np.int64) for column in zip(*rows, strict=True)]
+    key = composite_key(*columns).tolist()
+    for (a, key_a), (b, key_b) in itertools.product(zip(rows, key, strict=True), repeat=2):
+        assert (a < b) == (key_a < key_b) and (a == b) == (key_a == key_b), (a, b, key_a, key_b)
+
+
+def test_a_forged_batch_number_attributes_like_any_other() -> None:
+    """Two ranks on batches 0 and 2^62: each stall joins its own batch's read, as with batches 0 and 1."""
+    ms = 1_000_000
+
+    def a(*values: int) -> np.ndarray:
+        return np.array(values, dtype=np.int64)
+
+    def split(batches: np.ndarray) -> list[list[float]]:
+        steps = Steps(job=a(0, 0), rank=a(0, 1), gpu=a(0, 1), batch=batches, wait_start=a(0, 0),
+                      wait_end=a(100 * ms, 100 * ms), compute_end=a(150 * ms, 150 * ms), ready=a(-1, -1))
+        reads = Reads(job=a(0, 0), rank=a(0, 1), batch=batches, start=a(10 * ms, 10 * ms), end=a(40 * ms, 90 * ms),
+                      verdict=np.array([Verdict.MISS, Verdict.HIT], np.int8))
+        return (attribute(steps, reads, threshold_ns=ms).cause_ns / ms).tolist()
+
+    assert split(a(0, 2**62)) == split(a(0, 1)) == [[30, 0, 0, 60, 0, 10], [0, 80, 0, 10, 0, 10]]
 
 
 def test_worked_example_of_the_docs() -> None:

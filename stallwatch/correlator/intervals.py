@@ -30,16 +30,35 @@ def ragged_pairs(lo: I64, hi: I64) -> tuple[I64, I64]:
     return left, right
 
 
+# Packed keys stay below this, so no product or sum of them wraps around.
+_KEY_LIMIT = 2**62
+
+
 def composite_key(*parts: npt.NDArray[np.integer]) -> I64:
-    """Pack integer columns of small range into one sortable int64 (lexicographic order)."""
+    """Pack integer columns into one sortable int64 (lexicographic order). Columns of small range are packed
+    as they are; when the packed range would pass 2^62 (a forged batch number of 2^62, ranks far apart) the
+    key so far and the column are replaced by their ranks among the rows, which keeps the order and fits."""
     key = np.zeros(parts[0].size, dtype=np.int64)
+    key_span = 1
     for part in parts:
         values = part.astype(np.int64)
-        if values.size:
-            values = values - values.min()
-        span = int(values.max()) + 1 if values.size else 1
+        low = int(values.min()) if values.size else 0
+        span = int(values.max()) - low + 1 if values.size else 1  # Python ints: exact however far apart
+        if key_span * span >= _KEY_LIMIT:
+            key, key_span = _ranks(key), int(key.size)
+            values = _ranks(values)
+            span = int(values.max()) + 1
+        else:
+            values = values - low
         key = key * span + values
+        key_span *= span
     return key
+
+
+def _ranks(values: I64) -> I64:
+    """Each value's place among the distinct values: the same order, in a range no larger than the rows."""
+    ranked: I64 = np.unique(values, return_inverse=True)[1].reshape(-1).astype(np.int64)
+    return ranked
 
 
 def distinct_rows(*columns: npt.NDArray[np.integer]) -> tuple[I64, I64]:
