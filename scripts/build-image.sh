@@ -43,18 +43,17 @@ if [ -z "${BASE:-}" ]; then
     buildah config --env PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin "$container"
     buildah commit --quiet --rm "$container" "$BASE" >/dev/null
   fi
-  # The build context: the package and a wheelhouse of it and its dependencies.
+  # The build context: a wheelhouse of the two distributions (make dist; the agent's records the checkout's
+  # commit for stallwatch_build_info, stallwatch/build.py) and their dependencies.
   context=$cache/context
   rm -rf "$context" && mkdir -p "$context"
-  tar -c --exclude=__pycache__ pyproject.toml README.md stallwatch | tar -x -C "$context"
-  # The revision stallwatch_build_info reports (stallwatch/build.py): the checkout's commit.
-  git rev-parse HEAD > "$context/stallwatch/_revision" 2>/dev/null || rm -f "$context/stallwatch/_revision"
-  # Built from the copy, not the checkout: setuptools' build/ of the checkout may hold modules of older trees.
+  make --no-print-directory dist PY="${PYTHON:-.venv/bin/python}" DIST="$context/dist"
   "${PYTHON:-.venv/bin/python}" -m pip wheel --quiet --disable-pip-version-check --wheel-dir "$context/wheels" \
-    "$(cd "$context" && pwd)[kubernetes]"
-  rm -rf "$context/build" "$context"/*.egg-info
+    "$context/dist/stallwatch_client-$version-py3-none-any.whl" \
+    "$context/dist/stallwatch-$version-py3-none-any.whl[kubernetes]"
   set -- --build-arg WHEELS=wheels "$context"
 else
+  make --no-print-directory dist PY="${PYTHON:-.venv/bin/python}"
   set -- .
 fi
 echo "building $image from $BASE"

@@ -7,6 +7,8 @@ agent's wheel installs beside it and answers `stallwatch --version` with the rev
 
 from __future__ import annotations
 
+import fnmatch
+import re
 import socket
 import subprocess
 import sys
@@ -30,6 +32,10 @@ CLIENT_WHEEL = f"stallwatch_client-{VERSION}-py3-none-any.whl"
 AGENT_WHEEL = f"stallwatch-{VERSION}-py3-none-any.whl"
 # What the agent brings and a training image must not get from the client.
 AGENT_ONLY = ("numpy", "streamz", "torch", "prometheus_client", "yaml")
+INSTALL_DOCS = sorted([*ROOT.glob("docs/*.md"), *ROOT.glob("docs/*.yaml"), ROOT / "README.md",
+                       *ROOT.glob("clients/*/README.md")])
+# The arguments of a `pip install`, up to the end of its line, code span, shell string or command.
+PIP_INSTALL = re.compile(r"pip install ([^`\n\"&;#]+)")
 
 
 @pytest.fixture(scope="module")
@@ -79,6 +85,19 @@ def test_each_module_is_in_exactly_one_wheel_and_the_client_in_its_own(dist: Pat
     for member in ("stallwatch/__init__.py", "stallwatch/py.typed", "stallwatch/_revision",
                    "stallwatch/exporters/mappings/juicefs.yaml", "stallwatch/exporters/kubelet/api.proto"):
         assert member in agent, member
+
+
+def test_the_docs_install_stallwatch_only_from_the_wheels_make_dist_builds(dist: Path) -> None:
+    built = [path.name for path in dist.glob("*.whl")]
+    named = []
+    for doc in INSTALL_DOCS:
+        for arguments in PIP_INSTALL.findall(doc.read_text()):
+            for argument in arguments.split():
+                wheel = argument.strip("'").split("[")[0]
+                if "stallwatch" in argument and not argument.startswith("-"):
+                    named.append(wheel)
+                    assert fnmatch.filter(built, Path(wheel).name), f"{doc.name}: pip install {arguments}"
+    assert {Path(wheel).name.split("-")[0] for wheel in named} == {"stallwatch", "stallwatch_client"}
 
 
 def test_the_client_requires_nothing_and_the_agent_the_client_of_its_version(dist: Path) -> None:
