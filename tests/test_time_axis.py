@@ -6,12 +6,16 @@ from __future__ import annotations
 import re
 import time
 from collections import defaultdict
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
 import requests
 from prometheus_client import CollectorRegistry, generate_latest, start_http_server
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.openmetrics.exposition import generate_latest as openmetrics_latest
+from prometheus_client.openmetrics.parser import text_string_to_metric_families as openmetrics_families
 from prometheus_client.parser import text_string_to_metric_families
 
 from stallwatch.catalogue import CAUSES
@@ -25,8 +29,11 @@ from stallwatch.correlator.wallclock import wall_offset_ns
 from stallwatch.correlator.windowfile import WindowFileWriter
 from stallwatch.demo.stack import query, start_prometheus
 from stallwatch.eventbatch import SCHEMAS, EventBatch, Verdict
+from stallwatch.exporters.collector import ScrapeCollector
+from stallwatch.exporters.web import MetricsServer
 from stallwatch.harness import free_port, wait_for
 from stallwatch.report.windows import run_from_windows
+from stallwatch.scraper import SCRAPER
 from tests.conftest import ROOT, require_binary
 from tests.scenarios.generator import BASE_NS
 
@@ -486,3 +493,117 @@ def test_a_window_waits_for_the_gpu_sample_after_a_driver_gap(gpu_gap_s: float) 
     stalled = sum(sum(row.stall_s) for r in results for part in (r, *r.earlier) for row in part.ranks)
     assert stalled == pytest.approx(0.7)
     assert idle == pytest.approx(0.7 if gpu_gap_s else 0.3, abs=1e-3)
+
+
+def _openmetrics_scrape(registry: CollectorRegistry, scraper: str) -> dict[Series, list[tuple[float, float | None]]]:
+    """`_scrape` in the OpenMetrics format (whose parser insists each series' samples are together), as
+    `scraper`."""
+    samples: dict[Series, list[tuple[float, float | None]]] = defaultdict(list)
+    token = SCRAPER.set(scraper)
+    try:
+        body = openmetrics_latest(registry).decode()
+    finally:
+        SCRAPER.reset(token)
+    for family in openmetrics_families(body):
+        for s in family.samples:
+            stamp = None if s.timestamp is None else float(s.timestamp)
+            samples[(s.name, tuple(sorted(s.labels.items())))].append((s.value, stamp))
+    return samples
+
+
+def test_every_scraper_gets_every_window_in_a_valid_openmetrics_exposition() -> None:
+    """Two scrapers (an HA pair of Prometheus replicas) at different paces, one of them away for a while:
+    each gets every window's sample of the stall counter once, in time order, and the exposition parses as
+    OpenMetrics with several windows of one series in it."""
+    clock = [ns(0.0)]
+    service = LiveCorrelator(CorrelatorSettings(window_s=1.0, lateness_s=0.5), clock_ns=lambda: clock[0],
+                             start=False)
+    registry = CollectorRegistry()
+    registry.register(service)
+    stall = ("stallwatch_stall_seconds_total", (("cause", "other"), ("rank", "0"), ("training_job", "0")))
+    stored: dict[str, list[float]] = {"a": [], "b": []}  # what each scraper's Prometheus keeps: rising times
+    timeline = [regular(0, 0, 0.0, 3.0), steps(0, 0, [(3.0, 6.0, 6.1)], 30), regular(0, 0, 6.1, 12.0, 31)]
+    for second in range(1, 12):
+        for batch in timeline:
+            part = _from(_until(batch, second + 0.6), second - 0.4)
+            if len(part):
+                service.submit(part)
+        clock[0] = ns(second + 0.6)
+        service.drain()
+        scrapers = ["a"] + (["b"] if second % 3 == 0 or second == 11 else [])  # b every third second
+        for scraper in scrapers:
+            times = [stamp for _, stamp in _openmetrics_scrape(registry, scraper)[stall]]
+            assert times == sorted(times) and None not in times
+            stored[scraper] += [t for t in times if t is not None and (not stored[scraper] or t > stored[scraper][-1])]
+    offset = wall_offset_ns()
+    for scraper, times in stored.items():
+        window_ends = [round(t - offset / S - BASE_NS / S, 1) for t in times]
+        assert window_ends == [float(end) for end in range(1, 12)], (scraper, window_ends)
+
+
+def test_two_real_prometheus_replicas_each_store_every_window(tmp_path: Path) -> None:
+    """The agent's web server scraped every second by two real Prometheus servers (an HA pair: one scrapes
+    127.0.0.1, the other 127.0.0.2) and by a third scraper every 0.3 s: both Prometheus store a sample of
+    every window the correlator published, the same ones, and none is refused as out of order."""
+    prometheus_bin = require_binary("prometheus", "prometheus")
+    service = LiveCorrelator(CorrelatorSettings(window_s=1.0, lateness_s=0.5), tick_s=0.05)
+    registry = CollectorRegistry()
+    registry.register(service)
+    server = MetricsServer(registry, "", free_port())
+    server.start()
+    port = server.url.rsplit(":", 1)[1].split("/")[0]
+    replicas = [start_prometheus(prometheus_bin, tmp_path / f"prometheus-{n}", [f"127.0.0.{n}:{port}"], [])
+                for n in (1, 2)]
+    try:
+        batch, until = 0, time.monotonic() + 10.0
+        while time.monotonic() < until:
+            now = time.monotonic_ns()
+            service.submit(_step_now(batch, now - 50_000_000, now - 40_000_000, now))  # a 10 ms stall each
+            batch += 1
+            requests.get(server.url, headers={"User-Agent": "another-scraper"}, timeout=5)
+            time.sleep(0.3)
+        series = 'stallwatch_stall_seconds_total{cause="other",training_job="0",rank="0"}'
+        # The last windows closed, and both replicas scraped them.
+        wait_for("both replicas at the last window", lambda: len({_samples(p.url, series)[-1][1]
+                                                                   for p in replicas} | {_last(registry, series)}) == 1,
+                 30)
+        stored = [_samples(p.url, series) for p in replicas]
+        counters = [requests.get(f"{p.url}/metrics", timeout=10).text for p in replicas]
+    finally:
+        for replica in replicas:
+            replica.close()
+        server.close()
+        service.close()
+    windows = [round(at) for at, _ in stored[0]]
+    assert windows == sorted(set(windows)) and len(windows) >= 9, stored[0]  # a sample at each window's end
+    assert stored[0] == stored[1], "the replicas stored different samples"
+    for text in counters:
+        for rejected in ("prometheus_target_scrapes_sample_out_of_order_total",
+                         "prometheus_target_scrapes_sample_duplicate_timestamp_total"):
+            assert re.search(rf"^{rejected} 0$", text, re.MULTILINE), rejected
+
+
+def _last(registry: CollectorRegistry, series: str) -> float:
+    """The series' value as the agent serves it now (to an anonymous scraper)."""
+    name, labels = series.split("{")
+    wanted = tuple(sorted(tuple(pair.split("=")) for pair in labels.rstrip("}").replace('"', "").split(",")))
+    return _scrape(registry)[(name, wanted)][-1][0]
+
+
+def test_collectors_run_in_the_context_of_the_scrape_that_started_them() -> None:
+    """The agent's collectors run on threads of their own: each still knows which scraper it serves."""
+
+    class WhoAsks:
+        def collect(self) -> Iterator[Metric]:
+            family = GaugeMetricFamily("who_asks", "The scraper this collect served.", labels=["scraper"])
+            family.add_metric([SCRAPER.get()], 1.0)
+            yield family
+
+    scrape = ScrapeCollector({"who": WhoAsks()})
+    for scraper in ("10.0.0.1 10.0.0.9 Prometheus/2.42", "10.0.0.2 10.0.0.9 Prometheus/2.42"):
+        token = SCRAPER.set(scraper)
+        try:
+            families = {family.name: family for family in scrape.collect()}
+        finally:
+            SCRAPER.reset(token)
+        assert [s.labels["scraper"] for s in families["who_asks"].samples] == [scraper]

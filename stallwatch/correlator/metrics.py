@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import math
 import threading
-from collections import defaultdict
+from collections import OrderedDict, defaultdict, deque
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -15,10 +16,13 @@ from stallwatch.correlator.hold import Publication
 from stallwatch.correlator.results import NameLookup, WhatIfCurve, WindowResult, stalled_seconds
 from stallwatch.correlator.wallclock import unix_seconds, wall_offset_ns
 from stallwatch.eventbatch import DEFAULT_EXPIRE_AFTER_S, Interner, SeriesCap
+from stallwatch.scraper import SCRAPER
 
 NO_SPOKE = "default"
-# Per job, the published windows kept for the next scrape: more than the windows of one hold (60 s of 5 s).
-UNSCRAPED_WINDOWS = 32
+# Per job, the published windows kept for scrapers that have not taken them yet: 32 s of 0.5 s windows, more
+# than a 30 s scrape interval's. Per scraper, the newest window it took of each job; scrapers remembered.
+PUBLISHED_WINDOWS = 64
+SCRAPERS = 16
 
 
 def whatif_spoke_label(spokes: Interner) -> str:
@@ -70,8 +74,9 @@ class CorrelatorMetrics:
         self._regressions: dict[str, float] = {}
         self._job_stall: dict[str, float] = defaultdict(float)
         self._stamp: dict[str, float] = {}  # job -> unix time its series are published at
-        # job -> (stamp, its series by job table) per window published since the last scrape
-        self._unscraped: dict[str, list[tuple[float, list[dict[tuple[str, ...], float]]]]] = {}
+        # job -> (stamp, its series by job table) of its latest windows; scraper -> job -> newest stamp it took
+        self._published: dict[str, deque[tuple[float, list[dict[tuple[str, ...], float]]]]] = {}
+        self._taken: OrderedDict[str, dict[str, float]] = OrderedDict()
         self._whatif: dict[float, float] = {}
         self._whatif_curve: WhatIfCurve | None = None
         self._whatif_stamp: float | None = None
@@ -175,8 +180,10 @@ class CorrelatorMetrics:
             for pair in [pair for pair in given if pair[0] == job]:
                 del given[pair]
         for per_job in (self._phase, self._time_to_steady, self._warmup_idle, self._warmup_bytes,
-                        self._regressions, self._job_stall, self._stamp, self._unscraped):
+                        self._regressions, self._job_stall, self._stamp, self._published):
             per_job.pop(job, None)
+        for taken in self._taken.values():
+            taken.pop(job, None)
 
     def set_losses(self, late: Mapping[str, int], dropped: Mapping[tuple[str, str], int],
                    record_errors: Mapping[tuple[str, str], int]) -> None:
@@ -200,33 +207,45 @@ class CorrelatorMetrics:
         ]
 
     def _snapshot(self, job: str) -> None:
-        """Keep the job's series as published now until a scrape took them (see `collect`)."""
+        """Keep the job's series as published now for the scrapers that have not taken them (see `collect`)."""
         values = [{labels: value for labels, value in table.items() if labels[0] == job}
                   for _, table in self._job_tables()]
-        snapshots = self._unscraped.setdefault(job, [])
-        snapshots.append((self._stamp[job], values))
-        del snapshots[:-UNSCRAPED_WINDOWS]  # unscraped (no Prometheus yet): memory stays bounded
+        self._published.setdefault(job, deque(maxlen=PUBLISHED_WINDOWS)).append((self._stamp[job], values))
+
+    def _taken_by(self, scraper: str) -> dict[str, float]:
+        """The newest window of each job the scraper took; the least recently seen scraper is forgotten."""
+        taken = self._taken.pop(scraper, {})
+        self._taken[scraper] = taken
+        while len(self._taken) > SCRAPERS:
+            self._taken.popitem(last=False)
+        return taken
 
     def collect(self) -> Iterator[Metric]:
-        """Per-job series at their windows' times: first the windows published since the last scrape (a
-        stall's held windows go out together), each once, then every series as it is now. Prometheus
-        takes several samples of a series in one scrape when their timestamps rise, and counts an older
-        one sent again as out of order: so a second scraper sees only the latest of such windows."""
+        """Per-job series at their windows' times: the windows published since this scraper's last scrape (a
+        stall's held windows go out together), then every series as it is now, each series' samples together
+        and in time order (OpenMetrics groups them so). Prometheus takes several samples of a series in one
+        scrape when their timestamps rise, and counts an older one sent again as out of order: so each
+        scraper (`stallwatch.scraper`) gets each window once, whatever other scrapers took."""
         c = catalogue
         spoke = whatif_spoke_label(self._spokes)  # read at scrape time: spoke collectors intern after this is built
         with self._lock:
             curve = self._whatif_curve
             job_tables = self._job_tables()
+            samples: list[list[tuple[tuple[str, ...], float | None, float]]] = [[] for _ in job_tables]
+            taken = self._taken_by(SCRAPER.get())
+            for job, snapshots in self._published.items():
+                since = taken.get(job, -math.inf)
+                for stamp, values in list(snapshots)[:-1]:  # the last is the state now, below
+                    if stamp > since:
+                        for table, then in zip(samples, values, strict=True):
+                            table.extend((labels, stamp, value) for labels, value in then.items())
+                taken[job] = snapshots[-1][0]
+            for table, (_, now) in zip(samples, job_tables, strict=True):
+                table.extend((labels, self._stamp.get(labels[0]), value) for labels, value in now.items())
             families: list[Any] = [metric.family() for metric, _ in job_tables]
-            for snapshots in self._unscraped.values():
-                for stamp, values in snapshots[:-1]:  # the last is the state now, below
-                    for family, then in zip(families, values, strict=True):
-                        for labels, value in sorted(then.items()):
-                            family.add_metric(list(labels), float(value), timestamp=stamp)
-            self._unscraped.clear()
-            for family, (_, table) in zip(families, job_tables, strict=True):
-                for labels, value in sorted(table.items()):
-                    family.add_metric(list(labels), float(value), timestamp=self._stamp.get(labels[0]))
+            for family, table in zip(families, samples, strict=True):
+                for labels, at, value in sorted(table, key=lambda sample: (sample[0], sample[1] or 0.0)):
+                    family.add_metric(list(labels), float(value), timestamp=at)
             node_tables: list[tuple[Any, Mapping[tuple[str, ...], float], float | None]] = [
                 (c.CACHE_WHATIF_HIT_RATIO.family(), {(spoke, f"{f:g}"): v for f, v in self._whatif.items()},
                  self._whatif_stamp),

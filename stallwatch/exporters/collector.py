@@ -11,6 +11,7 @@ agent builds it before the rest and makes its `submit` the sink of every other c
 from __future__ import annotations
 
 import argparse
+import contextvars
 import logging
 import threading
 import time
@@ -136,7 +137,9 @@ class _Call:
         self.overran = False  # a scrape gave up waiting on it (logged once)
         self._collector, self._clock = collector, clock
         self.done = threading.Event()
-        threading.Thread(target=self._run, args=(name,), name=f"collect-{name}", daemon=True).start()
+        # In the scrape's context: a collector may serve each scraper its own view (stallwatch.scraper).
+        threading.Thread(target=contextvars.copy_context().run, args=(self._run, name), name=f"collect-{name}",
+                         daemon=True).start()
 
     def _run(self, name: str) -> None:
         try:

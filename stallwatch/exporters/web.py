@@ -25,6 +25,7 @@ from prometheus_client.exposition import make_wsgi_app
 from prometheus_client.registry import CollectorRegistry
 
 from stallwatch.exporters.web_config import WebConfig
+from stallwatch.scraper import SCRAPER
 
 log = logging.getLogger(__name__)
 
@@ -103,7 +104,12 @@ class _Handler(BaseHTTPRequestHandler):
                    "HTTP_ACCEPT": self.headers.get("Accept", ""),
                    "HTTP_ACCEPT_ENCODING": self.headers.get("Accept-Encoding", "")}
         started: list[Any] = []
-        body = b"".join(self.server.metrics_app(environ, lambda status, headers: started.extend((status, headers))))
+        scraper = SCRAPER.set(f"{self.client_address[0]} {self.connection.getsockname()[0]} "
+                              f"{self.headers.get('User-Agent', '')}")
+        try:
+            body = b"".join(self.server.metrics_app(environ, lambda status, headers: started.extend((status, headers))))
+        finally:
+            SCRAPER.reset(scraper)
         status, headers = started
         self._reply(int(status.split()[0]), None, body, [*headers, ("Vary", "Accept-Encoding")])
 
