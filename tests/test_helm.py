@@ -7,8 +7,10 @@ PrometheusRule and dashboard templates whatever `make generate` has produced so 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
+import re
 import shutil
 import socket
 import ssl
@@ -33,6 +35,7 @@ from stallwatch.exporters import agent  # noqa: F401  (registers the collectors 
 from stallwatch.exporters.collector import registered
 from stallwatch.exporters.config import parse
 from stallwatch.harness import free_port, start_agent, stop_agent, wait_for
+from stallwatch.mixin.alerts import all_alerts
 from stallwatch.mixin.config import Thresholds
 from stallwatch.mixin.generate import ARTIFACTS, CHART_COPIES, chart_copies
 from tests.conftest import ROOT, require_binary
@@ -86,8 +89,8 @@ VALUE_SETS: dict[str, dict[str, Any]] = {
         "extraVolumeMounts": [{"name": "spoke-config", "mountPath": "/etc/spoke", "readOnly": True}],
         "prometheusRule": {"disabled": ["StallwatchFixtureInputBound"], "ruleLabels": {"team": "ml-platform"},
                            "runbookUrlBase": "https://runbooks.example.com/stallwatch.md",
-                           "alerts": {"StallwatchFixtureAgentDown": {"threshold": 1, "for": "2m",
-                                                                    "severity": "critical"}}},
+                           "alerts": {"StallwatchFixtureAgentDown": {"for": "2m", "severity": "critical"},
+                                      "StallwatchTrainingInputBound": {"threshold": 0.3}}},
     },
     "kube-prometheus-stack": {
         "fullnameOverride": "gpu-agent",
@@ -282,8 +285,9 @@ def test_rules_are_tuned_from_values(rendered: dict[str, list[Manifest]], promto
     check_rules(promtool, rendered["tuned"], tmp_path)
     default, tuned = rules_by_name(rendered["defaults"]), rules_by_name(rendered["tuned"])
     assert set(default) - set(tuned) == {"StallwatchFixtureInputBound"}  # disabled
+    assert tuned["StallwatchTrainingInputBound"]["expr"].endswith(" >= 0.3")  # the threshold is the last number
     down = tuned["StallwatchFixtureAgentDown"]
-    assert down["expr"] == 'up{job="stallwatch"} == 1'  # the threshold is the last number
+    assert down["expr"] == 'up{job="stallwatch"} == 0'
     assert (down["for"], down["labels"]) == ("2m", {"severity": "critical", "team": "ml-platform"})
     assert down["annotations"]["runbook_url"] == "https://runbooks.example.com/stallwatch.md#stallwatchfixtureagentdown"
     assert all(r["labels"]["team"] == "ml-platform" for r in tuned.values() if "alert" in r)
@@ -291,17 +295,69 @@ def test_rules_are_tuned_from_values(rendered: dict[str, list[Manifest]], promto
     assert default["StallwatchFixtureAgentDown"]["labels"] == {"severity": "warning"}
 
 
-@pytest.mark.parametrize(("values", "message"), [
-    ({"alerts": {"StallwatchNoSuchAlert": {"for": "1m"}}}, "no generated alert is called StallwatchNoSuchAlert"),
-    ({"disabled": ["StallwatchNoSuchAlert"]}, "no generated alert is called StallwatchNoSuchAlert"),
-    ({"alerts": {"StallwatchSpokeHitRatioRegressed": {"threshold": 0.5}}},
+@pytest.mark.parametrize(("values", "flags", "message"), [
+    ({"alerts": {"StallwatchNoSuchAlert": {"for": "1m"}}}, (), "no generated alert is called StallwatchNoSuchAlert"),
+    ({"disabled": ["StallwatchNoSuchAlert"]}, (), "no generated alert is called StallwatchNoSuchAlert"),
+    # an alert without a tunable number: the schema refuses its threshold (`up == 0` must not become `up == 1`)
+    ({"alerts": {"StallwatchAgentDown": {"threshold": 1}}}, (),
+     "at '/prometheusRule/alerts/StallwatchAgentDown': additional properties 'threshold' not allowed"),
+    ({"alerts": {"StallwatchTrainingInputBound": {"threshold": "a lot"}}}, (),
+     "/prometheusRule/alerts/StallwatchTrainingInputBound/threshold"),
+    # past the schema, the template refuses what it cannot place
+    ({"alerts": {"StallwatchSpokeHitRatioRegressed": {"threshold": 0.5}}}, ("--skip-schema-validation",),
      "StallwatchSpokeHitRatioRegressed.threshold: its expression does not end in a comparison with a number"),
 ])
-def test_a_rule_setting_that_cannot_apply_is_refused(helm: str, chart: Path, tmp_path: Path,
-                                                     values: dict[str, Any], message: str) -> None:
-    result = run_helm(helm, "template", "stallwatch", str(chart),
+def test_a_rule_setting_that_cannot_apply_is_refused(helm: str, chart: Path, tmp_path: Path, values: dict[str, Any],
+                                                     flags: tuple[str, ...], message: str) -> None:
+    result = run_helm(helm, "template", "stallwatch", str(chart), *flags,
                       "-f", str(values_file(tmp_path, "rules", {"prometheusRule": values})))
     assert result.returncode != 0 and message in result.stderr, result.stderr
+
+
+def trailing_numbers(t: Thresholds) -> dict[str, str | None]:
+    """Each alert's number after its expression's last comparison, if it ends in one."""
+    found = {rule.name: re.search(r"\s(?:>|>=|<|<=|==|!=)\s([-+0-9.e]+)$", rule.expr) for rule in all_alerts(t)}
+    return {name: match.group(1) if match else None for name, match in found.items()}
+
+
+def test_the_schema_takes_a_threshold_for_exactly_the_alerts_that_end_in_a_tunable_number() -> None:
+    defaults = Thresholds()
+    halved = dataclasses.replace(defaults, **{field.name: getattr(defaults, field.name) / 2
+                                              for field in dataclasses.fields(defaults)
+                                              if type(getattr(defaults, field.name)) is float})
+    before, after = trailing_numbers(defaults), trailing_numbers(halved)
+    tunable = {name for name in before if before[name] != after[name]}
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    alerts = schema["properties"]["prometheusRule"]["properties"]["alerts"]
+    with_threshold = {name for name, tuning in alerts["properties"].items()
+                      if tuning["$ref"].endswith("/thresholdAlertTuning")}
+    assert with_threshold == tunable and "StallwatchAgentDown" not in tunable
+    assert "threshold" not in schema["definitions"]["alertTuning"]["properties"]
+    assert alerts["additionalProperties"] == {"$ref": "#/definitions/alertTuning"}
+
+
+@pytest.mark.parametrize("setting", [
+    ("--set", "prometheusRule.alerts.StallwatchTrainingInputBound.threshold=0.3"),  # reaches the chart as "0.3"
+    ("--set-json", 'prometheusRule.alerts.StallwatchTrainingInputBound={"threshold": 0.3}'),
+])
+def test_a_threshold_set_on_the_command_line_is_placed(helm: str, chart: Path, promtool: str, tmp_path: Path,
+                                                       setting: tuple[str, str]) -> None:
+    manifests = render_release(helm, chart, "stallwatch", *setting)
+    assert rules_by_name(manifests)["StallwatchTrainingInputBound"]["expr"].endswith(" >= 0.3")
+    check_rules(promtool, manifests, tmp_path)
+
+
+@pytest.mark.parametrize(("setting", "capacity"), [
+    (("--set", "agent.spokeCapacityBytes=1e12"), 10**12),  # a string to helm
+    (("--set", "agent.spokeCapacityBytes=500000000000"), 5 * 10**11),
+    (("--set-json", "agent.spokeCapacityBytes=2.5e11"), 25 * 10**10),
+])
+def test_the_spoke_capacity_reaches_the_correlators_what_if(helm: str, chart: Path, tmp_path: Path,
+                                                            setting: tuple[str, str], capacity: int) -> None:
+    config = agent_config(render_release(helm, chart, "stallwatch", *setting))
+    config_file = tmp_path / "agent.yaml"
+    config_file.write_text(yaml.safe_dump({"correlator.cache-capacity": config["correlator.cache-capacity"]}))
+    assert parse(["--config.file", str(config_file)], registered()).correlator_cache_capacity == capacity
 
 
 def render_release(helm: str, chart: Path, release: str, *settings: str) -> list[Manifest]:

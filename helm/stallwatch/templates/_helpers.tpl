@@ -68,6 +68,9 @@ then agent.config on top, so any flag can be preset from values.
 {{- $_ := set $config "pods.socket" "/var/lib/kubelet/pod-resources/kubelet.sock" }}
 {{- $_ := set $config "pods.interval" .Values.podResources.interval }}
 {{- end }}
+{{- with .Values.agent.spokeCapacityBytes }}
+{{- $_ := set $config "correlator.cache-capacity" . }}
+{{- end }}
 {{- if .Values.webConfig.enabled }}
 {{- $_ := set $config "web.config.file" (printf "%s/web-config.yml" (trimSuffix "/" .Values.webConfig.mountPath)) }}
 {{- end }}
