@@ -6,6 +6,7 @@ root filesystem) is in test_helm.py."""
 from __future__ import annotations
 
 import base64
+import http.client
 import itertools
 import os
 import socket
@@ -281,3 +282,70 @@ def test_basic_auth_hides_which_users_exist_bounds_guessing_and_answers_non_asci
           f"which cost the agent {cores:.2f} cores")
     assert unknown > 0.5 * wrong  # an unknown user costs a bcrypt check too
     assert cores < 0.8  # failed checks: one at a time, and each holds its slot for as long again
+
+
+def test_guessing_from_one_address_does_not_lock_out_a_correct_password_from_another(
+    agent_factory: Callable[..., AgentProcess], tmp_path: Path,
+) -> None:
+    """bcrypt cost 12; 16 threads guess passwords from 127.0.0.2. Each of five users' correct passwords, checked
+    for the first time (not cached) from 127.0.0.1 meanwhile, is let in, and `basic` in lower case is the
+    same scheme (RFC 7617)."""
+    users = {f"prometheus{n}": f"correct-{n}" for n in range(5)}
+    config = tmp_path / "web.yml"
+    config.write_text("basic_auth_users:\n" + "".join(
+        f"  {user}: '{bcrypt.hashpw(password.encode(), bcrypt.gensalt(rounds=12)).decode()}'\n"
+        for user, password in users.items()))
+    agent = agent_factory("--no-collector.gpu", "--web.config.file", str(config))
+    host, port = urllib.parse.urlsplit(agent.url).netloc.split(":")
+    path = urllib.parse.urlsplit(agent.url).path
+
+    def status(auth: str, source: str, scheme: str = "Basic") -> int:
+        connection = http.client.HTTPConnection(host, int(port), timeout=30, source_address=(source, 0))
+        try:
+            connection.request("GET", path, headers={"Authorization": f"{scheme} "
+                                                     + base64.b64encode(auth.encode()).decode()})
+            return connection.getresponse().status
+        finally:
+            connection.close()
+
+    stop = threading.Event()
+
+    def guess(thread: int) -> None:
+        for attempt in itertools.count():
+            if stop.is_set():
+                return
+            assert status(f"prometheus0:guess-{thread}-{attempt}", "127.0.0.2") == 401
+
+    guessers = [threading.Thread(target=guess, args=(n,)) for n in range(16)]
+    for thread in guessers:
+        thread.start()
+    try:
+        time.sleep(1.0)  # the guessers fill the queue
+        answers = {user: status(f"{user}:{password}", "127.0.0.1", scheme="basic" if user.endswith("4") else "Basic")
+                   for user, password in users.items()}
+    finally:
+        stop.set()
+        for thread in guessers:
+            thread.join(timeout=60)
+    assert answers == dict.fromkeys(users, 200), answers
+
+
+def test_a_certificate_file_that_blocks_on_open_does_not_stop_the_server(
+    agent_factory: Callable[..., AgentProcess], tmp_path: Path,
+) -> None:
+    """A rotation leaves a FIFO (or a hung mount) where the certificate was: opening it blocks. Connections,
+    /-/healthy among them, are still answered with the certificate before it, within a second or so."""
+    _, cert = self_signed(tmp_path, "127.0.0.1")
+    config = tmp_path / "web.yml"
+    config.write_text("tls_server_config:\n  cert_file: 127.0.0.1.crt\n  key_file: 127.0.0.1.key\n")
+    agent = agent_factory("--no-collector.gpu", "--web.config.file", str(config))
+    healthy = agent.url.replace("/metrics", "/-/healthy")
+    kept = tmp_path / "kept.crt"
+    kept.write_bytes(cert.read_bytes())
+    cert.unlink()
+    os.mkfifo(cert)
+    for _ in range(3):
+        started = time.monotonic()
+        assert get(healthy, ssl.create_default_context(cafile=str(kept)))[0] == 200
+        assert time.monotonic() - started < 3.0
+    assert get(agent.url, ssl.create_default_context(cafile=str(kept)))[0] == 200

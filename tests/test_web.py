@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import gzip
 import socket
+import time
 import urllib.parse
 from collections.abc import Callable
 
+import psutil
 import pytest
 import requests
 
 from stallwatch import catalogue
+from stallwatch.exporters.web import MAX_CONNECTIONS
 from stallwatch.harness import AgentProcess, parse_samples
 
 
@@ -63,8 +66,46 @@ def test_gzip_when_the_scraper_accepts_it(agent_factory: Callable[..., AgentProc
     assert catalogue.BUILD_INFO.name in {name for name, _ in parse_samples(page)}
     print(f"/metrics: {len(page)} bytes, {len(body)} gzipped")
     assert len(body) < len(page) / 3
-    head, body = raw_exchange(host, port, request.format("identity").encode())
-    assert header(head, "Content-Encoding") is None and catalogue.BUILD_INFO.name in body.decode()
+    for refused in ("identity", "gzip;q=0", "gzip; q=0.0, identity", "*;q=0"):
+        head, body = raw_exchange(host, port, request.format(refused).encode())
+        assert header(head, "Content-Encoding") is None and catalogue.BUILD_INFO.name in body.decode(), refused
+    head, body = raw_exchange(host, port, request.format("br;q=1, *;q=0.5").encode())
+    assert header(head, "Content-Encoding") == "gzip"
+
+
+def test_other_methods_are_not_allowed_and_http_0_9_is_refused_at_once(
+        agent_factory: Callable[..., AgentProcess]) -> None:
+    agent = agent_factory("--no-collector.gpu")
+    host, port = address(agent)
+    for method in ("POST", "PUT", "DELETE", "OPTIONS", "BREW"):
+        head, _ = raw_exchange(host, port, f"{method} /metrics HTTP/1.0\r\nContent-Length: 0\r\n\r\n".encode())
+        assert head.split(b"\r\n")[0].split(b" ")[1] == b"405" and header(head, "Allow") == "GET, HEAD", method
+    started = time.monotonic()
+    head, _ = raw_exchange(host, port, b"GET /metrics\r\n")  # HTTP/0.9: it sent no headers and waits
+    assert head.startswith(b"HTTP/1.0 400 ") and time.monotonic() - started < 2.0
+
+
+def test_slow_connections_beyond_the_cap_are_closed_and_scrapes_go_on(
+        agent_factory: Callable[..., AgentProcess]) -> None:
+    """1,100 connections from 127.0.0.2 that never send a request (the shipped unit's 1,024 descriptors once took
+    the agent off the air): past the caps they are closed at once, the agent's threads stay bounded and a scrape
+    from another address is answered."""
+    agent = agent_factory("--no-collector.gpu")
+    host, port = address(agent)
+    idle = []
+    try:
+        for _ in range(1100):
+            idle.append(socket.create_connection((host, port), timeout=10, source_address=("127.0.0.2", 0)))
+        started = time.monotonic()
+        reply = requests.get(agent.url, timeout=10)
+        scrape_s = time.monotonic() - started
+        threads = psutil.Process(agent.process.pid).num_threads()
+    finally:
+        for connection in idle:
+            connection.close()
+    assert reply.status_code == 200 and catalogue.BUILD_INFO.name in reply.text
+    assert threads < MAX_CONNECTIONS + 64, threads
+    print(f"1,100 idle connections: the agent at {threads} threads, a scrape answered in {scrape_s:.2f} s")
 
 
 def test_name_filters_the_page(agent_factory: Callable[..., AgentProcess]) -> None:

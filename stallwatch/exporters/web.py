@@ -29,6 +29,11 @@ from stallwatch.scraper import SCRAPER
 
 log = logging.getLogger(__name__)
 
+# Connections served at once. Under the 1,024 file descriptors a default unit gets, with room for the
+# collectors' files; node_exporter caps parallel scrapes at 40 (`--web.max-requests`).
+MAX_CONNECTIONS = 256
+MAX_CONNECTIONS_PER_ADDRESS = 32
+
 LANDING_PAGE = """<!doctype html>
 <html><head><title>stallwatch agent</title></head>
 <body><h1>stallwatch agent</h1>
@@ -48,18 +53,38 @@ class _Server(ThreadingHTTPServer):
     web_config: WebConfig
     wedged: Callable[[], list[str]]  # collectors stuck past their deadlines: /-/healthy fails while any are
     dual_stack = False
+    connections: dict[str, int]  # open connections by client address
+    connections_lock: threading.Lock
 
     def server_bind(self) -> None:
         if self.dual_stack:
             self.socket.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
         super().server_bind()
 
-    def get_request(self) -> tuple[socket.socket, Any]:
-        connection, address = super().get_request()
-        if self.web_config.tls is not None:  # the handshake waits for setup(), in the request's thread
-            connection = self.web_config.tls.context().wrap_socket(connection, server_side=True,
-                                                                   do_handshake_on_connect=False)
-        return connection, address
+    def process_request(self, request: Any, client_address: Any) -> None:
+        """A thread per connection, up to `MAX_CONNECTIONS` and `MAX_CONNECTIONS_PER_ADDRESS`: past either a
+        connection is closed at once, so slow or idle clients cannot take every thread and file descriptor,
+        nor, from one address, the scrapes' turn."""
+        source = client_address[0]
+        with self.connections_lock:
+            mine = self.connections.get(source, 0)
+            admitted = mine < MAX_CONNECTIONS_PER_ADDRESS and sum(self.connections.values()) < MAX_CONNECTIONS
+            if admitted:
+                self.connections[source] = mine + 1
+        if not admitted:
+            log.warning("too many connections at once (%d from %s); closing one", mine, source)
+            self.shutdown_request(request)
+            return
+        super().process_request(request, client_address)
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            with self.connections_lock:
+                self.connections[client_address[0]] -= 1
+                if not self.connections[client_address[0]]:
+                    del self.connections[client_address[0]]
 
     def handle_error(self, request: Any, client_address: Any) -> None:
         # A failed handshake or a client gone mid-reply is the client's problem, not a traceback on stderr.
@@ -68,17 +93,39 @@ class _Server(ThreadingHTTPServer):
 
 class _Handler(BaseHTTPRequestHandler):
     server: _Server
+    raw_requestline: bytes
     server_version = "stallwatch"
     timeout = 10.0  # seconds a client may take for its handshake and request
 
     def setup(self) -> None:
+        tls = self.server.web_config.tls
+        if tls is not None:  # here, in the request's thread: loading a certificate never holds the accept loop
+            self.request = tls.context().wrap_socket(self.request, server_side=True, do_handshake_on_connect=False)
         super().setup()
-        if self.server.web_config.tls is not None:
+        if tls is not None:
             self.request.do_handshake()
+
+    def finish(self) -> None:
+        super().finish()
+        if self.server.web_config.tls is not None:
+            self.request.close()  # the TLS socket made in setup(); the server closes the plain one it accepted
+
+    def parse_request(self) -> bool:
+        if len(self.raw_requestline.split()) == 2:  # HTTP/0.9: no headers follow, so none are waited for
+            self.request_version, self.close_connection = "HTTP/1.0", True
+            self.command, self.requestline = "", self.raw_requestline.decode("latin-1").rstrip("\r\n")
+            self.send_error(400, "HTTP/0.9 is not served")
+            return False
+        if not super().parse_request():
+            return False
+        if self.command not in ("GET", "HEAD"):  # a method it does not allow, rather than 501 "unsupported"
+            self._reply(405, "text/plain; charset=utf-8", b"method not allowed\n", [("Allow", "GET, HEAD")])
+            return False
+        return True
 
     def do_GET(self) -> None:
         auth = self.server.web_config.auth
-        if auth is not None and not auth.allows(self.headers.get("Authorization")):
+        if auth is not None and not auth.allows(self.headers.get("Authorization"), self.client_address[0]):
             self._reply(401, "text/plain; charset=utf-8", b"unauthorized\n",
                         [("WWW-Authenticate", 'Basic realm="stallwatch"')])
             return
@@ -98,11 +145,12 @@ class _Handler(BaseHTTPRequestHandler):
     def do_HEAD(self) -> None:
         self.do_GET()
 
+
     def _metrics(self, query: str) -> None:
         """The page prometheus_client's WSGI app makes, always as a GET (it refuses HEAD)."""
         environ = {"REQUEST_METHOD": "GET", "PATH_INFO": self.server.telemetry_path, "QUERY_STRING": query,
                    "HTTP_ACCEPT": self.headers.get("Accept", ""),
-                   "HTTP_ACCEPT_ENCODING": self.headers.get("Accept-Encoding", "")}
+                   "HTTP_ACCEPT_ENCODING": "gzip" if _accepts_gzip(self.headers.get("Accept-Encoding", "")) else ""}
         started: list[Any] = []
         scraper = SCRAPER.set(f"{self.client_address[0]} {self.connection.getsockname()[0]} "
                               f"{self.headers.get('User-Agent', '')}")
@@ -129,6 +177,23 @@ class _Handler(BaseHTTPRequestHandler):
         log.debug("%s %s", self.address_string(), format % args)
 
 
+def _accepts_gzip(accept_encoding: str) -> bool:
+    """Whether `Accept-Encoding` allows gzip (RFC 9110: `gzip` or `*` with a q-value above 0)."""
+    weights: dict[str, float] = {}
+    for item in accept_encoding.split(","):
+        coding, *parameters = (part.strip() for part in item.split(";"))
+        weight = 1.0
+        for parameter in parameters:
+            name, _, value = parameter.partition("=")
+            if name.strip().lower() == "q":
+                try:
+                    weight = float(value)
+                except ValueError:
+                    weight = 0.0
+        weights[coding.lower()] = weight
+    return weights.get("gzip", weights.get("*", 0.0)) > 0
+
+
 class MetricsServer:
     def __init__(self, registry: CollectorRegistry, host: str, port: int, telemetry_path: str = "/metrics",
                  web_config: WebConfig | None = None):
@@ -140,6 +205,7 @@ class MetricsServer:
         self._server.telemetry_path = telemetry_path
         self._server.web_config = web_config or WebConfig()
         self._server.wedged = list
+        self._server.connections, self._server.connections_lock = {}, threading.Lock()
         self._thread = threading.Thread(target=self._server.serve_forever, name="stallwatch-http", daemon=True)
 
     @property

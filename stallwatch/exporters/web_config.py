@@ -65,6 +65,8 @@ _TOP_KEYS = {"tls_server_config", "basic_auth_users"}
 _CACHE_SIZE = 64
 # How long a check waits for the bcrypt slot before it is refused (scrapes time out after 10 s).
 _CHECK_QUEUE_SECONDS = 5.0
+# How long a connection waits for a changed certificate to load before the previous one serves it.
+RELOAD_WAIT_S = 1.0
 
 
 @dataclass
@@ -73,15 +75,20 @@ class BasicAuth:
     _verified: set[bytes] = field(default_factory=set)
     _lock: threading.Lock = field(default_factory=threading.Lock)
     # bcrypt checks that did not hit the cache run one at a time, so guessing costs at most one core
-    # (half of one: a failed check holds the slot as long again), never every core the scrapes need.
+    # (half of one: a failed check holds the slot as long again), never every core the scrapes need. Each
+    # client queues for that slot one check at a time: a guesser on many connections waits behind itself,
+    # and a scraper from another address is next after at most one of its checks.
     _checking: threading.Semaphore = field(default_factory=lambda: threading.Semaphore(1))
+    _clients: dict[str, list[Any]] = field(default_factory=dict)  # address -> [its lock, checks using it]
 
-    def allows(self, authorization: str | None) -> bool:
-        """Whether an `Authorization` header carries a known user and the password of its hash."""
-        if not authorization or not authorization.startswith("Basic "):
+    def allows(self, authorization: str | None, client: str = "") -> bool:
+        """Whether an `Authorization` header carries a known user and the password of its hash; `client` is
+        the address it came from."""
+        scheme, _, credentials = (authorization or "").partition(" ")
+        if scheme.lower() != "basic" or not credentials:  # RFC 7617: the scheme is case-insensitive
             return False
         try:
-            user, sep, password = base64.b64decode(authorization[6:], validate=True).decode().partition(":")
+            user, sep, password = base64.b64decode(credentials.strip(), validate=True).decode().partition(":")
         except ValueError:  # not base64 (binascii.Error), not UTF-8, or a non-ASCII header
             return False
         if not sep:
@@ -94,21 +101,42 @@ class BasicAuth:
             with self._lock:
                 if any(hmac.compare_digest(digest, known) for known in self._verified):
                     return True
-        if not self._checking.acquire(timeout=_CHECK_QUEUE_SECONDS):
-            return False
-        try:
-            started = time.monotonic()
-            matches = bcrypt.checkpw(password.encode(), against) and hashed is not None
-            if not matches:
-                time.sleep(time.monotonic() - started)
-        finally:
-            self._checking.release()
+        matches = self._checked(password, against, client, known=hashed is not None)
         if matches:
             with self._lock:
                 if len(self._verified) >= _CACHE_SIZE:
                     self._verified.clear()
                 self._verified.add(digest)
         return matches
+
+
+    def _checked(self, password: str, against: bytes, client: str, known: bool) -> bool:
+        """The bcrypt check of a known user's password, in the client's turn then the node's; False when either
+        wait runs out. A failed check holds the slot as long again."""
+        with self._lock:
+            turn = self._clients.setdefault(client, [threading.Lock(), 0])
+            turn[1] += 1
+        try:
+            if not turn[0].acquire(timeout=_CHECK_QUEUE_SECONDS):
+                return False
+            try:
+                if not self._checking.acquire(timeout=_CHECK_QUEUE_SECONDS):
+                    return False
+                try:
+                    started = time.monotonic()
+                    matches = bcrypt.checkpw(password.encode(), against) and known
+                    if not matches:
+                        time.sleep(time.monotonic() - started)
+                    return matches
+                finally:
+                    self._checking.release()
+            finally:
+                turn[0].release()
+        finally:
+            with self._lock:
+                turn[1] -= 1
+                if turn[1] == 0:
+                    del self._clients[client]
 
 
 def _cost(hashed: bytes) -> int:
@@ -123,18 +151,30 @@ class ReloadingTLS:
         self._lock = threading.Lock()
         self._stamp = self._stamps()
         self._context = _tls_context(section, file)
+        self._check: threading.Thread | None = None
 
     def context(self) -> ssl.SSLContext:
-        stamp = self._stamps()
+        """The context, reloaded first if a file changed. The check runs on a thread of its own, waited for
+        `RELOAD_WAIT_S`: a file that blocks (a FIFO, a hung mount) leaves the previous context in use, and
+        while that check is stuck, connections are served at once and no other check starts."""
         with self._lock:
-            if stamp != self._stamp:
-                self._stamp = stamp  # a set that fails is tried again only once a file changes again
-                try:
-                    self._context = _tls_context(self._section, self._file)
-                    log.info("web config: TLS certificate files changed; reloaded")
-                except ConfigError as error:
-                    log.warning("web config: %s; serving the previous certificate", error)
-            return self._context
+            if self._check is not None and self._check.is_alive():
+                return self._context
+            check = self._check = threading.Thread(target=self._reload_if_changed, name="tls-reload", daemon=True)
+            check.start()
+        check.join(RELOAD_WAIT_S)
+        return self._context
+
+    def _reload_if_changed(self) -> None:
+        stamp = self._stamps()
+        if stamp == self._stamp:
+            return
+        self._stamp = stamp  # a set that fails is tried again only once a file changes again
+        try:
+            self._context = _tls_context(self._section, self._file)
+            log.info("web config: TLS certificate files changed; reloaded")
+        except ConfigError as error:
+            log.warning("web config: %s; serving the previous certificate", error)
 
     def _stamps(self) -> tuple[tuple[int, int, int] | None, ...]:
         """What tells a changed file: inode (Kubernetes swaps a symlink), size and mtime, per file."""
