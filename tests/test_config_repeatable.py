@@ -10,7 +10,7 @@ import yaml
 
 from stallwatch.exporters import agent  # noqa: F401  (registers every collector)
 from stallwatch.exporters.collector import registered
-from stallwatch.exporters.config import ConfigError, parse
+from stallwatch.exporters.config import ConfigError, ignored_settings, parse
 from tests.test_helm import agent_config, chart, helm, render, values_file  # noqa: F401  (fixtures)
 
 
@@ -46,3 +46,14 @@ def test_the_chart_passes_a_list_the_agent_accepts(helm: str, chart: Path, tmp_p
     assert config["spoke_nfs.mount"] == ["a=/mnt/a", "b=/mnt/b"]
     keep = {k: v for k, v in config.items() if k.startswith(("collector.spoke_nfs", "spoke_nfs."))}
     assert dict(parsed(tmp_path, keep).spoke_nfs_mount) == {"a": "/mnt/a", "b": "/mnt/b"}
+
+
+def test_a_setting_of_a_collector_that_is_off_is_named_with_how_to_turn_it_on(tmp_path: Path) -> None:
+    """docs/deploy.md once set `spoke_nfs.mount` without the collector: silently ignored."""
+    options = parsed(tmp_path, {"spoke_nfs.mount": "fsx=/fsx"})
+    assert ignored_settings(options, registered()) == [
+        "--spoke_nfs.mount is set but the spoke_nfs collector is off, so it does nothing: turn it on with "
+        "--collector.spoke_nfs"]
+    assert ignored_settings(parsed(tmp_path, {"spoke_nfs.mount": "fsx=/fsx", "collector.spoke_nfs": True}),
+                            registered()) == []
+    assert ignored_settings(parsed(tmp_path, {}), registered()) == []

@@ -38,7 +38,7 @@ from stallwatch.exporters.collector import (
     fan_out,
     registered,
 )
-from stallwatch.exporters.config import ConfigError, log_level, parse, parse_listen_address
+from stallwatch.exporters.config import ConfigError, ignored_settings, log_level, parse, parse_listen_address
 from stallwatch.exporters.logformat import configure as configure_logging
 from stallwatch.exporters.web import MetricsServer
 from stallwatch.exporters.web_config import WebConfig, load_web_config
@@ -108,6 +108,8 @@ def main(argv: Sequence[str]) -> int:
         server.close()
         return 2
     log.info("collectors enabled: %s", ", ".join(collectors) or "none")
+    for line in ignored_settings(options, specs):
+        log.warning("%s", line)
     scrape = ScrapeCollector(collectors, timeout_s=options.collector_timeout)
     server.report_wedged(scrape.wedged)
     registry.register(scrape)

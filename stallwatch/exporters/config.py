@@ -178,6 +178,21 @@ def parse(argv: Sequence[str], collectors: Mapping[str, CollectorSpec]) -> argpa
     return options
 
 
+def ignored_settings(options: argparse.Namespace, collectors: Mapping[str, CollectorSpec]) -> list[str]:
+    """One line per setting of a collector that is off (it would be silently ignored), naming how to turn it on.
+    A warning, not an error: a chart may set a collector's paths whether or not it is on."""
+    parser = build_parser(collectors)
+    lines = []
+    for name in collectors:
+        if getattr(options, f"collector_{name}"):
+            continue
+        for action in parser._actions:
+            if action.dest.startswith(f"{name}_") and getattr(options, action.dest) != action.default:
+                lines.append(f"{action.option_strings[0]} is set but the {name} collector is off, so it does "
+                             f"nothing: turn it on with --collector.{name}")
+    return lines
+
+
 def parse_listen_address(address: str) -> tuple[str, int]:
     """`:9842`, `127.0.0.1:9842`, `[::1]:9842` -> (host, port); an empty host means every interface."""
     host, sep, port = address.rpartition(":")
