@@ -287,9 +287,8 @@ def spoke(t: Thresholds) -> Dashboard:
                       Viz.TIMESERIES, "ops",
                       (Query(by("spoke", "sum", rate(c.SPOKE_EVICTIONS, RATE, SPOKE)), "{{spoke}}"),)),
                 Panel("What-if hit ratio at other capacities",
-                      "What hit ratio would a smaller or bigger spoke reach on the same reads? (Empty unless the "
-                      "agent knows the spoke's size: --correlator.cache-capacity, the chart's "
-                      "agent.spokeCapacityBytes.)",
+                      "What hit ratio would a smaller or bigger spoke reach on the same reads (drawn once the agent "
+                      "knows the spoke's size: --correlator.cache-capacity, the chart's agent.spokeCapacityBytes)?",
                       Viz.TIMESERIES, "percentunit",
                       (Query(by("spoke, capacity_factor", "max", selector(c.CACHE_WHATIF_HIT_RATIO, SPOKE)),
                              "{{spoke}} at {{capacity_factor}}x capacity"),)),
