@@ -414,6 +414,37 @@ def test_event_file_round_trip_and_damage(tmp_path: Path) -> None:
         list(read_events(tmp_path / "other"))
 
 
+@pytest.mark.parametrize(("record", "error"), [
+    (b'{"kind": "step", "rows": -5, "columns": [["job", "<i4"]]}\n', "rows must be a whole number"),
+    (b'{"kind": "step", "rows": 1099511627776, "columns": [["job", "<i4"]]}\n', "rows must be a whole number"),
+    (b'{"kind": "step", "rows": 1000000, "columns": [["job", "<i4"]]}\n', "truncated"),
+    (b'{"kind": "step", "rows": 1.5, "columns": [["job", "<i4"]]}\n', "rows must be a whole number"),
+    (b'{"kind": "step", "rows": 1, "columns": [["job", "|O"]]}\n', "not a number of 8 bytes"),
+    (b'{"kind": "step", "rows": 1, "columns": [["job", "<U20"]]}\n', "not a number of 8 bytes"),
+    (b'["a list"]\n', "bad header"),
+])
+def test_a_hostile_event_file_gets_one_line_and_no_traceback(tmp_path: Path, record: bytes, error: str) -> None:
+    path = tmp_path / "events.bin"
+    path.write_bytes(b'stallwatch-events 2 {"wall_offset_ns": 0}\n' + record + b"\0" * 4)
+    with pytest.raises(EventFileError, match=error):
+        list(read_events(path))
+    replay = subprocess.run([sys.executable, "-m", "stallwatch", "correlate", str(path)], capture_output=True,
+                            text=True, timeout=60)
+    assert replay.returncode == 1 and "Traceback" not in replay.stderr and error in replay.stderr, replay.stderr
+
+
+def test_a_record_line_of_gigabytes_is_refused_after_its_first_64_kib(tmp_path: Path) -> None:
+    """A 1.5 GiB record header with no end of line (sparse: no disk) once took 3,165 MiB to read."""
+    path = tmp_path / "events.bin"
+    with path.open("wb") as stream:
+        stream.write(b'stallwatch-events 2 {"wall_offset_ns": "soon"}\n{"kind": "')
+        stream.truncate(3 << 29)
+    with pytest.raises(EventFileError, match="no end of line within 65536 bytes"):
+        list(read_events(path))
+    with pytest.raises(EventFileError, match="wall_offset_ns is not a 64-bit integer"):
+        recorded_wall_offset(path)
+
+
 def test_stallwatch_correlate_replays_a_recorded_file_like_the_live_pipeline(tmp_path: Path) -> None:
     path = tmp_path / "events.bin"
     batches = _recorded_scenario(path)

@@ -12,6 +12,7 @@ Version 1 files (the line `stallwatch-events 1\n`, no offset) are still read.
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -24,6 +25,8 @@ from stallwatch.eventbatch import EventBatch
 
 MAGIC = b"stallwatch-events"
 VERSIONS = (b"1", b"2")
+MAX_RECORD_HEADER = 1 << 16  # bytes of a record's JSON line; the agent writes a few hundred
+MAX_RECORD_ROWS = 1 << 24  # rows of one record; a batch the agent receives holds far fewer
 
 
 class EventFileError(ValueError):
@@ -73,22 +76,43 @@ def recorded_wall_offset(path: str | Path) -> int | None:
     """The monotonic-to-unix offset recorded in the file, None in a version 1 file."""
     with Path(path).open("rb") as stream:
         offset = _header(path, stream).get("wall_offset_ns")
-    return int(offset) if offset is not None else None
+    if offset is None:
+        return None
+    if not isinstance(offset, int) or isinstance(offset, bool) or abs(offset) >= 2**63:
+        raise EventFileError(f"{path}: bad file header: wall_offset_ns is not a 64-bit integer")
+    return offset
 
 
 def read_events(path: str | Path) -> Iterator[EventBatch]:
+    """The file's batches, one record at a time: memory stays at one record's size, whatever the file's."""
     with Path(path).open("rb") as stream:
         _header(path, stream)
         record = 0
-        while line := stream.readline():
+        while line := stream.readline(MAX_RECORD_HEADER):
             record += 1
             where = f"{path}: record {record}"
-            try:
-                header = json.loads(line)
-                kind, rows = str(header["kind"]), int(header["rows"])
-                layout = [(str(name), np.dtype(dtype)) for name, dtype in header["columns"]]
-            except (ValueError, KeyError, TypeError) as error:
-                raise EventFileError(f"{where}: bad header: {error}") from error
+            if not line.endswith(b"\n"):
+                raise EventFileError(f"{where}: bad header: no end of line within {MAX_RECORD_HEADER} bytes")
+            kind, rows, layout = _record_header(line, where)
+            left = os.fstat(stream.fileno()).st_size - stream.tell()
+            if rows * sum(dtype.itemsize for _, dtype in layout) > left:
+                raise EventFileError(f"{where}: truncated ({rows} rows do not fit in the {left} bytes left)")
             columns = {name: np.frombuffer(_read_exact(stream, rows * dtype.itemsize, where), dtype=dtype)
                        for name, dtype in layout}
             yield EventBatch(kind, columns)
+
+
+def _record_header(line: bytes, where: str) -> tuple[str, int, list[tuple[str, np.dtype[Any]]]]:
+    """A record's kind, rows and columns, checked: rows within bounds, columns of plain numbers."""
+    try:
+        header = json.loads(line)
+        kind, rows = str(header["kind"]), header["rows"]
+        layout = [(str(name), np.dtype(dtype)) for name, dtype in header["columns"]]
+    except (ValueError, KeyError, TypeError) as error:
+        raise EventFileError(f"{where}: bad header: {error}") from error
+    if not isinstance(rows, int) or isinstance(rows, bool) or not 0 <= rows <= MAX_RECORD_ROWS:
+        raise EventFileError(f"{where}: bad header: rows must be a whole number from 0 to {MAX_RECORD_ROWS}")
+    for name, dtype in layout:
+        if dtype.kind not in "biuf" or dtype.itemsize > 8:
+            raise EventFileError(f"{where}: bad header: column {name!r} is {dtype}, not a number of 8 bytes or less")
+    return kind, rows, layout
