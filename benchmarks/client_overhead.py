@@ -47,8 +47,8 @@ import psutil
 from prometheus_client import CollectorRegistry, Histogram
 
 from stallwatch.client import ReadSpan, transport, wire
+from stallwatch.client.keys import read_key
 from stallwatch.client.loop import Monitored
-from stallwatch.keys import read_key
 
 DRAIN = """
 import socket, sys

@@ -14,10 +14,10 @@ from prometheus_client.exposition import generate_latest
 
 from stallwatch.client import ReadSpan, http_get, monitor, transport, wire
 from stallwatch.client.identity import source_from_environment
+from stallwatch.client.keys import read_key
 from stallwatch.eventbatch import EventBatch
 from stallwatch.exporters.events import EventsCollector
 from stallwatch.harness import parse_samples, wait_for
-from stallwatch.keys import read_key
 
 
 def samples(collector: EventsCollector) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:

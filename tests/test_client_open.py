@@ -14,10 +14,10 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from stallwatch.client import RecordedFile, monitor, transport, wire
+from stallwatch.client.keys import read_key
 from stallwatch.client.torch import instrument
 from stallwatch.exporters.events_decode import MAX_EVENT_AGE_NS, Decoded, RejectedBatchError, decode, peek_events
 from stallwatch.harness import wait_for
-from stallwatch.keys import read_key
 
 HANG_S = 2.0
 HANG_INDEX = 4  # the first sample of the epoch's third batch: worker 0 builds it (round robin)

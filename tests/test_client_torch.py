@@ -13,11 +13,11 @@ import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, get_worker_info
 
 from stallwatch.client import RecordedFile, transport
+from stallwatch.client.keys import read_key
 from stallwatch.client.torch import instrument
 from stallwatch.eventbatch import EventBatch
 from stallwatch.exporters.events import EventsCollector
 from stallwatch.harness import scrape, start_agent, stop_agent, wait_for
-from stallwatch.keys import read_key
 
 pytestmark = pytest.mark.slow
 READ_DELAY = 0.002

@@ -21,8 +21,8 @@ from pathlib import Path
 
 import pytest
 
+from stallwatch.client.keys import read_key
 from stallwatch.exporters.events_decode import decode
-from stallwatch.keys import read_key
 from tests.conftest import ROOT
 
 pytestmark = pytest.mark.slow
@@ -118,8 +118,6 @@ def test_the_client_wheel_installs_alone_without_an_index_and_brings_nothing_els
     assert found == ["True"] + ["False"] * len(AGENT_ONLY)
 
 
-@pytest.mark.xfail(strict=True, reason="stallwatch.client.reads imports stallwatch.keys, a module of the agent's "
-                   "distribution: read_key must move into stallwatch.client")
 def test_the_client_alone_sends_a_jobs_steps_and_reads(dist: Path, tmp_path: Path) -> None:
     bin_dir = venv(tmp_path / "training")
     pip_install(bin_dir, str(dist / CLIENT_WHEEL))

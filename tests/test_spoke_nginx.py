@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 from stallwatch import catalogue
+from stallwatch.client.keys import read_key
 from stallwatch.eventbatch import EventBatch, Verdict
 from stallwatch.exporters.logtail import LogTailer
 from stallwatch.exporters.spoke_nginx import (
@@ -28,7 +29,6 @@ from stallwatch.exporters.spoke_nginx import (
     upstream_seconds_ns,
 )
 from stallwatch.harness import wait_for
-from stallwatch.keys import read_key
 from tests.realspoke import NGINX, ROOT, Agent, Hub, Nginx, free_port, get
 
 DATA = Path(__file__).parent / "data"

@@ -1,6 +1,6 @@
 """Recording dataset reads: a file wrapper, an HTTP GET, and a span for any other reader.
 
-Each read becomes one event: its key (`stallwatch.keys.read_key` of the path or URL and the byte
+Each read becomes one event: its key (`stallwatch.client.keys.read_key` of the path or URL and the byte
 offset, so the agent can join it to the spoke's log without a path ever leaving the node), bytes,
 start and end (`time.monotonic_ns()`), and the cache's verdict when the reader sees one. The
 process's read context adds the loader worker and the batch being built; the PyTorch integration
@@ -26,8 +26,8 @@ from typing import IO, Any, ParamSpec, TypeVar
 
 from stallwatch.client import wire
 from stallwatch.client.identity import source_from_environment
+from stallwatch.client.keys import read_key
 from stallwatch.client.transport import Channel, sender
-from stallwatch.keys import read_key
 
 P = ParamSpec("P")
 R = TypeVar("R", bound=Sized)

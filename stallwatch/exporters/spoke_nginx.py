@@ -28,12 +28,12 @@ from dataclasses import dataclass
 from prometheus_client.core import Metric
 
 from stallwatch import catalogue
+from stallwatch.client.keys import read_key
 from stallwatch.eventbatch import EventBatch, EventSink, Verdict, discard
 from stallwatch.exporters.collector import CollectorContext, register_collector
 from stallwatch.exporters.logtail import DEFAULT_MAX_LINE_BYTES, LogTailer
 from stallwatch.exporters.spokes import collector_errors
 from stallwatch.flags import non_negative_float, positive_int
-from stallwatch.keys import read_key
 
 log = logging.getLogger(__name__)
 
