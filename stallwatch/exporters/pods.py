@@ -175,8 +175,9 @@ def _from_context(context: CollectorContext) -> PodsCollector:
     try:
         import grpc  # noqa: F401
     except ImportError as error:
-        raise ConfigError("the pods collector needs grpcio and protobuf: pip install 'stallwatch[kubernetes]'") \
-            from error
+        raise ConfigError("the pods collector needs grpcio and protobuf: pip install grpcio protobuf, or install "
+                          "the agent's wheel with its extra: pip install 'dist/stallwatch-VERSION-py3-none-any.whl"
+                          "[kubernetes]' (make dist builds it)") from error
     return PodsCollector(context.options.pods_socket, context.gpus, interval=context.options.pods_interval)
 
 
