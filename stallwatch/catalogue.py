@@ -330,7 +330,32 @@ SPOKE_NFS_READ_ERRORS = counter(
 
 
 # --- correlator: stall attribution, GPU idle, warm-up, cache what-if ---------------------------------
-CAUSES = ("remote_fetch", "cache_read", "direct_read", "preprocess", "delivery", "other")
+@dataclass(frozen=True)
+class Cause:
+    """A cause a stall's instants are booked to: its label value, its colour in figures, what its instants
+    are, and where its seconds point (runbooks)."""
+
+    name: str
+    colour: str
+    meaning: str
+    points_at: str
+
+
+# In booking order: an instant covered by several goes to the first (attribution.py); `other` takes the rest.
+REMOTE_FETCH = Cause("remote_fetch", "#d0021b", "reading a batch's data that missed the spoke (from the hub)",
+                     "the spoke: cold, smaller than the working set, or a slow hub link")
+CACHE_READ = Cause("cache_read", "#f5a623", "reading a batch's data the spoke served (hits)",
+                   "the spoke's local cache disk")
+DIRECT_READ = Cause("direct_read", "#8b572a", "reading a batch's data through no spoke (local disk, a mount or "
+                    "bucket read directly)", "storage the node reads through no spoke")
+PREPROCESS = Cause("preprocess", "#9013fe", "a loader worker busy on the batch, not reading (decoding, augmenting)",
+                   "CPU-bound loader workers")
+DELIVERY = Cause("delivery", "#4a90e2", "the finished batch on its way to the trainer (pickling, queues, "
+                 "pin-memory)", "the batch's trip from its worker (payload size, Python objects, copies)")
+OTHER = Cause("other", "#9b9b9b", "none of the above: the worker had not started the batch, or reads went unseen",
+              "missing read events (is the client wrapping the loader's dataset?)")
+CAUSE_TABLE = (REMOTE_FETCH, CACHE_READ, DIRECT_READ, PREPROCESS, DELIVERY, OTHER)
+CAUSES = tuple(cause.name for cause in CAUSE_TABLE)
 PHASES = ("cold", "transition", "steady")
 STALL_SECONDS = counter(
     "correlator", "stall_seconds_total", "seconds", [JOB_LABEL, "rank", "cause"],

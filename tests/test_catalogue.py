@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import re
 import subprocess
 
@@ -90,3 +91,22 @@ def test_metrics_reference_is_fresh() -> None:
     assert committed == render_metrics_reference(), "docs/metrics.md is stale: run `make generate`"
     for m in catalogue.all_metrics():
         assert f"`{m.name}`" in committed
+
+
+def test_the_causes_are_declared_once() -> None:
+    """Code names a cause through the catalogue's table, never by spelling it or by its position: no string
+    constant outside catalogue.py is a cause's name or selects one (`cause="..."`), and each cause has its
+    colour, meaning and what it points at."""
+    names = set(catalogue.CAUSES)
+    spelt = []
+    for path in sorted((ROOT / "stallwatch").rglob("*.py")):
+        if path.name == "catalogue.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and (
+                    node.value in names or re.search(r'cause="(\w+)"', node.value)):
+                spelt.append(f"{path.relative_to(ROOT)}:{node.lineno}: {node.value[:60]!r}")
+    assert not spelt, spelt
+    for cause in catalogue.CAUSE_TABLE:
+        assert re.fullmatch(r"#[0-9a-f]{6}", cause.colour) and cause.meaning and cause.points_at, cause
+    assert len({cause.colour for cause in catalogue.CAUSE_TABLE}) == len(catalogue.CAUSE_TABLE)

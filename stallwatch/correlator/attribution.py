@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from stallwatch import catalogue as c
 from stallwatch.catalogue import CAUSES
 from stallwatch.correlator.intervals import (
     F64,
@@ -36,7 +37,9 @@ from stallwatch.correlator.intervals import (
 )
 from stallwatch.eventbatch import Verdict
 
-REMOTE, CACHE, DIRECT, PREPROCESS, DELIVERY, OTHER = range(len(CAUSES))
+# Columns of a split, by the catalogue's table.
+REMOTE, CACHE, DIRECT, PREPROCESS, DELIVERY, OTHER = (c.CAUSE_TABLE.index(cause) for cause in (
+    c.REMOTE_FETCH, c.CACHE_READ, c.DIRECT_READ, c.PREPROCESS, c.DELIVERY, c.OTHER))
 
 
 @dataclass(frozen=True)
@@ -154,7 +157,7 @@ def attribute(steps: Steps, reads: Reads, threshold_ns: int, stalled: npt.NDArra
     split[:, CACHE] = cover - not_hit
     split[:, PREPROCESS] = np.where(on_path, np.maximum(busy - cover, 0), 0)
     split[:, DELIVERY] = waited - we
-    split[:, OTHER] = (waited - ws) - split[:, :OTHER].sum(axis=1)
+    split[:, OTHER] = (waited - ws) - split.sum(axis=1)  # the rest: the other columns are set, this one is 0
     causes[stall_index] = split
     return Attribution(wait, compute, stalled, causes)
 

@@ -22,6 +22,8 @@ from stallwatch.mixin.rules import gpu_stall_idle_rule, hit_ratio_rule, input_bo
 
 JOB = c.JOB_LABEL
 JOB_NAME = f"{{{{ $labels.{JOB} }}}}"  # the training job's name in a description
+# What each cause's stall seconds point at, for the runbooks: from the catalogue's table of causes.
+_CAUSES_POINT_AT = "; ".join(f"`{cause.name}` points at {cause.points_at}" for cause in c.CAUSE_TABLE)
 # Metrics an agent reports with the `spoke` it reads through: a spoke collector on the node, the hub
 # probe, the correlator's what-if. They tie the node's training jobs to that spoke.
 SPOKE_OF_NODE = (c.SPOKE_REQUESTS, c.SPOKE_HUB_ERRORS, c.SPOKE_NFS_READ_OPERATIONS, c.SPOKE_HUB_PROBE_SUCCESS,
@@ -47,7 +49,7 @@ def _stall_share_by_spoke(t: Thresholds) -> str:
 
 
 def training_alerts(t: Thresholds) -> tuple[AlertRule, ...]:
-    remote_idle = by(JOB, "sum", gpu_stall_idle_rule(t).record + '{cause="remote_fetch"}')
+    remote_idle = by(JOB, "sum", gpu_stall_idle_rule(t).record + f'{{cause="{c.REMOTE_FETCH.name}"}}')
     not_steady = by(JOB, "max", selector(c.WARMUP_PHASE, 'phase!="steady"'))
     gpus_per_job = by(JOB, "count", by(f"{JOB}, instance, gpu", "group", selector(c.GPU_STALL_IDLE_SECONDS)))
     return (
@@ -76,11 +78,8 @@ def training_alerts(t: Thresholds) -> tuple[AlertRule, ...]:
             runbook="The ranks' loader wait divided by wait plus compute is above the threshold: the input "
                     "pipeline, not the model, sets the pace (TensorFlow's input-pipeline analyzer calls 20 % or "
                     "more 'highly input-bound').\n\n"
-                    "Check: *Training input stalls*: which cause dominates the stall seconds. `remote_fetch`, "
-                    "`cache_read` and `direct_read` (reads through no spoke) point at storage; `preprocess` at "
-                    "CPU-bound workers; `delivery` at the batch's "
-                    "trip from its worker to the trainer (pickling, queues, pin-memory); `other` at missing read "
-                    "events (is the client wrapping the loader's dataset?).\n\n"
+                    f"Check: *Training input stalls*: which cause dominates the stall seconds. {_CAUSES_POINT_AT}"
+                    ".\n\n"
                     "Act: for preprocessing, more workers or cheaper transforms; for delivery, smaller batch "
                     "payloads, tensors (shared memory) rather than Python objects, fewer copies; for storage, see "
                     f"[{ALERT_PREFIX}GPUsStarvedByRemoteFetches](#{ALERT_PREFIX.lower()}gpusstarvedbyremotefetches).",
@@ -112,10 +111,8 @@ def training_alerts(t: Thresholds) -> tuple[AlertRule, ...]:
                     "is the share of time in which some rank of the job on this node stalled for input (its agent "
                     "counts the union of their stalls): what the node alone costs the job's GPU time.\n\n"
                     "Check: the *Job across nodes* row of *Training input stalls*: the gating node and rank and the "
-                    "cause of their stalls. `remote_fetch` there points at that node's spoke (cold, smaller than "
-                    "the working set, a slow hub link: the *Spoke cache* dashboard for that spoke); `preprocess` "
-                    "at that node's CPUs or loader workers; `cache_read` at its local cache disk; `direct_read` at "
-                    "storage the node reads through no spoke.\n\n"
+                    f"cause of their stalls, on that node. {_CAUSES_POINT_AT} (for the spoke, the *Spoke cache* "
+                    "dashboard).\n\n"
                     "Act: warm or grow that node's spoke, give the node's ranks more loader workers, or move the "
                     "job off the node; the other nodes are waiting, not at fault.",
         ),

@@ -33,7 +33,7 @@ J = c.JOB_LABEL
 CLUSTER, JOB, NODE, GPU, SPOKE = ('cluster=~"$cluster"', f'{J}=~"$job"', 'node=~"$node"', 'gpu=~"$gpu"',
                                   'spoke=~"$spoke"')
 RATE, RANGE = "$__rate_interval", "$__range"
-REMOTE = f'cause="{c.CAUSES[0]}"'
+REMOTE = f'cause="{c.REMOTE_FETCH.name}"'
 HUB, CACHE = 'source="hub"', 'source="cache"'
 PRICE_VARIABLE = "egress_price_usd_per_gb"
 PER_NODE, PER_GPU = "node, instance", "node, instance, gpu"

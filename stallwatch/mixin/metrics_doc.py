@@ -20,4 +20,10 @@ def render_metrics_reference() -> str:
             labels = ", ".join(f"`{label}`" for label in m.labels) or "none"
             lines.append(f"| `{m.name}` | {m.kind.value} | {m.unit or '-'} | {labels} | {m.help} |")
         lines.append("")
+    lines += ["## Causes", "",
+              "The values of the `cause` label, in booking order: an instant of a stall covered by several goes to "
+              "the first (docs/attribution.md).", "",
+              "| cause | its instants are | its seconds point at |", "|---|---|---|"]
+    lines += [f"| `{cause.name}` | {cause.meaning} | {cause.points_at} |" for cause in catalogue.CAUSE_TABLE]
+    lines.append("")
     return "\n".join(lines)

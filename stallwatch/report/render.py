@@ -14,8 +14,7 @@ from stallwatch import catalogue as c
 from stallwatch.report.run import Run, Series
 
 PHASE_COLOURS = {"cold": "#4a90d9", "transition": "#f5a623", "steady": "#7ed321"}
-CAUSE_COLOURS = {"remote_fetch": "#d0021b", "cache_read": "#f5a623", "direct_read": "#8b572a", "preprocess": "#9013fe",
-                 "delivery": "#4a90e2", "other": "#9b9b9b"}
+CAUSE_COLOURS = {cause.name: cause.colour for cause in c.CAUSE_TABLE}
 
 
 def _figure_png(draw: Any, height: float = 2.2) -> str:
