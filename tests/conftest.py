@@ -27,6 +27,11 @@ if os.environ.get("CI"):
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--update-golden", action="store_true",
+                     help="rewrite tests/golden/ from this run (tests/test_golden.py) instead of comparing")
+
+
 def require_binary(name: str, package: str) -> str:
     """Path of a real binary the tests need; `make test` installs it, so its absence is a failure."""
     found = find_binary(name)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import socket
 import threading
 import time
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -13,7 +14,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from stallwatch.client import RecordedFile, monitor, transport, wire
+from stallwatch.client import RecordedFile, monitor, open_recorded, transport, wire
 from stallwatch.client.keys import read_key
 from stallwatch.client.torch import instrument
 from stallwatch.exporters.events_decode import MAX_EVENT_AGE_NS, Decoded, RejectedBatchError, decode, peek_events
@@ -172,6 +173,22 @@ def test_a_steady_job_sends_no_datagram_of_open_records_alone(datagrams: Datagra
     assert not datagrams.opens(wire.OPEN_WAIT)
     # Open records rode along: the batch built or handed over as the flush looked.
     assert datagrams.opens(wire.OPEN_HANDED)
+
+
+def test_reads_in_a_monitored_loops_process_are_the_loops_job(datagrams: Datagrams, tmp_path: Path) -> None:
+    """A loop with no loader workers (`monitor(job=...)`, reads in the same process): its reads carry the
+    loop's job and rank, so the correlator joins them to its stalls (they went to `unknown` before); after
+    the loop, the environment's source again."""
+    paths = files(tmp_path, 3)
+    for _ in monitor(range(5), job="mine", rank=3):
+        for path in paths:
+            with open_recorded(path) as f:
+                f.read()
+    with open_recorded(paths[0]) as f:
+        f.read()
+    wait_for("the reads", lambda: sum(len(d.reads) for d in datagrams.decoded) == 16, 10)
+    by_source = Counter((d.source.job, d.source.rank) for d in datagrams.decoded for _ in d.reads)
+    assert by_source[("mine", 3)] == 15 and sum(by_source.values()) == 16, by_source
 
 
 def test_a_wait_is_reported_from_the_loops_start_and_a_loop_inside_a_step_gives_it_back(

@@ -9,7 +9,7 @@ from collections.abc import Generator, Iterable, Iterator
 from types import GeneratorType
 from typing import Any, Generic, TypeVar, cast
 
-from stallwatch.client import wire
+from stallwatch.client import reads, wire
 from stallwatch.client.identity import source_from_environment
 from stallwatch.client.transport import FULL, OPEN_AFTER_NS, Channel, sender
 
@@ -117,7 +117,14 @@ class Monitored(Generic[T]):
         return len(self._iterable)  # type: ignore[arg-type]  # raises as the wrapped loader would
 
     def __iter__(self) -> Iterator[T]:
-        return timed_steps(iter(self._iterable), self._channel)
+        steps = timed_steps(iter(self._iterable), self._channel)
+        # Reads in this process during the loop (no loader workers) are the loop's job's, not the environment's.
+        return steps if reads.bound() else _reading_as(steps, self._channel.source)
+
+
+def _reading_as(steps: Iterator[T], source: wire.Source) -> Iterator[T]:
+    with reads.reads_as(source):
+        yield from steps
 
 
 def monitor(

@@ -104,6 +104,11 @@ def bind_worker(source: wire.Source) -> None:
     _context.bind(sender().channel(source))
 
 
+def bound() -> bool:
+    """Whether this process's reads already have a source (a loader worker's, or one the caller chose)."""
+    return _context.source is not None
+
+
 @contextlib.contextmanager
 def reads_as(source: wire.Source) -> Iterator[None]:
     """Send this process's reads as `source` inside the block; the previous source and batch after it."""
