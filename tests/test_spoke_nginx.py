@@ -3,6 +3,7 @@ real log lines (tests/data/nginx-stallwatch.log was written by nginx with the sh
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import subprocess
@@ -267,8 +268,10 @@ def test_agent_metrics_agree_exactly_with_known_hits_and_misses(spoke: tuple[Ngi
                 sent.append((result, len(body), hub_contacted, errors))
 
         send(first)
+        cached_at = int(time.time())
         nginx.doomed_hub.close()  # type: ignore[attr-defined]
-        time.sleep(2.1)
+        # nginx stamps a cached copy with whole seconds: valid until the next one, expired the one after.
+        wait_for("the 1 s validity to pass", lambda: int(time.time()) >= cached_at + 2, 5)
         send(after)
         expected = Counter(result for result, *_ in sent)
         label = "spoke=spoke-a"
@@ -318,6 +321,15 @@ class Traffic:
         return lines_in(self.nginx.access_log) > 0
 
 
+def held_open(path: Path) -> bool:
+    """Whether this process holds a descriptor on the file at `path`."""
+    for fd in Path("/proc/self/fd").iterdir():
+        with contextlib.suppress(OSError):  # closed while we looked
+            if os.readlink(fd) == str(path):
+                return True
+    return False
+
+
 def assert_every_request_counted_once(collector: NginxSpokeCollector, traffic: Traffic) -> None:
     seen = samples(collector)
     assert sum(v for k, v in seen.items() if k[0] == "stallwatch_spoke_requests_total") == traffic.total
@@ -331,7 +343,8 @@ def test_rotation_by_rename_and_reopen_and_by_copytruncate_loses_and_repeats_not
 ) -> None:
     nginx, _ = spoke
     log = nginx.access_log
-    collector = NginxSpokeCollector(str(log), "spoke-a", interval=0, rotate_wait=0.5)
+    now = [0.0]
+    collector = NginxSpokeCollector(str(log), "spoke-a", interval=0, rotate_wait=0.5, clock=lambda: now[0])
     traffic = Traffic(nginx)
     traffic.send(3, log)
     collector.poll()
@@ -348,8 +361,11 @@ def test_rotation_by_rename_and_reopen_and_by_copytruncate_loses_and_repeats_not
     os.truncate(log, 0)
     traffic.send(6, log)
     collector.poll()
-    time.sleep(0.6)  # past rotate_wait: the renamed file is closed
+    first_rotated = log.with_name("access.log.2")
+    assert held_open(first_rotated)  # within rotate_wait: a writer may still append to it
+    now[0] += 0.6  # past rotate_wait: the renamed file is closed
     collector.poll()
+    assert not held_open(first_rotated)
     assert_every_request_counted_once(collector, traffic)
     collector.close()
 
@@ -379,7 +395,8 @@ def test_metric_names_come_from_the_catalogue(tmp_path: Path) -> None:
 def test_two_rotations_between_polls_and_a_log_never_reopened_lose_nothing(spoke: tuple[Nginx, Hub]) -> None:
     nginx, _ = spoke
     log = nginx.access_log
-    collector = NginxSpokeCollector(str(log), "spoke-a", interval=0, rotate_wait=0.3)
+    now = [0.0]
+    collector = NginxSpokeCollector(str(log), "spoke-a", interval=0, rotate_wait=0.3, clock=lambda: now[0])
     traffic = Traffic(nginx)
 
     def shift() -> None:
@@ -402,7 +419,7 @@ def test_two_rotations_between_polls_and_a_log_never_reopened_lose_nothing(spoke
     rotate_and_reopen()  # the second rotation before the next poll: the middle file was never seen
     traffic.send(4, log)
     collector.poll()
-    time.sleep(0.4)
+    now[0] += 0.4  # past rotate_wait
     collector.poll()
 
     # Renamed without a reopen (logrotate's `create` without a postrotate): nginx keeps writing to the
@@ -411,10 +428,10 @@ def test_two_rotations_between_polls_and_a_log_never_reopened_lose_nothing(spoke
     log.touch()
     traffic.send(2, log.with_name("access.log.1"))
     collector.poll()
-    time.sleep(0.4)
+    now[0] += 0.4
     collector.poll()
     traffic.send(3, log.with_name("access.log.1"))
-    time.sleep(0.4)
+    now[0] += 0.4
     collector.poll()
     assert_every_request_counted_once(collector, traffic)
     collector.close()

@@ -33,6 +33,7 @@ from prometheus_client.core import HistogramMetricFamily, Metric
 
 from stallwatch import catalogue
 from stallwatch.client import wire
+from stallwatch.correlator.wallclock import wall_offset_ns
 from stallwatch.eventbatch import (
     DEFAULT_EXPIRE_AFTER_S,
     SCHEMAS,
@@ -120,7 +121,9 @@ class EventsCollector:
     # --- processing -------------------------------------------------------------------------------
     def process(self, datagrams: list[bytes]) -> None:
         """Decode, count and forward a group of batches. The processing thread's work; tests call it."""
-        now, wall_now = self._clock_ns(), self._wall_clock_ns()
+        offset = wall_offset_ns(wall_ns=self._wall_clock_ns, monotonic_ns=self._clock_ns)
+        now = self._clock_ns()
+        wall_now = now + offset
         accepted: list[tuple[int, Decoded]] = []
         for data in datagrams:
             try:

@@ -29,6 +29,7 @@ from prometheus_client.core import Metric
 
 from stallwatch import catalogue
 from stallwatch.client.keys import read_key
+from stallwatch.correlator.wallclock import wall_offset_ns
 from stallwatch.eventbatch import EventBatch, EventSink, Verdict, discard
 from stallwatch.exporters.collector import CollectorContext, register_collector
 from stallwatch.exporters.logtail import DEFAULT_MAX_LINE_BYTES, LogTailer
@@ -174,7 +175,10 @@ class NginxSpokeCollector:
         interval: float = 1.0,
         wall_ns: Callable[[], int] = time.time_ns,
         monotonic_ns: Callable[[], int] = time.monotonic_ns,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        """`clock` times the rotation wait (the tailer's); `wall_ns` and `monotonic_ns` map `$msec` onto
+        the events' clock."""
         self._spoke, self._spoke_id, self._sink = spoke, spoke_id, sink
         self._wall_ns, self._monotonic_ns = wall_ns, monotonic_ns
         self._lock = threading.Lock()
@@ -184,7 +188,7 @@ class NginxSpokeCollector:
         self._hub_errors = 0
         self._errors: Counter[str] = Counter()
         self._tailer = LogTailer(path, from_start=from_start, rotate_wait=rotate_wait, max_line_bytes=max_line_bytes,
-                                 on_problem=self._problem)
+                                 on_problem=self._problem, clock=clock)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         if interval > 0:
@@ -261,7 +265,7 @@ class NginxSpokeCollector:
     def _batch(self, entries: list[LogEntry]) -> EventBatch:
         # $msec is wall time; the stream runs on the node's monotonic clock. Sample the offset once
         # per batch so a wall-clock step moves later batches, not the order within one.
-        offset = self._wall_ns() - self._monotonic_ns()
+        offset = wall_offset_ns(wall_ns=self._wall_ns, monotonic_ns=self._monotonic_ns)
         return EventBatch.of("spoke_request", {
             "spoke": [self._spoke_id] * len(entries),
             "key": [e.key for e in entries],
