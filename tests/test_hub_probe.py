@@ -20,7 +20,7 @@ from stallwatch.exporters import agent  # noqa: F401  (registers every collector
 from stallwatch.exporters.collector import CollectorContext, registered
 from stallwatch.exporters.config import ConfigError, parse
 from stallwatch.exporters.hub_probe import HubProbeCollector, Target, parse_target
-from stallwatch.harness import AgentProcess
+from stallwatch.harness import AgentProcess, wait_for
 from tests.test_security import self_signed
 
 DELAY = 0.2  # the hub's think time before it answers
@@ -34,6 +34,8 @@ class Hub(ThreadingHTTPServer):
         self.daemon_threads = True
         self.status, self.refuse_head = status, refuse_head
         self.requests: list[tuple[str, str, str | None]] = []
+        self.in_flight = self.most_in_flight = 0
+        self.counting = threading.Lock()
         threading.Thread(target=self.serve_forever, daemon=True).start()
 
     @property
@@ -45,8 +47,14 @@ class HubHandler(BaseHTTPRequestHandler):
     server: Hub
 
     def _answer(self, body: bytes) -> None:
-        self.server.requests.append((self.command, self.path, self.headers.get("Range")))
+        server = self.server
+        with server.counting:
+            server.requests.append((self.command, self.path, self.headers.get("Range")))
+            server.in_flight += 1
+            server.most_in_flight = max(server.most_in_flight, server.in_flight)
         time.sleep(DELAY)
+        with server.counting:
+            server.in_flight -= 1
         status = 405 if self.command == "HEAD" and self.server.refuse_head else self.server.status
         self.send_response(status)
         self.send_header("Content-Length", str(len(body)))
@@ -176,13 +184,31 @@ def test_https_hubs_are_verified(tmp_path: Path) -> None:
 
 
 def test_the_background_probe_is_bounded_in_rate(hub: Hub) -> None:
-    collector = HubProbeCollector([Target("s1", hub.url), Target("s2", hub.url)], interval=1.0)
-    try:
-        time.sleep(2.5)
-    finally:
-        collector.close()
-    # rounds at 0, 1 and 2 s at most: never more than one probe per target per interval, never overlapping
-    assert 2 <= len(hub.requests) <= 6
+    # The clock's readings at the start and the end of each round: 0.3 s, then 1.5 s (over the interval),
+    # then 0.1 s. Each pause moves the clock on by what it was asked to wait; the third one stops the probe.
+    rounds = iter([(0.0, 0.3), (1.5, 2.5), (2.5, 2.6)])
+    readings: list[float] = []
+    pauses: list[float] = []
+    stopped = threading.Event()
+
+    def clock() -> float:
+        if not readings:
+            readings.extend(next(rounds))
+        return readings.pop(0)
+
+    def pause(seconds: float) -> bool:
+        pauses.append(seconds)
+        if len(pauses) == 3:
+            stopped.set()
+        return stopped.is_set()
+
+    collector = HubProbeCollector([Target("s1", hub.url), Target("s2", hub.url)], interval=1.0, clock=clock,
+                                  pause=pause)
+    assert stopped.wait(30), "three rounds did not end"
+    collector.close()
+    # a round waits out the rest of its interval; one that overran it is followed at once, never overlapped
+    assert pauses == pytest.approx([0.7, 0.0, 0.9])
+    assert len(hub.requests) == 3 * 2 and hub.most_in_flight == 1
     assert value(collector, c.SPOKE_HUB_PROBE_SUCCESS, spoke="s2") == 1
 
 
@@ -208,11 +234,8 @@ def test_flags_targets_and_the_rate_floor(tmp_path: Path) -> None:
 
 def test_the_agent_serves_the_probe_of_a_real_hub(agent_factory: Callable[..., AgentProcess], hub: Hub) -> None:
     running = agent_factory("--collector.hub_probe", "--hub_probe.target", f"s1={hub.url}", "--hub_probe.interval", "1")
-    deadline = time.monotonic() + 20
-    body = ""
-    while time.monotonic() < deadline and f'{c.SPOKE_HUB_PROBE_SUCCESS.name}{{spoke="s1"}} 1.0' not in body:
-        time.sleep(0.2)
-        body = requests.get(running.url, timeout=10).text
-    assert f'{c.SPOKE_HUB_PROBE_SUCCESS.name}{{spoke="s1"}} 1.0' in body
+    probed = f'{c.SPOKE_HUB_PROBE_SUCCESS.name}{{spoke="s1"}} 1.0'
+    wait_for("a successful probe", lambda: probed in requests.get(running.url, timeout=10).text, 20)
+    body = requests.get(running.url, timeout=10).text
     assert f'{c.SPOKE_HUB_PROBE_DURATION.name}{{phase="connect",spoke="s1"}}' in body
     assert 'stallwatch_scrape_collector_success{collector="hub_probe"} 1.0' in body

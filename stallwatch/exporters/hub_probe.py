@@ -150,7 +150,10 @@ def _connect(addresses: list[tuple[Any, ...]], timeout: float, durations: dict[s
 
 class HubProbeCollector:
     def __init__(self, targets: Sequence[Target], *, interval: float = 15.0, timeout: float = 5.0,
-                 method: str = "head", tls: ssl.SSLContext | None = None, start: bool = True) -> None:
+                 method: str = "head", tls: ssl.SSLContext | None = None, start: bool = True,
+                 clock: Callable[[], float] = time.monotonic, pause: Callable[[float], bool] | None = None) -> None:
+        """`clock` times the rounds; `pause(seconds)` waits between them and says whether to stop (by
+        default until `close()`): a test drives the schedule with both."""
         self._targets = tuple(targets)
         self._interval, self._timeout, self._method = max(interval, MIN_INTERVAL_SECONDS), timeout, method
         self._tls = tls or ssl.create_default_context()
@@ -159,6 +162,7 @@ class HubProbeCollector:
         self._success: dict[str, float] = {}
         self._failures: Counter[tuple[str, str]] = Counter()
         self._stop = threading.Event()
+        self._clock, self._pause = clock, pause or self._stop.wait
         self._thread = threading.Thread(target=self._run, name="hub-probe", daemon=True)
         if start:
             self._thread.start()
@@ -180,9 +184,10 @@ class HubProbeCollector:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            started = time.monotonic()
+            started = self._clock()
             self.probe_all()
-            self._stop.wait(max(0.0, self._interval - (time.monotonic() - started)))
+            if self._pause(max(0.0, self._interval - (self._clock() - started))):
+                return
 
     def collect(self) -> Iterator[Metric]:
         c = catalogue
