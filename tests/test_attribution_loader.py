@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 from torch.utils.data import DataLoader, Dataset
 
-from stallwatch.catalogue import CAUSES
+from stallwatch.catalogue import CAUSES, RECEIVER_EVENTS
 from stallwatch.client import ReadSpan, transport, wire
 from stallwatch.client.torch import instrument
 from stallwatch.correlator.attribution import CACHE, DELIVERY, OTHER, PREPROCESS, REMOTE
@@ -33,6 +33,7 @@ from stallwatch.correlator.eventfile import read_events
 from stallwatch.correlator.pipeline import CorrelatorPipeline
 from stallwatch.correlator.results import WindowResult
 from stallwatch.correlator.settings import CorrelatorSettings
+from stallwatch.harness import scrape, total, wait_for
 from tests.conftest import AgentProcess, stop_agent
 
 pytestmark = pytest.mark.slow
@@ -123,6 +124,12 @@ def train(loader: DataLoader[Any], epochs: int, compute_s: float) -> np.ndarray:
     return truth
 
 
+def received(agent: AgentProcess) -> tuple[float, float]:
+    """The steps and the reads the agent has accepted."""
+    samples = scrape(agent.url)
+    return total(samples, RECEIVER_EVENTS.name, kind="step"), total(samples, RECEIVER_EVENTS.name, kind="read")
+
+
 def attributed(events: Path) -> np.ndarray:
     windows: list[WindowResult] = []
     CorrelatorPipeline(CorrelatorSettings(), listeners=[windows.append]).run(read_events(events))
@@ -154,7 +161,9 @@ def test_every_cause_of_a_real_loader_is_within_five_percent_of_its_truth(
         truth = train(loader, epochs, compute_s)
     finally:
         transport.sender().close()
-    time.sleep(1.0)  # the agent's receiver drains its socket
+    steps, reads = epochs * len(loader), epochs * len(dataset)
+    wait_for("every step and read at the agent", lambda: received(agent) == (steps, reads), 30, agent.process,
+             agent.log)
     stop_agent(agent)
     got = attributed(events)
     assert got.sum() == pytest.approx(truth.sum(), rel=0.05, abs=0.5)
