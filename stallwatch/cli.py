@@ -15,6 +15,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("stallwatch.mixin.generate", "write the generated artifacts (docs, dashboards, rules)"),
     "publish": ("stallwatch.publish", "push the generated dashboards to Grafana and rules to Prometheus"),
     "report": ("stallwatch.report.command", "write an HTML warm-up report of a run"),
+    "run": ("stallwatch.client.run", "run a training command with its loaders instrumented and its reads captured"),
 }
 
 

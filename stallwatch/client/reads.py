@@ -17,12 +17,13 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import io
 import os
 import time
 import urllib.request
 from collections.abc import Callable, Iterator, Sized
 from types import TracebackType
-from typing import IO, Any, ParamSpec, TypeVar
+from typing import IO, Any, ParamSpec, SupportsIndex, TypeVar
 
 from stallwatch.client import wire
 from stallwatch.client.identity import source_from_environment
@@ -31,6 +32,7 @@ from stallwatch.client.transport import Channel, sender
 
 P = ParamSpec("P")
 R = TypeVar("R", bound=Sized)
+T = TypeVar("T")
 
 # nginx $upstream_cache_status values: these were served from the spoke's cache (REVALIDATED asked the
 # hub only whether the cached copy was still good); MISS, EXPIRED and BYPASS fetched from the hub.
@@ -189,49 +191,63 @@ class ReadSpan:
 
 
 class RecordedFile:
-    """A binary file whose read(), readinto() and read1() calls are recorded, one event each.
+    """A binary file whose reads are recorded, one event a call: read(), read1(), readinto(), readinto1(),
+    readline(), readlines() and iteration.
 
     Tracks its own position instead of calling tell(), which would cost a system call per read.
-    Everything else is the wrapped file's.
+    Everything else is the wrapped file's, pickling included (it refuses as the file does). A read made
+    while another recorded read is open (a `ReadSpan` around it, or a wrapper of this file) is not
+    recorded again: the outer read is the event.
     """
 
-    def __init__(self, raw: IO[bytes], path: str) -> None:
+    def __init__(self, raw: IO[bytes], path: str, verdict: int = wire.VERDICT_UNKNOWN,
+                 position: int | None = None) -> None:
         self._file = raw
         self._path = path
-        self._position = raw.tell() if raw.seekable() else 0
+        self._verdict = verdict
+        self._position = position if position is not None else raw.tell() if raw.seekable() else 0
 
-    def read(self, size: int = -1) -> bytes:
+    def _recorded(self, read: Callable[[Any], T], argument: Any, count: Callable[[T], int]) -> T:
+        if _context.reading is not None:  # inside another recorded read: that one is the event
+            return read(argument)
         start, offset = time.monotonic_ns(), self._position
         _context.reading = (self._path, offset, start)
         try:
-            data = self._file.read(size)
+            result = read(argument)
         finally:
             _context.reading = None
-        self._position += len(data)
-        record_read(self._path, offset, len(data), start, time.monotonic_ns())
-        return data
+        nbytes = count(result)
+        self._position += nbytes
+        record_read(self._path, offset, nbytes, start, time.monotonic_ns(), self._verdict)
+        return result
+
+    def read(self, size: int | None = -1) -> bytes:
+        return self._recorded(self._file.read, size, len)
 
     def read1(self, size: int = -1) -> bytes:
-        start, offset = time.monotonic_ns(), self._position
-        _context.reading = (self._path, offset, start)
-        try:
-            data = self._file.read1(size)  # type: ignore[attr-defined]
-        finally:
-            _context.reading = None
-        self._position += len(data)
-        record_read(self._path, offset, len(data), start, time.monotonic_ns())
-        return data  # type: ignore[no-any-return]
+        return self._recorded(self._file.read1, size, len)  # type: ignore[attr-defined,no-any-return]
 
     def readinto(self, buffer: Any) -> int:
-        start, offset = time.monotonic_ns(), self._position
-        _context.reading = (self._path, offset, start)
-        try:
-            count: int = self._file.readinto(buffer)  # type: ignore[attr-defined]
-        finally:
-            _context.reading = None
-        self._position += count or 0
-        record_read(self._path, offset, count or 0, start, time.monotonic_ns())
-        return count
+        return self._recorded(self._file.readinto, buffer, _count)  # type: ignore[attr-defined,no-any-return]
+
+    def readinto1(self, buffer: Any) -> int:
+        return self._recorded(self._file.readinto1, buffer, _count)  # type: ignore[attr-defined,no-any-return]
+
+    def readline(self, size: int | None = -1) -> bytes:
+        return self._recorded(self._file.readline, size, len)
+
+    def readlines(self, hint: int = -1) -> list[bytes]:
+        return self._recorded(self._file.readlines, hint, _total_length)
+
+    def __iter__(self) -> RecordedFile:
+        self._file.__iter__()  # raises as the file does once closed
+        return self
+
+    def __next__(self) -> bytes:
+        line = self.readline()
+        if not line:
+            raise StopIteration
+        return line
 
     def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
         self._position = self._file.seek(offset, whence)
@@ -240,17 +256,33 @@ class RecordedFile:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._file, name)
 
+    def __reduce_ex__(self, protocol: SupportsIndex) -> str | tuple[Any, ...]:
+        return self._file.__reduce_ex__(protocol)
+
     def __enter__(self) -> RecordedFile:
+        self._file.__enter__()  # raises as the file does once closed
         return self
 
     def __exit__(self, *exc: object) -> None:
         self._file.close()
 
 
+def _count(count: int | None) -> int:
+    return count or 0
+
+
+def _total_length(lines: list[bytes]) -> int:
+    return sum(map(len, lines))
+
+
+# Not the builtin as called: read capture (`stallwatch.client.capture`) may replace that with its own.
+_open = io.open
+
+
 def open_recorded(path: str | os.PathLike[str], buffering: int = -1) -> RecordedFile:
     """`open(path, "rb")` with every read recorded."""
     name = os.fspath(path)
-    return RecordedFile(open(name, "rb", buffering=buffering), name)  # closed by the wrapper
+    return RecordedFile(_open(name, "rb", buffering=buffering), name)  # closed by the wrapper
 
 
 def http_get(url: str, offset: int = 0, length: int | None = None, timeout: float = 60.0) -> bytes:

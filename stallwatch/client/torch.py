@@ -35,8 +35,10 @@ in arrival order and reads carry batch -1; the correlator falls back to time ove
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import multiprocessing.queues
+import sys
 import time
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
@@ -44,13 +46,14 @@ from typing import Any, TypeVar
 import torch.multiprocessing
 from torch.utils.data import DataLoader
 
-from stallwatch.client import reads, wire
+from stallwatch.client import capture, reads, wire
 from stallwatch.client.identity import source_from_environment
 from stallwatch.client.loop import TaggedBatch, tagged, timed_steps
 from stallwatch.client.transport import sender
 
 L = TypeVar("L", bound=DataLoader[Any])
 _STATE = "_stallwatch"
+_CAPTURE = "_stallwatch_capture"  # whether the loader's workers capture their reads
 _WORKERS = "_stallwatch_workers"  # the loader's `_Workers`
 
 
@@ -232,12 +235,15 @@ class _TaggedCollate:
 
 
 class _BindWorker:
-    def __init__(self, source: wire.Source, init: Callable[[int], None] | None) -> None:
+    def __init__(self, source: wire.Source, init: Callable[[int], None] | None, capture_reads: bool) -> None:
         self._source = source
         self._init = init
+        self._capture_reads = capture_reads
 
     def __call__(self, worker_id: int) -> None:
         reads.bind_worker(dataclasses.replace(self._source, worker=worker_id))
+        if self._capture_reads and not capture.installed():  # a worker started by spawn or forkserver
+            capture.start()
         if self._init is not None:
             self._init(worker_id)
 
@@ -265,7 +271,7 @@ def _view_collate_fn(view: DataLoader[Any]) -> Any:
 
 
 def _view_worker_init_fn(view: DataLoader[Any]) -> _BindWorker:
-    return _BindWorker(_source(view), view.__dict__["worker_init_fn"])
+    return _BindWorker(_source(view), view.__dict__["worker_init_fn"], view.__dict__.get(_CAPTURE, False))
 
 
 def _view_multiprocessing_context(view: DataLoader[Any]) -> _NumberingContext:
@@ -325,17 +331,45 @@ def _restore(base: type[DataLoader[Any]]) -> DataLoader[Any]:
 
 
 def instrument(
-    loader: L, job: str | None = None, rank: int | None = None, gpu: int | str | None = None
+    loader: L, job: str | None = None, rank: int | None = None, gpu: int | str | None = None,
+    capture_reads: bool = True,
 ) -> L:
     """Instrument `loader` in place and return it: iterating it records the loop's steps, and the reads
-    its dataset records carry the batch they serve. Job, rank and gpu default from the environment
+    its dataset makes carry the batch they serve. Job, rank and gpu default from the environment
     (`identity.source_from_environment`; gpu is the CUDA device index the process trains on, or its UUID).
+
+    With `capture_reads` (unless `capture.CAPTURE_ENV` is "0"), the files its workers (or, without
+    workers, its epochs) read through `open()` are recorded too (`stallwatch.client.capture`); reads
+    the dataset records itself (`open_recorded`, `ReadSpan`) are recorded either way.
 
     Call it before the loader's first iteration: a `persistent_workers` iterator made earlier keeps its
     workers, whose batches are then numbered in arrival order. Instrumenting again only changes who
-    the loader records as.
+    the loader records as and whether it captures.
     """
     setattr(loader, _STATE, source_from_environment(job, rank, gpu))
+    setattr(loader, _CAPTURE, capture_reads and capture.enabled())
+    if capture_reads and not capture.installed():
+        capture.start()
     if type(loader) not in _base_of:
         loader.__class__ = _instrumented_class(type(loader))  # type: ignore[assignment]  # a subclass of L
     return loader
+
+
+def instrument_every_loader() -> None:
+    """Instrument every DataLoader made from now on as it is made (`stallwatch run`): each as
+    `instrument(loader)` with its defaults, the environment naming job, rank and GPU."""
+    if getattr(DataLoader.__init__, _STATE, False):
+        return
+    made = DataLoader.__init__
+
+    @functools.wraps(made)
+    def made_instrumented(loader: DataLoader[Any], *args: Any, **kwargs: Any) -> None:
+        made(loader, *args, **kwargs)
+        if type(loader) not in _base_of:  # a framework re-creating an instrumented loader keeps its source
+            try:
+                instrument(loader)
+            except Exception as error:  # the loader trains uninstrumented
+                print(f"stallwatch: {type(loader).__name__} not instrumented: {error!r}", file=sys.stderr)
+
+    setattr(made_instrumented, _STATE, True)
+    DataLoader.__init__ = made_instrumented  # type: ignore[method-assign,assignment]

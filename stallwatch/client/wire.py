@@ -106,6 +106,8 @@ STRING_LENGTH = struct.Struct("<H")
 VERDICT_UNKNOWN = -1
 VERDICT_HIT = 0
 VERDICT_MISS = 1
+# The read crossed no spoke (a local disk, a mount no spoke serves): the agent books it direct_read.
+VERDICT_DIRECT = 2
 
 MAX_JOB_NAME = 128
 # The label value the agent folds jobs and ranks past its limits into; no client may name a job so.

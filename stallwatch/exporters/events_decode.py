@@ -133,7 +133,7 @@ def _check_values(rank: int, gpu: int, worker: int, steps: Records, reads: Recor
         raise RejectedBatchError("bad_value", "unknown open state")
     if ((reads["bytes"] < 0) | (reads["bytes"] > MAX_READ_BYTES)).any():
         raise RejectedBatchError("bad_value", "read bytes out of range")
-    if ((reads["verdict"] < wire.VERDICT_UNKNOWN) | (reads["verdict"] > wire.VERDICT_MISS)).any():
+    if ((reads["verdict"] < wire.VERDICT_UNKNOWN) | (reads["verdict"] > wire.VERDICT_DIRECT)).any():
         raise RejectedBatchError("bad_value", "unknown verdict")
 
 
