@@ -17,9 +17,14 @@ define stage
 	git rev-parse HEAD > $(STAGE)/agent/stallwatch/_revision 2>/dev/null || true
 endef
 
-.PHONY: test demo dist generate lint typecheck pytest system-deps helm-tools benchmarks image protos clean
+.PHONY: test check demo dist generate lint typecheck pytest system-deps helm-tools benchmarks image protos clean
 
 test: $(STAMP) system-deps helm-tools lint typecheck pytest
+
+# The quick tier: lint, types, and every test that starts no real process (the others skip themselves when
+# they try: tests/conftest.py), on every core.
+check: $(STAMP) lint typecheck
+	$(PY) -m pytest -q --no-processes -n auto
 
 demo: $(STAMP) system-deps
 	$(PY) -m stallwatch demo $(DEMO_ARGS)

@@ -12,6 +12,7 @@ import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hypothesis import settings
@@ -30,6 +31,24 @@ ROOT = Path(__file__).resolve().parent.parent
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--update-golden", action="store_true",
                      help="rewrite tests/golden/ from this run (tests/test_golden.py) instead of comparing")
+    parser.addoption("--no-processes", action="store_true",
+                     help="the quick tier (`make check`): every test that starts no real process; one that "
+                     "does (the agent, Prometheus, promtool, helm, a job) is skipped when it tries")
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _no_processes_in_the_quick_tier(request: pytest.FixtureRequest) -> Iterator[None]:
+    if not request.config.getoption("--no-processes"):
+        yield
+        return
+    started = subprocess.Popen.__init__
+
+    def skip(self: subprocess.Popen[Any], args: Any, *rest: Any, **options: Any) -> None:
+        pytest.skip(f"starts a real process ({str(args)[:60]}): `make test` runs it")
+
+    subprocess.Popen.__init__ = skip  # type: ignore[method-assign]
+    yield
+    subprocess.Popen.__init__ = started  # type: ignore[method-assign]
 
 
 def require_binary(name: str, package: str) -> str:
