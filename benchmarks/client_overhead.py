@@ -142,14 +142,15 @@ def per_event(events: int) -> dict[str, Any]:
         for index in items:
             read_key("/datasets/imagenet/train/shard-000123.tar", index)
 
-    results = {
+    timings = {
         "bare loop": best_per_item(bare, events),
         "loop through monitor()": best_per_item(monitored, events),
         "record one event (append + pack + send)": best_per_item(recorded, events),
         "Histogram.observe": best_per_item(observed, events),
         "read_key (per dataset read)": best_per_item(keyed, events),
     }
-    results["monitor() overhead per step"] = results["loop through monitor()"] - results["bare loop"]
+    results: dict[str, float | Spread] = {
+        **timings, "monitor() overhead per step": timings["loop through monitor()"] - timings["bare loop"]}
     results["record / observe, paired rounds"] = spread(paired_ratios(recorded, observed, events // 10))
     results["events dropped (must be 0)"] = channel.dropped_total
     results["flushes failed (must be 0)"] = failures.count

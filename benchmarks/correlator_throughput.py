@@ -55,9 +55,10 @@ def synthesise(n_events: int, ranks: int, seed: int, reads_per_batch: int = READ
     duration = np.where(miss, rng.integers(10_000_000, 40_000_000, n_reads), rng.integers(200_000, 3_000_000, n_reads))
     end = np.minimum(start + duration, we[owner])
     keys = (rng.integers(0, 200_000, n_reads).astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15))
-    step_columns = {"job": np.zeros(k.size, np.int32), "rank": rank.astype(np.int32), "gpu": rank.astype(np.int16),
-                    "batch": k.astype(np.int64), "wait_start_ns": ws, "wait_end_ns": we,
-                    "compute_end_ns": ws + STEP_NS - 1, "ready_ns": np.full(k.size, -1, np.int64)}
+    step_columns: dict[str, np.ndarray] = {
+        "job": np.zeros(k.size, np.int32), "rank": rank.astype(np.int32), "gpu": rank.astype(np.int16),
+        "batch": k.astype(np.int64), "wait_start_ns": ws, "wait_end_ns": we, "compute_end_ns": ws + STEP_NS - 1,
+        "ready_ns": np.full(k.size, -1, np.int64)}
     read_columns = {"job": np.zeros(n_reads, np.int32), "rank": rank[owner].astype(np.int32),
                     "worker": (k[owner] % 4).astype(np.int16), "batch": k[owner].astype(np.int64), "key": keys,
                     "bytes": np.full(n_reads, 1 << 20, np.int64), "start_ns": start, "end_ns": end,

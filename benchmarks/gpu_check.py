@@ -7,6 +7,7 @@ exits 0. `--fake N` runs the same calls against stallwatch's fake NVML, to check
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import time
 from collections.abc import Callable
@@ -92,7 +93,7 @@ def main() -> int:
             shown, micros = time_call(call, options.repeat)
             print(f"{name:42} {micros:10.1f}  {shown[:60]}")
         shown, micros = time_call(
-            lambda h=handle: nvml.nvmlDeviceRegisterEvents(h, nvml.nvmlEventTypeXidCriticalError, event_set), 1
+            functools.partial(nvml.nvmlDeviceRegisterEvents, handle, nvml.nvmlEventTypeXidCriticalError, event_set), 1
         )
         print(f"{'nvmlDeviceRegisterEvents(Xid)':42} {micros:10.1f}  {shown[:60]}")
 

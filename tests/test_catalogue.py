@@ -5,6 +5,7 @@ from __future__ import annotations
 import ast
 import re
 import subprocess
+from typing import Any
 
 from prometheus_client.exposition import generate_latest
 from prometheus_client.openmetrics.exposition import generate_latest as openmetrics_latest
@@ -34,10 +35,11 @@ class PopulatedCatalogue:
 
     def collect(self):  # type: ignore[no-untyped-def]
         for metric in catalogue.all_metrics():
-            family = metric.family()
+            family: Any = metric.family()  # each kind's add_metric has its own signature
             labels = [f"{label}-value" for label in metric.labels]
             if metric.kind is Kind.HISTOGRAM:
-                buckets = [(str(b), i) for i, b in enumerate(metric.buckets)] + [("+Inf", len(metric.buckets))]
+                buckets = [(str(b), float(i)) for i, b in enumerate(metric.buckets)]
+                buckets.append(("+Inf", float(len(metric.buckets))))
                 family.add_metric(labels, buckets, 1.5)
             else:
                 family.add_metric(labels, 1.0)

@@ -69,7 +69,7 @@ def batches(loader: DataLoader[Any], epochs: int = 1) -> list[list[Any]]:
     for epoch in range(epochs):
         for sampler in (loader.sampler, loader.batch_sampler):
             if hasattr(sampler, "set_epoch"):
-                sampler.set_epoch(epoch)  # the DDP tutorial's idiom, through the loader's own sampler
+                sampler.set_epoch(epoch)  # type: ignore[union-attr]  # the DDP tutorial's idiom, through the loader's own sampler
         served += [batch.tolist() if isinstance(batch, torch.Tensor) else batch for batch in loader]
     return served
 
@@ -172,7 +172,7 @@ def test_a_dropped_loader_shuts_its_workers_down_at_once() -> None:
     try:
         loader = instrument(DataLoader(Numbers(), batch_size=5, num_workers=2, persistent_workers=True))
         assert batches(loader) == batches(DataLoader(Numbers(), batch_size=5))
-        workers = loader._iterator._workers  # type: ignore[attr-defined]
+        workers = loader._iterator._workers  # type: ignore[union-attr]
         del loader
         assert not any(worker.is_alive() for worker in workers)
     finally:

@@ -57,7 +57,7 @@ def test_round_change_cancels_a_linear_drift(number: int) -> None:
 
 def test_round_change_without_difference_is_zero() -> None:
     epochs = [(side, Epoch(0.04 + 0.001 * place, 0.07, 0.03, 0.03, 0.02)) for place, side in enumerate(round_order(0))]
-    assert round_change(epochs) == (pytest.approx(0.0), pytest.approx(0.0))
+    assert round_change(epochs) == pytest.approx((0.0, 0.0))
 
 
 def test_spread_interval_holds_the_median_and_narrows_with_more_rounds() -> None:

@@ -151,7 +151,7 @@ def test_the_gpu_uuid_rides_in_the_string_table_where_an_older_agent_skips_it() 
 
 def test_a_client_in_another_time_namespace_is_moved_onto_the_agents_clock() -> None:
     ahead = 5_000 * 10**9  # the container's monotonic clock reads 5000 s more than the node's
-    its_step = (STEP[0], *(value + ahead for value in STEP[1:]))
+    its_step = (STEP[0], STEP[1] + ahead, STEP[2] + ahead, STEP[3] + ahead, STEP[4] + ahead)
     not_handed = (*its_step[:4], -1)  # an unknown handover stays unknown
     decoded = decode(encode(SOURCE, [its_step, not_handed], [], mono_ns=NOW + ahead), NOW, WALL)
     assert rows(decoded.steps, wire.STEP_FIELDS) == [STEP, (*STEP[:4], -1)]

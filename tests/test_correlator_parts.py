@@ -8,6 +8,7 @@ import subprocess
 import sys
 import threading
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -333,7 +334,8 @@ def test_merged_compact_chunks_hand_over_exactly_what_came_in(spread_s: float) -
     rng = np.random.default_rng(7)
     n = MERGE_EVENTS + 4_000
     end = BASE_NS + 10**9 + np.sort(rng.integers(0, int(spread_s * 1e9), n))
-    reads = {"job": rng.integers(-2**31, 2**31, n).astype(np.int32), "rank": rng.integers(0, 3, n).astype(np.int32),
+    reads: dict[str, np.ndarray] = {"job": rng.integers(-2**31, 2**31, n).astype(np.int32),
+                                    "rank": rng.integers(0, 3, n).astype(np.int32),
              "worker": np.full(n, -1, np.int16), "batch": rng.integers(-1, 40_000, n),
              "key": rng.integers(0, 2**64, n, dtype=np.uint64), "bytes": rng.integers(0, 2**40, n),
              "start_ns": end - rng.integers(0, 10**9, n), "end_ns": end,
@@ -350,7 +352,7 @@ def test_merged_compact_chunks_hand_over_exactly_what_came_in(spread_s: float) -
 
 
 def test_event_batches_are_built_to_the_contract() -> None:
-    good = {"ts_ns": [1, 2], "period_ns": [1, 1], "gpu": [0, 3], "util": np.array([0.5, 1.0])}
+    good: dict[str, Any] = {"ts_ns": [1, 2], "period_ns": [1, 1], "gpu": [0, 3], "util": np.array([0.5, 1.0])}
     batch = EventBatch.of("gpu_util", good)
     assert {name: column.dtype for name, column in batch.columns.items()} == dict(SCHEMAS["gpu_util"].columns)
     assert len(batch) == 2
@@ -489,7 +491,7 @@ def test_service_takes_batches_from_many_threads_and_serves_catalogue_metrics(tm
     settle_ns = seconds_to_ns(settings.window_s + settings.lateness_s)
     service = LiveCorrelator(settings, windows_path=tmp_path / "w.jsonl", clock_ns=lambda: newest + settle_ns,
                              start=False)
-    threads = [threading.Thread(target=lambda part=part: [service.submit(b) for b in part])
+    threads = [threading.Thread(target=lambda part=part: list(map(service.submit, part)))
                for part in (batches[0::3], batches[1::3], batches[2::3])]
     for thread in threads:
         thread.start()

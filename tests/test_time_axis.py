@@ -8,6 +8,7 @@ import time
 from collections import defaultdict
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -289,12 +290,12 @@ def test_the_hold_limit_releases_a_window_whose_rank_never_returns() -> None:
 
 
 def _until(batch: EventBatch, seconds: float) -> EventBatch:
-    keep = batch.columns["compute_end_ns"] < ns(seconds)
+    keep = batch.columns["compute_end_ns"].astype(np.int64) < ns(seconds)
     return EventBatch(batch.kind, {name: column[keep] for name, column in batch.columns.items()})
 
 
 def _from(batch: EventBatch, seconds: float) -> EventBatch:
-    keep = batch.columns["compute_end_ns"] >= ns(seconds)
+    keep = batch.columns["compute_end_ns"].astype(np.int64) >= ns(seconds)
     return EventBatch(batch.kind, {name: column[keep] for name, column in batch.columns.items()})
 
 
@@ -306,8 +307,13 @@ def _scrape(registry: CollectorRegistry) -> dict[Series, list[tuple[float, float
     samples: dict[Series, list[tuple[float, float | None]]] = defaultdict(list)
     for family in text_string_to_metric_families(generate_latest(registry).decode()):
         for s in family.samples:
-            samples[(s.name, tuple(sorted(s.labels.items())))].append((s.value, s.timestamp))
+            samples[(s.name, tuple(sorted(s.labels.items())))].append((s.value, _seconds(s.timestamp)))
     return samples
+
+
+def _seconds(stamp: Any) -> float | None:
+    """A parsed sample's timestamp as unix seconds (the text format's are floats already)."""
+    return None if stamp is None else float(stamp)
 
 
 def test_published_series_carry_their_windows_wall_clock_times_rising_and_held_windows_reach_one_scrape() -> None:
@@ -532,9 +538,10 @@ def test_every_scraper_gets_every_window_in_a_valid_openmetrics_exposition() -> 
         service.drain()
         scrapers = ["a"] + (["b"] if second % 3 == 0 or second == 11 else [])  # b every third second
         for scraper in scrapers:
-            times = [stamp for _, stamp in _openmetrics_scrape(registry, scraper)[stall]]
-            assert times == sorted(times) and None not in times
-            stored[scraper] += [t for t in times if t is not None and (not stored[scraper] or t > stored[scraper][-1])]
+            stamps = [stamp for _, stamp in _openmetrics_scrape(registry, scraper)[stall]]
+            times = [stamp for stamp in stamps if stamp is not None]
+            assert times == sorted(times) and len(times) == len(stamps)
+            stored[scraper] += [t for t in times if not stored[scraper] or t > stored[scraper][-1]]
     offset = wall_offset_ns()
     for scraper, times in stored.items():
         window_ends = [round(t - offset / S - BASE_NS / S, 1) for t in times]
@@ -586,8 +593,8 @@ def test_two_real_prometheus_replicas_each_store_every_window(tmp_path: Path) ->
 def _last(registry: CollectorRegistry, series: str) -> float:
     """The series' value as the agent serves it now (to an anonymous scraper)."""
     name, labels = series.split("{")
-    wanted = tuple(sorted(tuple(pair.split("=")) for pair in labels.rstrip("}").replace('"', "").split(",")))
-    return _scrape(registry)[(name, wanted)][-1][0]
+    pairs = (pair.split("=") for pair in labels.rstrip("}").replace('"', "").split(","))
+    return _scrape(registry)[(name, tuple(sorted((key, value) for key, value in pairs)))][-1][0]
 
 
 def test_collectors_run_in_the_context_of_the_scrape_that_started_them() -> None:
@@ -598,6 +605,9 @@ def test_collectors_run_in_the_context_of_the_scrape_that_started_them() -> None
             family = GaugeMetricFamily("who_asks", "The scraper this collect served.", labels=["scraper"])
             family.add_metric([SCRAPER.get()], 1.0)
             yield family
+
+        def close(self) -> None:
+            pass
 
     scrape = ScrapeCollector({"who": WhoAsks()})
     for scraper in ("10.0.0.1 10.0.0.9 Prometheus/2.42", "10.0.0.2 10.0.0.9 Prometheus/2.42"):

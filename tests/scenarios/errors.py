@@ -49,7 +49,8 @@ def main() -> None:
     print("| scenario | " + " | ".join(f"`{cause}`: truth, error" for cause in CAUSES) + " | GPU idle: truth, error |")
     print("|---" * (len(CAUSES) + 2) + "|")
     for name, build in SCENARIOS.items():
-        truths, errors = np.zeros(len(CAUSES) + 1), [[] for _ in range(len(CAUSES) + 1)]
+        truths = np.zeros(len(CAUSES) + 1)
+        errors: list[list[tuple[float, float, float]]] = [[] for _ in range(len(CAUSES) + 1)]
         for seed in SEEDS:
             outcome = correlate(build(seed))
             truth = sum(outcome.generated.truth.stall_s.values(), np.zeros(len(CAUSES)))

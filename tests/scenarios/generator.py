@@ -25,6 +25,7 @@ import time
 from collections import OrderedDict, defaultdict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import numpy as np
 
@@ -327,14 +328,14 @@ def _gpu_samples(ranks: list[_Rank], scenario: Scenario, end: float) -> list[tup
     emitted: list[EventBatch] = []
     collector = GpuCollector(nvml, pcie_interval=0.0, sink=emitted.append, clock=lambda: wall_zero + now[0],
                              start=False)
-    rows = []
+    rows: list[tuple[float, float, int, float]] = []
     while now[0] <= end + 1.0:
         collector.poll()
         # The collector maps the driver's wall-clock stamps onto this process's monotonic clock.
         wall_to_monotonic_ns = time.monotonic_ns() - time.time_ns()
         for batch in emitted:
-            seconds = (batch.columns["ts_ns"] - wall_to_monotonic_ns) / 1e9 - wall_zero
-            rows += zip(seconds.tolist(), (batch.columns["period_ns"] / 1e9).tolist(),
+            seconds = (batch.columns["ts_ns"].astype(np.int64) - wall_to_monotonic_ns) / 1e9 - wall_zero
+            rows += zip(seconds.tolist(), (batch.columns["period_ns"].astype(np.int64) / 1e9).tolist(),
                         batch.columns["gpu"].tolist(), batch.columns["util"].tolist(), strict=True)
         emitted.clear()
         now[0] += 0.5
@@ -385,7 +386,7 @@ def _arrange(
     batches = []
     # Within a slice, a source's open records come after its reads, as the agent hands a datagram's on.
     for (_, kind), rows in sorted(slices.items(), key=lambda item: (item[0][0], item[0][1] == "open", item[0][1])):
-        columns = {}
+        columns: dict[str, Any] = {}
         for position, name in enumerate(SCHEMAS[kind].columns):
             values = [row[position] for row in rows]
             if name in _TIMES:
