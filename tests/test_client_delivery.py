@@ -193,20 +193,21 @@ def test_a_flood_beyond_the_queue_limit_is_dropped_and_counted(socket_path: str)
         in_sink.set()
         release.wait(timeout=30)
 
-    collector = EventsCollector(socket_path, queue_limit=1, sink=slow_correlator)
+    collector = EventsCollector(socket_path, queue_limit=3, sink=slow_correlator)
     try:
         def batch(events: int) -> bytes:
             now = time.monotonic_ns()
             return wire.encode(wire.Source("flood", 0), [(0, now - 3, now - 2, now - 1, -1)] * events, [], events, 0, 0,
                                now, time.time_ns())
 
-        collector._receiver.enqueue(batch(1))  # the receive thread's entry point, called here to control the timing
-        assert in_sink.wait(timeout=30)  # the processing thread is busy with the first batch
-        collector._receiver.enqueue(batch(1))  # queued: the queue was empty
-        collector._receiver.enqueue(batch(3))  # over the limit of 1 queued event: dropped whole
+        collector._receiver.enqueue(batch(2))  # the receive thread's entry point, called here to control the timing
+        assert in_sink.wait(timeout=30)  # the processing thread is busy with the first batch, still held
+        collector._receiver.enqueue(batch(1))  # queued: the queue was empty, 3 events held
+        collector._receiver.enqueue(batch(1))  # over the limit of 3 events held: dropped whole
+        collector._receiver.enqueue(batch(3))  # dropped whole
         metrics = samples(collector)
-        assert metrics[("stallwatch_receiver_batches_total", (("result", "queue_full"),))] == 1
-        assert metrics[("stallwatch_receiver_dropped_events_total", (("reason", "queue_full"),))] == 3
+        assert metrics[("stallwatch_receiver_batches_total", (("result", "queue_full"),))] == 2
+        assert metrics[("stallwatch_receiver_dropped_events_total", (("reason", "queue_full"),))] == 4
     finally:
         release.set()
         collector.close()

@@ -21,11 +21,14 @@ def test_a_ten_times_flood_is_accounted_for_exactly(agent_factory: Callable[...,
     assert report.client.unreported == 0 and report.reported_client_dropped == report.client.dropped
     assert report.accepted > 0 and report.scrapes_during_flood >= 5 and report.scrape_failures == 0
     # Receive queue and correlator backlog are capped at 200k events each (~8 and ~10 MiB), the correlator's
-    # window store at 300k events per kind (~15 MiB of reads): without its cap, the store took every event.
-    # A close's work is bounded with it (the what-if folds a slice of references at a time). Measured on a
-    # busy 2-core machine: 56 MiB of growth, once 64.5 (the allocator's fragmentation); the store's cap is
-    # asserted directly below.
-    assert report.rss_max_mib - report.rss_idle_mib < 80, report
+    # window store at 300k events per kind (51 B a read: ~15 MiB), and a window's close copies what it
+    # analyses (~15 MiB more) while the store refills: ~50 MiB live, plus what the allocator keeps. Measured
+    # on a busy 2-core machine, 17 runs: 61 to 81 MiB of growth, median 70, the same with one malloc arena
+    # (MALLOC_ARENA_MAX=1) and higher with large arrays always mapped (MALLOC_MMAP_THRESHOLD_): it is what
+    # the caps hold, and the peak, sampled between scrapes, is caught or missed. The bound sits above that;
+    # kept, the ~740k reads the store's cap sheds would add 36 MiB (twice that with the close's copy), far
+    # past it, and the cap is asserted directly below.
+    assert report.rss_max_mib - report.rss_idle_mib < 88, report
     # ~1.2M reads reach the correlator within one open window: past the cap they are shed, and counted.
     assert report.correlator_dropped.get("read/window_full", 0) > 0, report
     assert {key.split("/")[1] for key in report.correlator_dropped} <= {"window_full", "backlog"}, report

@@ -3,10 +3,11 @@
 The socket is drained by a relay process (`receive_relay`), which matters where the kernel queues
 only ten datagrams (`net.unix.max_dgram_qlen`): it does not share the agent's GIL. Two threads take
 it from there: the receive thread reads the relay's frames from a pipe and queues raw batches,
-bounded by `queue_limit` events (past it a whole batch is dropped and reported to `on_refused` as
-`queue_full`, as is a datagram longer than the receive buffer, as `truncated`: never a cut batch that
-might pass); the processing thread hands everything queued to `handle` in one call, which decodes
-and counts it. If the relay cannot start, the receive thread reads the socket itself.
+bounded by `queue_limit` events queued or being processed (past it a whole batch is dropped and
+reported to `on_refused` as `queue_full`, as is a datagram longer than the receive buffer, as
+`truncated`: never a cut batch that might pass); the processing thread hands everything queued to
+`handle` in one call, which decodes and counts it. If the relay cannot start, the receive thread
+reads the socket itself.
 
 Permissions: the socket is the only way in (no network listener); it is created with mode 0660 and,
 with a socket group, owned by that group, so only the agent's user and that group's training
@@ -182,12 +183,15 @@ class EventReceiver:
                 self._ready.wait_for(lambda: self._queue or self._stop.is_set(), timeout=POLL_SECONDS)
                 pending = list(self._queue)
                 self._queue.clear()
-                self._queued_events = 0
+                taken = self._queued_events
             if pending:
                 try:
                     self._handle(pending)
                 except Exception:  # a bug there must not stop the receiver
                     log.exception("events: processing failed")
+                # Counted until handled: freed from the queue, the batches are still held while decoded.
+                with self._ready:
+                    self._queued_events -= taken
             elif self._stop.is_set():
                 return
 
