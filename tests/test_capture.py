@@ -1,0 +1,270 @@
+"""Read capture (`stallwatch.client.capture`): files read through `open()` recorded where they are read, the
+files themselves unchanged: same bytes, positions and exceptions, pickling and fork as before."""
+
+from __future__ import annotations
+
+import copy
+import io
+import itertools
+import os
+import pickle
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from stallwatch.client import ReadSpan, capture, reads, transport, wire
+from stallwatch.client.keys import read_key
+from stallwatch.harness import wait_for
+from tests.test_client_open import Datagrams
+
+SOURCE = wire.Source("capture", rank=2, worker=1)
+
+
+@pytest.fixture
+def capturing(tmp_path: Path) -> Iterator[Path]:
+    """Capture on, reads bound as a loader worker's; the folder `spoke/` under tmp_path is a spoke's mount."""
+    spoke = tmp_path / "spoke"
+    spoke.mkdir()
+    assert capture.start({capture.SPOKE_MOUNTS_ENV: str(spoke)})
+    try:
+        with reads.reads_as(SOURCE):
+            yield spoke
+    finally:
+        capture.stop()
+
+
+@pytest.fixture
+def datagrams(tmp_path: Path) -> Iterator[Datagrams]:
+    path = str(tmp_path / "events.sock")
+    received = Datagrams(path)
+    transport.configure(path)
+    yield received
+    transport.sender().close()
+    received.close()
+
+
+def outcome(action: Callable[[], Any]) -> Any:
+    """What an action returns, or the exception it raises, comparable between two files."""
+    try:
+        result = action()
+    except Exception as error:
+        return type(error), str(error)
+    return bytes(result) if isinstance(result, bytearray | memoryview) else result
+
+
+def into(read: Callable[[bytearray], Any], size: int) -> Callable[[], Any]:
+    def action() -> Any:
+        buffer = bytearray(size)
+        count = read(buffer)
+        return count, bytes(buffer)
+    return action
+
+
+BINARY_ACTIONS: dict[str, Callable[[Any, int, int], Callable[[], Any]]] = {
+    "read": lambda f, n, _: lambda: f.read(n),
+    "read_all": lambda f, _, __: f.read,
+    "read1": lambda f, n, _: lambda: f.read1(n),
+    "readinto": lambda f, n, _: into(f.readinto, max(n, 0)),
+    "readinto1": lambda f, n, _: into(f.readinto1, max(n, 0)),
+    "readline": lambda f, n, _: lambda: f.readline(n),
+    "readlines": lambda f, n, _: lambda: f.readlines(n),
+    "next": lambda f, _, __: lambda: next(f),
+    "lines": lambda f, n, _: lambda: list(itertools.islice(f, n % 4)),
+    "peek": lambda f, n, _: lambda: len(f.peek(n)) > 0,
+    "seek": lambda f, n, whence: lambda: f.seek(n if whence == os.SEEK_SET else n - 100, whence),
+    "tell": lambda f, _, __: f.tell,
+    "close": lambda f, _, __: f.close,
+}
+TEXT_ACTIONS: dict[str, Callable[[Any, int, int], Callable[[], Any]]] = {
+    "read": lambda f, n, _: lambda: f.read(n),
+    "readline": lambda f, n, _: lambda: f.readline(n),
+    "readlines": lambda f, n, _: lambda: f.readlines(n),
+    "next": lambda f, _, __: lambda: next(f),
+    "lines": lambda f, n, _: lambda: list(itertools.islice(f, n % 4)),
+    "rewind": lambda f, _, __: lambda: f.seek(0),
+    "seek_end": lambda f, _, __: lambda: f.seek(0, os.SEEK_END),
+    "tell": lambda f, _, __: f.tell,
+    "close": lambda f, _, __: f.close,
+}
+
+
+def actions(names: dict[str, Any]) -> st.SearchStrategy[list[tuple[str, int, int]]]:
+    return st.lists(st.tuples(st.sampled_from(sorted(names)), st.integers(-1, 300), st.sampled_from([0, 1, 2])),
+                    max_size=30)
+
+
+def replay(file: Any, steps: list[tuple[str, int, int]], table: dict[str, Any]) -> list[Any]:
+    seen = []
+    for name, number, whence in steps:
+        seen.append((name, outcome(table[name](file, number, whence))))
+        seen.append(("position", outcome(file.tell)))
+    return seen
+
+
+@settings(max_examples=150, deadline=None)
+@given(content=st.binary(max_size=1500).map(lambda data: data.replace(b"\x00", b"\n")),
+       buffering=st.sampled_from([-1, 16, 4096]), steps=actions(BINARY_ACTIONS))
+def test_a_captured_binary_file_reads_exactly_as_the_file(content: bytes, buffering: int,
+                                                          steps: list[tuple[str, int, int]]) -> None:
+    folder = Path(os.environ.get("TMPDIR", "/tmp"))
+    path = folder / f"capture-binary-{os.getpid()}"
+    path.write_bytes(content)
+    plain = open(path, "rb", buffering=buffering)  # noqa: SIM115  # the actions close it
+    capture.start({})
+    try:
+        with reads.reads_as(SOURCE):
+            captured: Any = open(path, "rb", buffering=buffering)  # noqa: SIM115
+        assert type(captured) is reads.RecordedFile
+        assert replay(captured, steps, BINARY_ACTIONS) == replay(plain, steps, BINARY_ACTIONS)
+    finally:
+        capture.stop()
+        plain.close()
+        path.unlink()
+
+
+@settings(max_examples=80, deadline=None)
+@given(content=st.text(alphabet="ab\u00e9\u4e2d\n\r", max_size=600), newline=st.sampled_from([None, "", "\n", "\r\n"]),
+       steps=actions(TEXT_ACTIONS))
+def test_a_captured_text_file_decodes_exactly_as_the_file(content: str, newline: str | None,
+                                                          steps: list[tuple[str, int, int]]) -> None:
+    path = Path(os.environ.get("TMPDIR", "/tmp")) / f"capture-text-{os.getpid()}"
+    path.write_bytes(content.encode())
+    plain = open(path, encoding="utf-8", newline=newline)  # noqa: SIM115
+    capture.start({})
+    try:
+        with reads.reads_as(SOURCE):
+            captured = open(path, encoding="utf-8", newline=newline)  # noqa: SIM115
+        assert isinstance(captured, io.TextIOWrapper) and type(captured.buffer) is reads.RecordedFile
+        assert (captured.mode, captured.encoding, captured.name) == (plain.mode, plain.encoding, plain.name)
+        assert replay(captured, steps, TEXT_ACTIONS) == replay(plain, steps, TEXT_ACTIONS)
+    finally:
+        capture.stop()
+        plain.close()
+        path.unlink()
+
+
+def test_each_read_is_an_event_at_its_offset_with_the_workers_batch(capturing: Path, datagrams: Datagrams,
+                                                                    tmp_path: Path) -> None:
+    local, remote = tmp_path / "local.bin", capturing / "remote.bin"
+    for path in (local, remote):
+        path.write_bytes(bytes(range(256)) * 4)
+    reads.set_batch(7)
+    with open(local, "rb") as f:  # a Path, as datasets pass them
+        f.read(100)
+        f.seek(512)
+        f.readinto(bytearray(24))
+    with open(str(remote), encoding="latin-1") as text:
+        text.read()
+    reads.set_batch(-1)
+    transport.sender().flush_all()
+    wait_for("the reads", lambda: len(datagrams.rows("reads")) >= 3, 10)
+    events = [(d.source.job, d.source.rank, d.source.worker, row["batch"], row["key"], row["bytes"], row["verdict"])
+              for d in datagrams.decoded for row in d.reads]
+    expected = [(str(local), 0, 100, wire.VERDICT_DIRECT), (str(local), 512, 24, wire.VERDICT_DIRECT),
+                (str(remote), 0, 1024, wire.VERDICT_UNKNOWN)]  # text: the whole file in one read of its buffer
+    assert events == [("capture", 2, 1, 7, read_key(path, offset), size, verdict)
+                      for path, offset, size, verdict in expected]
+
+
+def test_files_it_skips_are_the_originals_and_record_nothing(capturing: Path, tmp_path: Path) -> None:
+    mine = tmp_path / "mine.bin"
+    mine.write_bytes(b"x" * 10)
+    python_file = os.__file__  # the installation: never a dataset
+    opened: list[Any] = [open(python_file, "rb"), open("/proc/self/status", "rb"), open(python_file),  # noqa: SIM115
+              open(mine, "r+b"), open(mine, "ab"), open(mine, "rb", buffering=0),  # noqa: SIM115
+              open(os.open(mine, os.O_RDONLY), "rb")]  # noqa: SIM115  # a descriptor: no path
+    with reads.reads_as(SOURCE):
+        pass
+    try:
+        assert [type(f).__name__ for f in opened] == ["BufferedReader", "BufferedReader", "TextIOWrapper",
+                                                       "BufferedRandom", "BufferedWriter", "FileIO", "BufferedReader"]
+        assert type(opened[2].buffer) is io.BufferedReader
+    finally:
+        for f in opened:
+            f.close()
+
+
+def test_a_process_whose_reads_have_no_source_is_not_captured(tmp_path: Path) -> None:
+    """The trainer outside a loop without workers: its own files (checkpoints, configs) stay as they are."""
+    path = tmp_path / "config.txt"
+    path.write_text("x")
+    capture.start({})
+    try:
+        assert not reads.bound()
+        with open(path, "rb") as f:
+            assert type(f) is io.BufferedReader
+    finally:
+        capture.stop()
+
+
+def test_a_read_the_dataset_records_itself_is_one_event(capturing: Path, datagrams: Datagrams,
+                                                        tmp_path: Path) -> None:
+    path = tmp_path / "item.bin"
+    path.write_bytes(b"y" * 300)
+    with ReadSpan("https://hub/item", 0) as span:
+        span.bytes = len(path.read_bytes())
+    transport.sender().flush_all()
+    wait_for("the read", lambda: len(datagrams.rows("reads")) >= 1, 10)
+    assert [(row["key"], row["bytes"]) for row in datagrams.rows("reads")] == [(read_key("https://hub/item", 0), 300)]
+
+
+def opening(*args: Any, **kwargs: Any) -> Callable[[], Any]:
+    return lambda: open(*args, **kwargs)  # expected to fail
+
+
+def test_opening_fails_and_refuses_to_pickle_as_the_file_does(capturing: Path, tmp_path: Path) -> None:
+    path = tmp_path / "item.bin"
+    path.write_bytes(b"z")
+    failures = [opening(tmp_path / "missing"), opening(path, "r" + "q"), opening(path, "rb", encoding="utf-8"),
+                opening(tmp_path, "rb")]
+    captured_failures = [outcome(fail) for fail in failures]
+    capture.stop()
+    assert captured_failures == [outcome(fail) for fail in failures]
+    with open(path, "rb") as plain:
+        refused = [outcome(lambda: pickle.dumps(plain)), outcome(lambda: copy.copy(plain))]
+    capture.start({})
+    with open(path, "rb") as captured:
+        assert type(captured).__name__ == "RecordedFile"
+        assert [outcome(lambda: pickle.dumps(captured)), outcome(lambda: copy.copy(captured))] == refused
+    assert refused[0][0] is TypeError
+
+
+def test_a_forked_child_reads_on_where_the_parent_was_and_records_as_itself(capturing: Path, datagrams: Datagrams,
+                                                                           tmp_path: Path) -> None:
+    path = tmp_path / "shared.bin"
+    path.write_bytes(bytes(range(200)))
+    with open(path, "rb") as f:
+        f.read(50)
+        transport.sender().flush_all()
+        wait_for("the parent's read", lambda: len(datagrams.rows("reads")) == 1, 10)
+        child = os.fork()
+        if child == 0:
+            reads.bind_worker(wire.Source("capture", rank=2, worker=5))
+            ok = f.read() == bytes(range(50, 200))
+            transport.sender().flush_all()
+            os._exit(0 if ok else 1)
+        _, status = os.waitpid(child, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    wait_for("the child's read", lambda: len(datagrams.rows("reads")) >= 2, 10)
+    (child_read,) = [row for d in datagrams.decoded if d.source.worker == 5 for row in d.reads]
+    assert (child_read["key"], child_read["bytes"]) == (read_key(str(path), 50), 150)
+
+
+def test_recording_that_fails_never_reaches_the_reader(capturing: Path, tmp_path: Path) -> None:
+    path = tmp_path / "item.bin"
+    path.write_bytes(b"w" * 64)
+    transport.configure(str(tmp_path / "no-agent" / "events.sock"))  # nowhere to send: events are dropped
+    try:
+        with open(path, "rb") as f:
+            assert [f.read(10), f.read()] == [b"w" * 10, b"w" * 54]
+    finally:
+        transport.sender().close()
+
+
+def test_capture_is_off_when_the_environment_says_so() -> None:
+    assert not capture.start({capture.CAPTURE_ENV: "0"})
+    assert not capture.installed()
