@@ -105,12 +105,13 @@ def conform(kind: str, columns: Mapping[str, npt.ArrayLike]) -> Columns:
 
 
 class Verdict(IntEnum):
-    """The cache's verdict on one read: from the spoke when known, else learnt from latency."""
+    """The cache's verdict on one read: from the spoke when known, else learnt from latency. The wire's
+    numbers: a client's verdict column is used as it arrives."""
 
-    UNKNOWN = -1
-    HIT = 0
-    MISS = 1
-    DIRECT = 2  # the read crossed no spoke: the correlator's own resolution, never on the wire
+    UNKNOWN = wire.VERDICT_UNKNOWN
+    HIT = wire.VERDICT_HIT
+    MISS = wire.VERDICT_MISS
+    DIRECT = wire.VERDICT_DIRECT  # the read crossed no spoke
 
 
 @dataclass(frozen=True)

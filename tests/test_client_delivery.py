@@ -98,14 +98,18 @@ def test_reads_carry_bytes_times_and_verdict(agent: tuple[EventsCollector, Recei
         span.bytes, span.verdict = 1234, wire.VERDICT_MISS
     with pytest.raises(OSError), ReadSpan("/data/missing.bin"):
         raise OSError("no such file")
+    with ReadSpan("/local/disk.bin") as span:  # crossed no spoke
+        span.bytes, span.verdict = 10, wire.VERDICT_DIRECT
     transport.sender().flush_all()
-    wait_for("2 reads at the agent", lambda: received.rows("read") == 2, 15)
+    wait_for("3 reads at the agent", lambda: received.rows("read") == 3, 15)
     columns = received.last("read").columns
-    assert list(columns["bytes"]) == [1234, 0]
-    assert list(columns["verdict"]) == [wire.VERDICT_MISS, wire.VERDICT_UNKNOWN]
+    assert list(columns["bytes"]) == [1234, 0, 10]
+    assert list(columns["verdict"]) == [wire.VERDICT_MISS, wire.VERDICT_UNKNOWN, wire.VERDICT_DIRECT]
     job = source_from_environment()
     labels = (("rank", str(job.rank)), ("training_job", job.job))
-    assert samples(collector)[("stallwatch_dataset_reads_total", (*labels[:1], *labels[1:], ("verdict", "miss")))] == 1
+    seen = samples(collector)
+    for verdict in ("miss", "unknown", "direct"):
+        assert seen[("stallwatch_dataset_reads_total", (*labels, ("verdict", verdict)))] == 1, verdict
 
 
 def train_finishes(steps: int, job: str) -> bool:

@@ -51,7 +51,9 @@ from stallwatch.flags import positive_float, positive_int
 
 log = logging.getLogger(__name__)
 
-VERDICT_LABELS = {wire.VERDICT_UNKNOWN: "unknown", wire.VERDICT_HIT: "hit", wire.VERDICT_MISS: "miss"}
+# By wire number, from VERDICT_UNKNOWN (-1) up: a read's verdict + 1 is its place in a series' counts.
+VERDICT_LABELS = {wire.VERDICT_UNKNOWN: "unknown", wire.VERDICT_HIT: "hit", wire.VERDICT_MISS: "miss",
+                  wire.VERDICT_DIRECT: "direct"}
 _BOUNDS = catalogue.LATENCY_BUCKETS
 _BOUNDS_NS = np.array([round(bound * 1e9) for bound in _BOUNDS], dtype=np.int64)
 
@@ -81,7 +83,7 @@ class _Series:
     wait: _Histogram = field(default_factory=_Histogram)
     compute: _Histogram = field(default_factory=_Histogram)
     read_duration: _Histogram = field(default_factory=_Histogram)
-    reads: npt.NDArray[np.int64] = field(default_factory=lambda: np.zeros(3, np.int64))  # by verdict + 1
+    reads: npt.NDArray[np.int64] = field(default_factory=lambda: np.zeros(len(VERDICT_LABELS), np.int64))
     read_bytes: int = 0
     client_dropped: int = 0
 
@@ -145,7 +147,7 @@ class EventsCollector:
         wait = steps["wait_end_ns"] - steps["wait_start_ns"]
         compute = steps["compute_end_ns"] - steps["wait_end_ns"]
         duration = reads["end_ns"] - reads["start_ns"]
-        by_verdict = np.bincount(reads["verdict"].astype(np.int64) + 1, minlength=3)
+        by_verdict = np.bincount(reads["verdict"].astype(np.int64) + 1, minlength=len(VERDICT_LABELS))
         read_bytes = int(reads["bytes"].sum())
         with self._lock:
             self._expire(now)
