@@ -18,14 +18,16 @@ import pytest
 
 from stallwatch import catalogue
 from stallwatch.client.keys import read_key
+from stallwatch.client.reads import verdict_from_cache_status
 from stallwatch.eventbatch import EventBatch, Verdict
 from stallwatch.exporters.logtail import LogTailer
 from stallwatch.exporters.spoke_nginx import (
     LOG_FORMAT,
+    RESULTS,
     MalformedLineError,
     NginxSpokeCollector,
     parse_entry,
-    seconds_to_ns,
+    seconds_text_to_ns,
     upstream_error_count,
     upstream_seconds_ns,
 )
@@ -65,6 +67,13 @@ def test_every_cache_status_of_real_nginx_parses() -> None:
     assert updating.verdict is Verdict.HIT and updating.upstream_ns == -1
 
 
+def test_every_cache_status_but_none_has_the_clients_verdict() -> None:
+    """The result labels and the client's hit/miss reading of X-Cache-Status name the same statuses."""
+    for status, result in RESULTS.items():
+        verdict = Verdict(verdict_from_cache_status(status))
+        assert (verdict is Verdict.UNKNOWN) == (result == "none"), status
+
+
 def test_upstream_time_lists_and_dashes() -> None:
     assert upstream_seconds_ns("0.010, 0.020") == 30_000_000
     assert upstream_seconds_ns("0.010, 0.020 : 0.100") == 130_000_000
@@ -72,7 +81,7 @@ def test_upstream_time_lists_and_dashes() -> None:
     assert upstream_seconds_ns("-") == -1
     assert upstream_error_count("502, 504, 200") == 2
     assert upstream_error_count("-") == 0
-    assert seconds_to_ns("1700000000.123") == 1_700_000_000_123_000_000
+    assert seconds_text_to_ns("1700000000.123") == 1_700_000_000_123_000_000
 
 
 def test_key_uses_the_slice_or_range_start_and_drops_the_query() -> None:

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import numpy.typing as npt
-from prometheus_client.core import HistogramMetricFamily, Metric
+from prometheus_client.core import Metric
 
 from stallwatch import catalogue
 from stallwatch.client import wire
@@ -46,6 +46,7 @@ from stallwatch.eventbatch import (
 from stallwatch.exporters.collector import CollectorContext, register_collector
 from stallwatch.exporters.events_decode import Decoded, Records, RejectedBatchError, decode, peek_events
 from stallwatch.exporters.gpu_directory import GpuDirectory
+from stallwatch.exporters.histogram import DurationHistogram
 from stallwatch.exporters.receiver import EventReceiver
 from stallwatch.flags import positive_float, positive_int
 
@@ -54,35 +55,16 @@ log = logging.getLogger(__name__)
 # By wire number, from VERDICT_UNKNOWN (-1) up: a read's verdict + 1 is its place in a series' counts.
 VERDICT_LABELS = {wire.VERDICT_UNKNOWN: "unknown", wire.VERDICT_HIT: "hit", wire.VERDICT_MISS: "miss",
                   wire.VERDICT_DIRECT: "direct"}
-_BOUNDS = catalogue.LATENCY_BUCKETS
-_BOUNDS_NS = np.array([round(bound * 1e9) for bound in _BOUNDS], dtype=np.int64)
-
-
-@dataclass
-class _Histogram:
-    counts: npt.NDArray[np.int64] = field(default_factory=lambda: np.zeros(len(_BOUNDS) + 1, np.int64))
-    sum_ns: int = 0
-
-    def add(self, durations_ns: npt.NDArray[np.int64]) -> None:
-        if len(durations_ns):
-            # bucket i counts bounds[i-1] < d <= bounds[i], Prometheus's `le`; the last one is +Inf.
-            self.counts += np.bincount(np.searchsorted(_BOUNDS_NS, durations_ns), minlength=len(_BOUNDS) + 1)
-            self.sum_ns += int(durations_ns.sum())
-
-    def add_to(self, family: HistogramMetricFamily, labels: list[str]) -> None:
-        cumulative = np.cumsum(self.counts)
-        buckets = [(repr(bound), float(count)) for bound, count in zip(_BOUNDS, cumulative[:-1], strict=True)]
-        buckets.append(("+Inf", float(cumulative[-1])))
-        family.add_metric(labels, buckets, self.sum_ns / 1e9)
 
 
 @dataclass
 class _Series:
     """Everything exposed per (job, rank)."""
 
-    wait: _Histogram = field(default_factory=_Histogram)
-    compute: _Histogram = field(default_factory=_Histogram)
-    read_duration: _Histogram = field(default_factory=_Histogram)
+    wait: DurationHistogram = field(default_factory=lambda: DurationHistogram(catalogue.LOADER_WAIT.buckets))
+    compute: DurationHistogram = field(default_factory=lambda: DurationHistogram(catalogue.STEP_COMPUTE.buckets))
+    read_duration: DurationHistogram = field(
+        default_factory=lambda: DurationHistogram(catalogue.DATASET_READ_DURATION.buckets))
     reads: npt.NDArray[np.int64] = field(default_factory=lambda: np.zeros(len(VERDICT_LABELS), np.int64))
     read_bytes: int = 0
     client_dropped: int = 0

@@ -35,11 +35,10 @@ from pathlib import Path
 
 from stallwatch.client import wire
 from stallwatch.exporters.events_decode import peek_events
-from stallwatch.exporters.receive_relay import FRAME
+from stallwatch.exporters.receive_relay import FRAME, RECEIVE_BUFFER
 
 log = logging.getLogger(__name__)
 
-RECEIVE_BUFFER = 1 << 18  # larger than any batch a client sends (wire.MAX_EVENTS records)
 SOCKET_RCVBUF = 4 << 20
 POLL_SECONDS = 0.25
 

@@ -17,7 +17,6 @@ exist yet are handled by `LogTailer`; every line is counted once, and every line
 from __future__ import annotations
 
 import argparse
-import bisect
 import logging
 import threading
 import time
@@ -25,28 +24,28 @@ from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
+import numpy as np
 from prometheus_client.core import Metric
 
 from stallwatch import catalogue
 from stallwatch.client.keys import read_key
+from stallwatch.client.reads import verdict_from_cache_status
 from stallwatch.correlator.wallclock import wall_offset_ns
 from stallwatch.eventbatch import EventBatch, EventSink, Verdict, discard
 from stallwatch.exporters.collector import CollectorContext, register_collector
+from stallwatch.exporters.histogram import DurationHistogram
 from stallwatch.exporters.logtail import DEFAULT_MAX_LINE_BYTES, LogTailer
 from stallwatch.exporters.spokes import collector_errors
 from stallwatch.flags import non_negative_float, positive_int
 
 log = logging.getLogger(__name__)
 
-# $upstream_cache_status -> the `result` label. "-" means the request did not go through a cache.
+# $upstream_cache_status -> the `result` label. "-" means the request did not go through a cache. Where
+# the body came from (the verdict) is the client's reading of the same value, `verdict_from_cache_status`.
 RESULTS = {
     "HIT": "hit", "MISS": "miss", "EXPIRED": "expired", "STALE": "stale", "UPDATING": "updating",
     "REVALIDATED": "revalidated", "BYPASS": "bypass", "-": "none",
 }
-# Where the body came from. STALE and UPDATING serve the cached copy (the hub failed or is being
-# asked in the background); REVALIDATED asked the hub (304) and served the cached copy.
-FROM_CACHE = frozenset({"hit", "stale", "updating", "revalidated"})
-FROM_HUB = frozenset({"miss", "expired", "bypass"})
 REQUIRED_FIELDS = ("msec", "request_time", "status", "bytes", "cache", "upstream_time", "uri")
 # The recommended log format (docs/nginx-spoke.conf carries the same directive; a test keeps them equal).
 LOG_FORMAT = (
@@ -76,7 +75,7 @@ class LogEntry:
     key: int
 
 
-def seconds_to_ns(text: str) -> int:
+def seconds_text_to_ns(text: str) -> int:
     """`1700000000.123` -> ns, exactly: nginx writes fixed decimals, floats would round."""
     whole, _, fraction = text.partition(".")
     if not whole.isdigit() or (fraction and not fraction.isdigit()):
@@ -91,7 +90,7 @@ def upstream_seconds_ns(text: str) -> int:
     for raw in text.replace(":", ",").split(","):
         item = raw.strip()
         if item and item != "-":
-            total += seconds_to_ns(item)
+            total += seconds_text_to_ns(item)
             seen = True
     return total if seen else -1
 
@@ -118,19 +117,16 @@ def parse_entry(line: str) -> LogEntry:
         raise MalformedLineError("unknown_cache_status", f"unknown cache status {fields['cache']!r}")
     try:
         upstream_ns = upstream_seconds_ns(fields["upstream_time"])
-        end_wall_ns = seconds_to_ns(fields["msec"])
-        duration_ns = seconds_to_ns(fields["request_time"])
+        end_wall_ns = seconds_text_to_ns(fields["msec"])
+        duration_ns = seconds_text_to_ns(fields["request_time"])
         status, body_bytes = int(fields["status"]), int(fields["bytes"])
     except ValueError as error:
         raise MalformedLineError("malformed_line", str(error)) from error
     if not all(0 <= value < 2**63 for value in (end_wall_ns, duration_ns, upstream_ns + 1, body_bytes)):
         raise MalformedLineError("malformed_line", "a time or size out of range")  # the batch columns are int64
-    if result in FROM_CACHE:
-        verdict = Verdict.HIT
-    elif result in FROM_HUB or upstream_ns >= 0:
-        verdict = Verdict.MISS
-    else:
-        verdict = Verdict.UNKNOWN  # answered by nginx itself: neither cache nor hub
+    verdict = Verdict(verdict_from_cache_status(fields["cache"]))
+    if verdict is Verdict.UNKNOWN and upstream_ns >= 0:
+        verdict = Verdict.MISS  # not cached, fetched from the hub; else answered by nginx itself
     upstream_status = fields.get("upstream_status", "-")
     errors = upstream_error_count(upstream_status) if "upstream_status" in fields else int(
         upstream_ns >= 0 and status >= 500
@@ -141,24 +137,6 @@ def parse_entry(line: str) -> LogEntry:
     uri = fields["uri"].split("?", 1)[0]
     return LogEntry(result, verdict, status, body_bytes, end_wall_ns, duration_ns, upstream_ns, errors,
                     read_key(uri, range_start(offset_text)))
-
-
-class _Histogram:
-    def __init__(self, bounds: tuple[float, ...]) -> None:
-        self._bounds = bounds
-        self._counts = [0] * (len(bounds) + 1)
-        self._sum = 0.0
-
-    def observe(self, value: float) -> None:
-        self._counts[bisect.bisect_left(self._bounds, value)] += 1
-        self._sum += value
-
-    def buckets(self) -> tuple[list[tuple[str, float]], float]:
-        cumulative, out = 0, []
-        for bound, count in zip((*self._bounds, float("inf")), self._counts, strict=True):
-            cumulative += count
-            out.append(("+Inf" if bound == float("inf") else repr(bound), float(cumulative)))
-        return out, self._sum
 
 
 class NginxSpokeCollector:
@@ -184,7 +162,7 @@ class NginxSpokeCollector:
         self._lock = threading.Lock()
         self._requests: Counter[str] = Counter({result: 0 for result in RESULTS.values()})
         self._bytes = {"cache": 0, "hub": 0}
-        self._hub_fetch = _Histogram(catalogue.SPOKE_HUB_FETCH_DURATION.buckets)
+        self._hub_fetch = DurationHistogram(catalogue.SPOKE_HUB_FETCH_DURATION.buckets)
         self._hub_errors = 0
         self._errors: Counter[str] = Counter()
         self._tailer = LogTailer(path, from_start=from_start, rotate_wait=rotate_wait, max_line_bytes=max_line_bytes,
@@ -213,6 +191,7 @@ class NginxSpokeCollector:
                     log.debug("spoke %s: skipped line: %s", self._spoke, error)
             for entry in entries:
                 self._account(entry)
+            self._hub_fetch.add(np.array([e.upstream_ns for e in entries if e.upstream_ns >= 0], dtype=np.int64))
             if entries:
                 self._sink(self._batch(entries))
             return len(entries)
@@ -227,8 +206,7 @@ class NginxSpokeCollector:
                 requests.add_metric([*labels, result], count)
             for source, count in self._bytes.items():
                 volume.add_metric([*labels, source], count)
-            buckets, total = self._hub_fetch.buckets()
-            hub_fetch.add_metric(labels, buckets, total)
+            self._hub_fetch.add_to(hub_fetch, labels)
             hub_errors.add_metric(labels, self._hub_errors)
             errors = collector_errors(self._spoke, self._errors)
         yield from (requests, volume, hub_fetch, hub_errors, errors)
@@ -258,8 +236,6 @@ class NginxSpokeCollector:
             self._bytes["cache"] += entry.body_bytes
         elif entry.verdict is Verdict.MISS:
             self._bytes["hub"] += entry.body_bytes
-        if entry.upstream_ns >= 0:
-            self._hub_fetch.observe(entry.upstream_ns / 1e9)
         self._hub_errors += entry.upstream_errors
 
     def _batch(self, entries: list[LogEntry]) -> EventBatch:
