@@ -43,12 +43,9 @@ def test_serves_gpu_and_host_metrics_that_promtool_accepts(
     agent_factory: Callable[..., AgentProcess], promtool: str
 ) -> None:
     agent = agent_factory("--gpu.fake-devices", "2", "--gpu.interval", "0.1")
-    deadline = time.monotonic() + 15
-    while time.monotonic() < deadline:
-        metrics = scrape(agent)
-        if catalogue.GPU_UTILIZATION.name in metrics and len(metrics[catalogue.GPU_UTILIZATION.name]) == 2:
-            break
-        time.sleep(0.1)
+    harness.wait_for("both GPUs' utilization", lambda: len(scrape(agent).get(catalogue.GPU_UTILIZATION.name, [])) == 2,
+                     15, agent.process, agent.log)
+    metrics = scrape(agent)
     assert {labels["gpu"] for labels, _ in metrics[catalogue.GPU_UTILIZATION.name]} == {"0", "1"}
     assert metrics[catalogue.HOST_CPUS.name][0][1] >= 1
     success = {labels["collector"]: v for labels, v in metrics[catalogue.SCRAPE_COLLECTOR_SUCCESS.name]}

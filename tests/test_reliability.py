@@ -29,11 +29,11 @@ from stallwatch.exporters.gpu import GpuCollector
 from stallwatch.exporters.host import HostCollector
 from stallwatch.exporters.nvml_fake import FakeGpu, FakeNVML
 from stallwatch.exporters.openmetrics_mapping import load_mapping, mapping_text
-from stallwatch.exporters.receiver import RECEIVE_BUFFER
+from stallwatch.exporters.receive_relay import RECEIVE_BUFFER
 from stallwatch.exporters.spoke_nginx import MalformedLineError, NginxSpokeCollector, parse_entry
 from stallwatch.exporters.spoke_openmetrics import OpenMetricsSpokeCollector
 from stallwatch.exporters.web import MetricsServer
-from stallwatch.harness import AgentProcess, Samples, parse_samples, scrape, stop_agent, total
+from stallwatch.harness import AgentProcess, Samples, parse_samples, scrape, stop_agent, total, wait_for
 from tests.conftest import laughs, refused_agent
 from tests.test_alert_rules import RULE_FILES, Case, promtool_test
 
@@ -90,10 +90,9 @@ def send_datagrams(path: str, datagrams: list[bytes]) -> None:
 
 def scrape_after(url: str, batches: int) -> Samples:
     """A scrape once the agent has counted `batches` batches (accepted or not)."""
-    deadline = time.monotonic() + 10
-    while total(samples := scrape(url), "stallwatch_receiver_batches_total") < batches and time.monotonic() < deadline:
-        time.sleep(0.05)
-    return samples
+    wait_for(f"{batches} batches counted", lambda: total(scrape(url), "stallwatch_receiver_batches_total") >= batches,
+             10)
+    return scrape(url)
 
 
 def test_counters_count_only_what_was_really_received(
@@ -249,9 +248,8 @@ def test_training_runs_through_an_agent_crash_and_its_losses_are_counted(
     thread = threading.Thread(target=train, daemon=True)
     thread.start()
     try:
-        deadline = time.monotonic() + 20
-        while total(scrape(first.url), "stallwatch_receiver_events_total") == 0 and time.monotonic() < deadline:
-            time.sleep(0.1)
+        wait_for("events at the first agent", lambda: total(scrape(first.url), "stallwatch_receiver_events_total") > 0,
+                 20)
         first.process.send_signal(signal.SIGKILL)  # a crash: the stale socket file stays behind
         first.process.wait(timeout=10)
         before_outage, outage_started = steps[0], time.perf_counter()
@@ -263,10 +261,9 @@ def test_training_runs_through_an_agent_crash_and_its_losses_are_counted(
         def reported() -> float:
             return total(scrape(second.url), "stallwatch_client_dropped_events_total", training_job="crash", rank="3")
 
-        deadline = time.monotonic() + 20  # the client retries an absent agent after a pause
         channel = transport.sender().channel(wire.Source("crash", 3, -1, -1))
-        while (channel.dropped_unreported or reported() == 0) and time.monotonic() < deadline:
-            time.sleep(0.1)
+        # the client retries an absent agent after a pause
+        wait_for("the drops reported", lambda: not channel.dropped_unreported and reported() > 0, 20)
     finally:
         stop.set()
         thread.join(timeout=10)

@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import socket
 import subprocess
-import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import pytest
 
 from stallwatch.exporters.spoke_varnish import VarnishSpokeCollector, counter_values
-from stallwatch.harness import find_binary
+from stallwatch.harness import find_binary, wait_for
 from tests.realspoke import Hub, free_port, get
 
 VARNISHD = find_binary("varnishd") or "/usr/sbin/varnishd"
@@ -23,6 +22,11 @@ needs_varnish = pytest.mark.skipif(not Path(VARNISHD).exists() or not find_binar
 def samples(c: VarnishSpokeCollector) -> dict[tuple[str, ...], float]:
     return {(s.name, *(f"{k}={v}" for k, v in sorted(s.labels.items()))): s.value
             for family in c.collect() for s in family.samples}
+
+
+def listens(port: int) -> bool:
+    socket.create_connection(("127.0.0.1", port), timeout=0.2).close()  # raises until it does
+    return True
 
 
 @pytest.fixture
@@ -37,15 +41,7 @@ def varnish(tmp_path: Path) -> Iterator[tuple[str, int, Hub]]:
                                 "-b", f"127.0.0.1:{hub.port}", "-s", "malloc,16m"],
                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
-        deadline = time.monotonic() + 30
-        while True:
-            assert process.poll() is None, process.stderr.read().decode() if process.stderr else ""
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-                break
-            except OSError:
-                assert time.monotonic() < deadline, "varnishd did not listen"
-                time.sleep(0.1)
+        wait_for("varnishd to listen", lambda: listens(port), 30, process)
         yield str(workdir), port, hub
     finally:
         process.terminate()
