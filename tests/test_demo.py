@@ -13,8 +13,10 @@ from typing import Any
 import pytest
 
 from stallwatch import catalogue as c
-from stallwatch.demo.run import Demo, Outcome, Settings
+from stallwatch.demo.epochs import epoch_line
+from stallwatch.demo.run import DEMO_THRESHOLDS, Demo, Outcome, Settings
 from stallwatch.demo.stack import query
+from stallwatch.mixin.alerts import training_alerts
 from tests.conftest import ROOT, require_binary
 from tests.dashqueries import dashboard_queries
 
@@ -32,6 +34,11 @@ window.addEventListener('load', () => {
 
 
 DASHBOARD_REPLIES: list[tuple[str, str, str, bool, dict[str, Any]]] = []
+STARVED = "StallwatchGPUsStarvedByRemoteFetches"
+# The share of their time the job's GPUs idled in remote-fetch stalls, as the starved alert computes it
+# (its expression less the threshold), at its highest over the run.
+STARVED_SHARE = next(a.expr for a in training_alerts(DEMO_THRESHOLDS) if a.name == STARVED).rsplit(" > ", 1)[0]
+HIGHEST_STARVED_SHARE: list[dict[str, Any]] = []
 
 
 @pytest.fixture(scope="module")
@@ -46,6 +53,7 @@ def outcome(tmp_path_factory: pytest.TempPathFactory) -> Outcome:
         assert prometheus is not None
         for path, title, expr, is_panel in dashboard_queries():
             DASHBOARD_REPLIES.append((path, title, expr, is_panel, query(prometheus, expr)))
+        HIGHEST_STARVED_SHARE.append(query(prometheus, f"max_over_time(({STARVED_SHARE})[5m:1s])"))
 
     return Demo(settings).run(while_running=ask_every_dashboard_query)
 
@@ -152,3 +160,41 @@ def test_the_chromium_probe_sees_a_broken_figure(tmp_path: Path) -> None:
     console = [line for line in loaded.stderr.splitlines() if ":CONSOLE" in line]
     assert any('"stallwatch-figures 0/1"' in line for line in console), console
     assert any("stallwatch-error" in line for line in console), console
+
+
+def test_each_epoch_line_gives_the_epochs_own_figures(outcome: Outcome) -> None:
+    epochs = outcome.epochs
+    assert [e.epoch for e in epochs] == list(range(1, len(epochs) + 1)) and len(epochs) >= 10
+    assert all(epoch_line(e) in outcome.transcript for e in epochs)
+    # Each of the spoke's requests and each second booked is in exactly one epoch.
+    assert sum(e.requests for e in epochs) == value(outcome, c.SPOKE_REQUESTS.name)
+    assert sum(e.hits for e in epochs) == value(outcome, c.SPOKE_REQUESTS.name, result="hit")
+    assert sum(e.stall_seconds for e in epochs) == pytest.approx(value(outcome, c.STALL_SECONDS.name), abs=0.01)
+    assert sum(e.compute_seconds for e in epochs) == pytest.approx(value(outcome, c.COMPUTE_SECONDS.name), abs=0.01)
+    # The cold epoch reads each of the 48 shards once, every read a miss, and none of the next epoch's.
+    assert (epochs[0].requests, epochs[0].hits, epochs[0].phases[0]) == (48, 0, "cold")
+    # The outage's stall is the most input-bound epoch's, after the cut.
+    worst = max(epochs, key=lambda e: e.input_bound_ratio or 0.0)
+    assert outcome.cut_at is not None and worst.ended > outcome.cut_at and (worst.input_bound_ratio or 0) > 0.3
+
+
+def test_the_time_to_steady_said_is_the_correlators_and_the_reports(outcome: Outcome) -> None:
+    steady = value(outcome, c.WARMUP_TIME_TO_STEADY.name, training_job="demo")
+    assert outcome.time_to_steady == steady
+    said = [line for line in outcome.transcript if line.startswith("  steady:")]
+    assert len(said) == 1 and f"time to steady {steady:.1f} s" in said[0], said
+    assert f'id="time-to-steady">{steady:,.1f} s<' in outcome.report.read_text()
+
+
+def test_gpus_never_idle_more_than_all_their_time(outcome: Outcome) -> None:
+    reply = HIGHEST_STARVED_SHARE[0]
+    highest = float(reply["data"]["result"][0]["value"][1])
+    assert 0.05 < highest <= 1.0, reply  # the outage idles the one GPU, never more than wholly
+    said = [float(m) for alert in outcome.alerts if alert["labels"]["alertname"] == STARVED
+            for m in re.findall(r"([\d.]+)% of their time", alert["annotations"]["description"])]
+    assert said and max(said) <= 100.0, said
+
+
+def test_the_demo_says_where_its_files_stay(outcome: Outcome) -> None:
+    work = outcome.report.parent
+    assert outcome.transcript[-1].startswith(f"files left in {work}: ") and f"rm -r {work}" in outcome.transcript[-1]

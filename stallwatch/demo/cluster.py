@@ -16,6 +16,7 @@ job-level cost Prometheus's recording rules give against it, over the same wall-
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import subprocess
@@ -30,18 +31,23 @@ from pathlib import Path
 from stallwatch import catalogue as c
 from stallwatch.correlator.settings import CorrelatorSettings
 from stallwatch.demo.agent import AgentSetup, start_node_agent
+from stallwatch.demo.alerting import AlertWatch
 from stallwatch.demo.hub import Hub, HubSettings, shard_name, start_hub
+from stallwatch.demo.live import LiveLine
+from stallwatch.demo.outputs import PRICE_PER_GB, files_left, write_report
 from stallwatch.demo.spoke import Nginx, spoke_server_block
 from stallwatch.demo.stack import Server, query, start_prometheus
 from stallwatch.harness import find_binary, free_port, stop_process, wait_for
 from stallwatch.mixin import rules
 from stallwatch.mixin.alerts import render_alerting_rules
 from stallwatch.mixin.config import Thresholds, correlator_lag, duration_seconds
+from stallwatch.mixin.prometheus import RuleGroup, render_rules
 from stallwatch.mixin.rules import render_recording_rules
 
 JOB = "demo"
 J = c.JOB_LABEL
 SCRAPE_INTERVAL_SECONDS = 1  # Prometheus scrapes the agents and evaluates the rules every second
+ALERT_DELIVERY_SECONDS = 10.0  # Alertmanager waits a second to group, then sends
 STEADY_FROM = 0.2  # the share of steps left out at the start: rendezvous, first batches, the series' first scrape
 
 
@@ -64,6 +70,7 @@ class ClusterSettings(HubSettings):
     window_seconds: float = 2.0
     lateness_seconds: float = 1.0
     job_stall_window_seconds: int = 10  # the job-level rules' sub-window (ten scrapes)
+    price_per_gb: float = PRICE_PER_GB
     workdir: Path = field(default_factory=lambda: Path("stallwatch-demo"))
     quiet: bool = False
 
@@ -82,6 +89,19 @@ class ClusterSettings(HubSettings):
         return Thresholds(rate_window="30s", job_stall_window=f"{self.job_stall_window_seconds}s",
                           node_stall_cost_for="10s", agent_scrape_interval=scrape,
                           correlator_lag=correlator_lag(self.correlator(), scrape))
+
+    def dashboard_thresholds(self) -> Thresholds:
+        """The job rules over the sub-window the shipped dashboards query (their names carry it, `rate1m`), on
+        this demo's scrapes and correlator, beside the short sub-window the demo measures with."""
+        scrape = f"{SCRAPE_INTERVAL_SECONDS}s"
+        return Thresholds(agent_scrape_interval=scrape, correlator_lag=correlator_lag(self.correlator(), scrape))
+
+    def dashboard_rules(self) -> str:
+        """The dashboards' job rules, less those whose names have no sub-window: `thresholds()` records them."""
+        own = {rule.record for rule in rules.job_rules(self.thresholds())}
+        recorded = tuple(rule for rule in rules.job_rules(self.dashboard_thresholds()) if rule.record not in own)
+        return render_rules((RuleGroup("stallwatch-job-dashboards.recording", recorded),), "",
+                            "stallwatch/demo/cluster.py")
 
     def rules_lag_seconds(self) -> float:
         """How far the job rules' recorded series lag the stalls they count: they read `correlator_lag`
@@ -128,7 +148,9 @@ class ClusterOutcome:
     per_node_gpu_seconds: dict[str, float]  # the node's own ranks' stall seconds: what a per-node view shows
     gating_node: str
     gating_cause: str
-    alerts: list[dict[str, str]]
+    alerts: list[dict[str, str]]  # firing in Prometheus
+    delivered: list[str] = field(default_factory=list)  # the alerts the webhook heard from Alertmanager
+    report: Path | None = None
 
     @property
     def error(self) -> float:
@@ -146,10 +168,11 @@ class ClusterDemo:
     def __init__(self, settings: ClusterSettings) -> None:
         self.s = settings
         self._stack = contextlib.ExitStack()
+        self.live = LiveLine(settings.quiet)
+        self.watch = AlertWatch(self.say)
 
     def say(self, text: str) -> None:
-        if not self.s.quiet:
-            print(text, flush=True)
+        self.live.say(text)
 
     def _start_node(self, work: Path, index: int, hub: Hub) -> tuple[Nginx, str]:
         s = self.s
@@ -175,11 +198,14 @@ class ClusterDemo:
         if binary is None:
             raise RuntimeError("the multi-node demo needs Prometheus (Debian's prometheus package)")
         t = self.s.thresholds()
-        rule_files = [work / "recording-rules.yaml", work / "alerting-rules.yaml"]
+        rule_files = [work / "recording-rules.yaml", work / "dashboard-rules.yaml", work / "alerting-rules.yaml"]
         rule_files[0].write_text(render_recording_rules(t))
-        rule_files[1].write_text(render_alerting_rules(t))
+        rule_files[1].write_text(self.s.dashboard_rules())
+        rule_files[2].write_text(render_alerting_rules(t))
+        alertmanager = self.watch.start(self._stack, work)
         targets = [url.split("//")[1].split("/", maxsplit=1)[0] for url in agents]
-        prometheus = start_prometheus(binary, work / "prometheus", targets, rule_files, job=t.agent_scrape_job,
+        prometheus = start_prometheus(binary, work / "prometheus", targets, rule_files, alertmanager,
+                                      job=t.agent_scrape_job,
                                       interval_seconds=SCRAPE_INTERVAL_SECONDS,
                                       node_names={target: node_name(i) for i, target in enumerate(targets)})
         self._stack.callback(prometheus.close)
@@ -215,16 +241,17 @@ class ClusterDemo:
         assert ranks[0].stdout is not None
         cost = rules.job_stall_rule(self.s.thresholds()).record
         shown = 0.0
+        self.live.begin()
         for line in ranks[0].stdout:
             if not self.s.quiet and time.monotonic() - shown > 2:
                 shown = time.monotonic()
                 lost = _values(query(prometheus, f'{cost}{{{J}="{JOB}"}}'))
                 share = f"{lost[0][1]:4.0%}" if lost else "  - "
-                print(f"\r  {line.strip():>12}  GPU time lost to input stalls, whole job: {share}", end="", flush=True)
+                self.live.show(f"GPU time lost to input stalls, whole job: {share}", f"{line.strip():>12}")
+        self.live.close()
         for process in ranks:
             if process.wait(timeout=120) != 0:
                 raise RuntimeError(f"a rank failed: see {self.s.workdir / 'timings'}")
-        self.say("")
 
     def measure(self, prometheus: str, ranks: list[list[Step]]) -> ClusterOutcome:
         """The job-level cost from the recording rules against the ground truth, over the steady steps."""
@@ -267,18 +294,27 @@ class ClusterDemo:
             self.say(f"  hub          {hub.url}  ({s.shards} shards, {s.dataset_bytes / 2**20:.0f} MiB)")
             spokes, agents = zip(*(self._start_node(work, i, hub) for i in range(s.nodes)), strict=True)
             prometheus = self._start_prometheus(work, agents)
+            job_started = time.time()
             self._follow(self._start_ranks(work, spokes), prometheus.url)
             timings = read_timings(work / "timings", s.world)
-            settle = max(r[-1].end for r in timings) + s.rules_lag_seconds() + s.job_stall_window_seconds
-            time.sleep(max(0.0, settle - time.time()))
+            job_ended = max(r[-1].end for r in timings)
+            time.sleep(max(0.0, job_ended + s.rules_lag_seconds() + s.job_stall_window_seconds - time.time()))
             outcome = self.measure(prometheus.url, timings)
+            firing = {labels["alertname"] for labels in outcome.alerts}
+            with contextlib.suppress(RuntimeError):  # said below: the alerts the webhook did hear
+                wait_for("Alertmanager's delivery of the alerts firing", lambda: firing <= set(self.watch.names()),
+                         ALERT_DELIVERY_SECONDS)
+            outcome = dataclasses.replace(outcome, delivered=self.watch.names(), report=write_report(
+                work / "report.html", job_started, job_ended, s.price_per_gb, prometheus.url))
             self.say(f"job lost {outcome.estimate_gpu_seconds:.1f} GPU-seconds to input stalls in "
                      f"{outcome.ended - outcome.started:.0f} s of steady training (recording rules); ground truth "
                      f"{outcome.truth_gpu_seconds:.1f} (error {outcome.error:+.1%})")
             self.say("per-node view (each node's own ranks' stall seconds): " + ", ".join(
                 f"{node} {seconds:.1f}" for node, seconds in sorted(outcome.per_node_gpu_seconds.items())))
             self.say(f"gated by {outcome.gating_node} ({outcome.gating_cause}); alerts firing: "
-                     f"{sorted({a['alertname'] for a in outcome.alerts}) or 'none'}")
+                     f"{sorted(firing) or 'none'}, received by the webhook: {outcome.delivered or 'none'}")
+            self.say(f"report: {outcome.report}")
             if while_running is not None:
                 while_running(outcome)
+            self.say(files_left(work))
             return outcome

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import os
 import re
 import subprocess
@@ -28,10 +29,14 @@ from typing import Any
 from stallwatch import catalogue as c
 from stallwatch.correlator.settings import CorrelatorSettings
 from stallwatch.demo.agent import AgentSetup, start_node_agent
+from stallwatch.demo.alerting import AlertWatch
 from stallwatch.demo.cluster import ClusterDemo, ClusterSettings
+from stallwatch.demo.epochs import EpochFigures, WindowFile, epoch_line, spoke_requests
 from stallwatch.demo.hub import Hub, HubSettings, start_hub
+from stallwatch.demo.live import LiveLine
+from stallwatch.demo.outputs import PRICE_PER_GB, files_left, write_report
 from stallwatch.demo.spoke import Nginx, spoke_server_block
-from stallwatch.demo.stack import Server, Webhook, query, start_alertmanager, start_prometheus
+from stallwatch.demo.stack import Server, query, start_prometheus
 from stallwatch.harness import (
     AgentProcess,
     Samples,
@@ -43,9 +48,6 @@ from stallwatch.harness import (
 from stallwatch.mixin.alerts import render_alerting_rules
 from stallwatch.mixin.config import Thresholds
 from stallwatch.mixin.rules import render_recording_rules
-from stallwatch.report.prometheus import run_from_prometheus
-from stallwatch.report.render import render_html
-from stallwatch.report.windows import run_from_windows
 
 PROGRESS = re.compile(r"epoch (\d+) step (\d+)/(\d+)")
 SPOKE_NAME = "demo-spoke"
@@ -53,6 +55,10 @@ ALERT_GRACE_SECONDS = 60.0
 RECOVERY_SECONDS = 10.0  # training after an outage, to see the job recover
 RECENT_SCRAPES = 5  # the live line's figures are over the last ~4 s of scrapes, one a second
 JOB = "demo"
+# The spoke's default size as a multiple of the dataset's: all of it fits, with room to spare; with --outage
+# it does not, so reads keep missing in steady state and cutting the hub stalls the job.
+CACHE_OF_DATASET = 2.0
+OUTAGE_CACHE_OF_DATASET = 0.85
 
 # The generated rules, with windows and `for`s short enough for a run of a few minutes.
 DEMO_THRESHOLDS = Thresholds(
@@ -67,7 +73,7 @@ class Settings(HubSettings):
     duration: float = 180.0
     shards: int = 160
     shard_mib: float = 2.0
-    cache_size: int | None = None  # bytes; None: room for the whole dataset
+    cache_size: int | None = None  # bytes; None: the dataset's size times CACHE_OF_DATASET (OUTAGE_... with outage)
     rtt_seconds: float = 0.06
     bandwidth_mbit: float = 200.0
     step_seconds: float = 0.1
@@ -76,7 +82,7 @@ class Settings(HubSettings):
     outage: bool = False
     outage_seconds: float = 30.0
     window_seconds: float = CorrelatorSettings().window_s
-    price_per_gb: float = 0.02
+    price_per_gb: float = PRICE_PER_GB
     workdir: Path = field(default_factory=lambda: Path("stallwatch-demo"))
     quiet: bool = False
 
@@ -96,9 +102,7 @@ class Settings(HubSettings):
     def cache_bytes(self) -> int:
         if self.cache_size is not None:
             return self.cache_size
-        # With an outage, a cache smaller than the dataset keeps some reads going to the hub in steady
-        # state, so cutting the hub stalls the job; without one, the whole dataset fits.
-        return int(self.dataset_bytes * (0.85 if self.outage else 2.0))
+        return int(self.dataset_bytes * (OUTAGE_CACHE_OF_DATASET if self.outage else CACHE_OF_DATASET))
 
 
 @dataclass
@@ -112,6 +116,9 @@ class Outcome:
     ended: float
     cut_at: float | None = None  # unix time the hub was cut
     fired_at: dict[str, float] = field(default_factory=dict)  # alert -> unix time the webhook last heard it fire
+    epochs: list[EpochFigures] = field(default_factory=list)  # as the epoch lines gave them
+    time_to_steady: float | None = None  # as the demo said it
+    transcript: list[str] = field(default_factory=list)  # every line the demo said, the live line aside
 
 
 # (unix time, samples) of one scrape of the agent
@@ -132,20 +139,22 @@ def _since(recent: Sequence[Scrape], name: str, **labels: str) -> float:
 
 def status_line(recent: Sequence[Scrape], firing: Collection[str] = ()) -> str:
     """What the agent's last scrapes say: the hit ratio, the input-bound ratio (stall over stall plus
-    compute seconds booked), the share of the time the ranks stalled and its main cause, the job's phase,
-    and the alerts firing. Over the scrapes' span, so a stall shows while it lasts (the correlator books it
-    window by window); one scrape: since the start, without the stalled share."""
+    compute seconds booked), the share of the time the ranks stalled and its main cause, the phase the
+    correlator recognises now, and the alerts firing. Over the scrapes' span, so a stall shows while it
+    lasts (the correlator books it window by window); one scrape: since the start, without the stalled
+    share. Each says which span it is over."""
     served, hits = _since(recent, c.SPOKE_REQUESTS.name), _since(recent, c.SPOKE_REQUESTS.name, result="hit")
     causes = {cause: _since(recent, c.STALL_SECONDS.name, cause=cause) for cause in c.CAUSES}
     stalled, computed = sum(causes.values()), _since(recent, c.COMPUTE_SECONDS.name)
-    parts = [f"hit {hits / served:4.0%}" if served else "hit   - "]
+    span = f"last {recent[-1][0] - recent[0][0]:.0f} s:" if len(recent) > 1 else "since the start:"
+    parts = [span, f"hit {hits / served:4.0%}" if served else "hit   - "]
     if stalled + computed > 0:
         parts.append(f"input-bound {stalled / (stalled + computed):4.0%}")
     if len(recent) > 1:
         parts.append(_stalled(recent, causes))
     metrics = recent[-1][1]
     phase = next((dict(ls)["phase"] for (n, ls), v in metrics.items() if n == c.WARMUP_PHASE.name and v == 1), "-")
-    parts.append(f"phase {phase:10}")
+    parts.append(f"phase now {phase:10}")
     if firing:
         parts.append(f"FIRING {', '.join(sorted(firing))}")
     return "  ".join(parts)
@@ -162,101 +171,37 @@ def _stalled(recent: Sequence[Scrape], causes: dict[str, float]) -> str:
     return f"stalled {share:4.0%} {cause:12}"
 
 
-class LiveLine:
-    """The line the demo keeps rewriting: the epoch's bar from the trainer's progress and the status from
-    the agent's scrapes. Both redraw it: the trainer prints nothing while it waits out an outage, and the
-    scrapes still show the stall. One lock keeps the line and the demo's messages whole."""
-
-    def __init__(self, quiet: bool) -> None:
-        self.quiet = quiet
-        self.started = time.time()
-        self.lock = threading.Lock()
-        self.bar = "starting"
-        self.status = ""
-        self._epoch = 0
-        self._width = 0  # of the line drawn last: a shorter one is padded over it
-
-    def progress(self, epoch: int, step: int, steps: int) -> None:
-        with self.lock:
-            if epoch != self._epoch and self._epoch:
-                self._write("\n")  # keep the finished epoch's bar on its own line
-            self._epoch = epoch
-            done = int(30 * step / steps)
-            self.bar = f"epoch {epoch:2d} [{'#' * done}{'.' * (30 - done)}] {step:3d}/{steps}"
-            self._draw()
-
-    def show(self, status: str) -> None:
-        with self.lock:
-            self.status = status
-            self._draw()
-
-    def say(self, text: str) -> None:
-        """Print `text` on a line of its own, below the live line if one is drawn."""
-        with self.lock:
-            self._write(("\n" if self._width else "") + text + "\n")
-
-    def _draw(self) -> None:
-        line = f"  {self.bar}  {self.status}  {time.time() - self.started:5.0f}s"
-        self._write("\r" + line.ljust(self._width))
-        self._width = len(line)
-
-    def _write(self, text: str) -> None:
-        if not self.quiet:
-            print(text, end="", flush=True)
-        if text.endswith("\n"):
-            self._width = 0
-
-
 class Demo:
     def __init__(self, settings: Settings) -> None:
         self.s = settings
         self._stack = contextlib.ExitStack()
-        self.alerts: list[dict[str, Any]] = []
-        self.fired_at: dict[str, float] = {}
-        self.firing: set[str] = set()
-        self.webhook: Webhook | None = None
-        self.cut_at: float | None = None
         self.live = LiveLine(settings.quiet)
+        self.watch = AlertWatch(self.say)
+        self.cut_at: float | None = None
+        self.epochs: list[EpochFigures] = []
+        self.time_to_steady: float | None = None  # the correlator's, once the demo has said it
+        self._epoch_start = (0.0, 0.0, 0.0)  # unix time, the spoke's requests and hits then
+        self._ended_epochs: list[EpochFigures] = []  # awaiting their windows, stall and compute not yet in
+        self._epoch_lock = threading.Lock()
 
     def say(self, text: str) -> None:
         self.live.say(text)
-
-    def _on_alert(self, notification: dict[str, Any]) -> None:
-        for alert in notification.get("alerts", []):
-            self.alerts.append(alert)
-            name, status = alert.get("labels", {}).get("alertname", "?"), alert.get("status")
-            if status == "firing":
-                if name not in self.firing:
-                    self.fired_at[name] = time.time()
-                self.firing.add(name)
-            else:
-                self.firing.discard(name)
-            self.say(f"  ALERT received by the webhook: {name} ({status}) "
-                     f"{alert.get('annotations', {}).get('description', '')}")
 
     def _start_agent(self, work: Path, spoke: Nginx, hub_url: str) -> AgentProcess:
         return start_node_agent(self._stack, AgentSetup(work, spoke.access_log, SPOKE_NAME, hub_url,
                                                         self.s.cache_bytes, self.s.window_seconds))
 
     def _start_monitoring(self, work: Path, agent_url: str) -> Server | None:
-        prometheus_bin, alertmanager_bin = find_binary("prometheus"), find_binary("prometheus-alertmanager")
+        prometheus_bin = find_binary("prometheus")
         if prometheus_bin is None:
             self.say("  (Debian's prometheus is not installed: no Prometheus, alerts or report from it)")
             return None
         rules = [work / "recording-rules.yaml", work / "alerting-rules.yaml"]
         rules[0].write_text(render_recording_rules(DEMO_THRESHOLDS))
         rules[1].write_text(render_alerting_rules(DEMO_THRESHOLDS))
-        alertmanager = None
-        if alertmanager_bin is not None:
-            webhook = self.webhook = Webhook(self._on_alert)
-            self._stack.callback(webhook.close)
-            alertmanager = start_alertmanager(alertmanager_bin, work / "alertmanager", webhook.url,
-                                              send_resolved=True)
-            self._stack.callback(alertmanager.close)
-            self.say(f"  alertmanager {alertmanager.url} -> webhook {webhook.url}")
+        alertmanager = self.watch.start(self._stack, work)
         target = agent_url.split("//")[1].split("/", maxsplit=1)[0]
-        prometheus = start_prometheus(prometheus_bin, work / "prometheus", [target], rules,
-                                      alertmanager.url if alertmanager else None,
+        prometheus = start_prometheus(prometheus_bin, work / "prometheus", [target], rules, alertmanager,
                                       job=DEMO_THRESHOLDS.agent_scrape_job)
         self._stack.callback(prometheus.close)
         self.say(f"  prometheus   {prometheus.url}")
@@ -275,7 +220,7 @@ class Demo:
             hub = start_hub(self._stack, work, s)
             self.say(f"stallwatch demo in {work}")
             self.say(f"  hub          {hub.url}  ({s.shards} shards, {s.dataset_bytes / 2**20:.0f} MiB, "
-                     f"RTT {s.rtt_seconds * 1000:.0f} ms, {s.bandwidth_mbit:.0f} Mbit/s)")
+                     f"RTT {s.rtt_seconds * 1000:.0f} ms, {s.bandwidth_mbit:.0f} Mbit/s per connection)")
             spoke = Nginx(work / "spoke", spoke_server_block(hub.url), f"{max(1, s.cache_bytes // 2**20)}m")
             self._stack.callback(spoke.close)
             self.say(f"  spoke        {spoke.url()}  (nginx proxy_cache, {s.cache_bytes / 2**20:.0f} MiB)")
@@ -285,7 +230,12 @@ class Demo:
             if s.training_seconds > s.duration:
                 self.say(f"  the hub is cut {s.cut_after:.0f} s in for {s.outage_seconds:.0f} s: the job trains "
                          f"{s.training_seconds:.0f} s instead of {s.duration:.0f} s, to recover after it")
-            started = self.live.started = time.time()
+            self.say(f"  each epoch's line, over the epoch: the spoke's hit ratio ({c.SPOKE_REQUESTS.name}) and the "
+                     f"input-bound ratio ({c.STALL_SECONDS.name} over itself plus {c.COMPUTE_SECONDS.name}); "
+                     f"the line below them: the last {RECENT_SCRAPES - 1} s")
+            windows = WindowFile(work / "windows.jsonl", JOB)
+            started = self.live.begin()
+            self._epoch_from(started, scrape(agent_url))
             trainer = subprocess.Popen(
                 [sys.executable, "-m", "stallwatch.demo.trainer", "--spoke", spoke.url(), "--shards", str(s.shards),
                  "--batch-size", str(s.batch_size), "--workers", str(s.workers), "--step-seconds",
@@ -295,43 +245,89 @@ class Demo:
                 env=dict(os.environ, STALLWATCH_SOCKET=str(work / "events.sock")),
             )
             self._stack.callback(stop_process, trainer)
-            self._follow(trainer, agent_url, hub)
+            self._follow(trainer, agent_url, hub, windows)
             ended = time.time()
+            self.live.close()
             time.sleep(s.window_seconds + CorrelatorSettings().lateness_s + 2)  # the last windows close, get scraped
-            if s.outage and self.webhook is not None and not self.alerts:
+            windows.read()
+            self._say_epochs(windows, final=True)
+            if s.outage and prometheus is not None and not self.watch.alerts:
                 self.say("  waiting for the stall alert to travel through Prometheus and Alertmanager")
                 deadline = time.monotonic() + ALERT_GRACE_SECONDS
-                while not self.alerts and time.monotonic() < deadline:
+                while not self.watch.alerts and time.monotonic() < deadline:
                     time.sleep(0.5)
             metrics = scrape(agent_url)
-            self.say(f"final: {status_line([(time.time(), metrics)])}")
+            self._say_time_to_steady(metrics)
+            self.say(f"final, {status_line([(time.time(), metrics)])}")
             if while_running is not None:
                 while_running(prometheus.url if prometheus else None, agent_url)
-            report_path = work / "report.html"
-            run = (run_from_prometheus(prometheus.url, started, ended) if prometheus
-                   else run_from_windows(work / "windows.jsonl"))
-            report_path.write_text(render_html(run, s.price_per_gb))
-            self.say(f"alerts received: {sorted({a['labels']['alertname'] for a in self.alerts}) or 'none'}")
-            self.say(f"report: {report_path}")
-            return Outcome(report_path, work / "windows.jsonl", list(self.alerts), metrics,
-                           prometheus.url if prometheus else None, started, ended, self.cut_at, dict(self.fired_at))
+            report = write_report(work / "report.html", started, ended, s.price_per_gb,
+                                  prometheus.url if prometheus else None, work / "windows.jsonl")
+            self.say(f"alerts received: {self.watch.names() or 'none'}")
+            self.say(f"report: {report}")
+            self.say(files_left(work))
+            return Outcome(report, work / "windows.jsonl", list(self.watch.alerts), metrics,
+                           prometheus.url if prometheus else None, started, ended, self.cut_at,
+                           dict(self.watch.fired_at), list(self.epochs), self.time_to_steady,
+                           list(self.live.transcript))
 
-    def _follow(self, trainer: subprocess.Popen[str], agent_url: str, hub: Hub) -> None:
-        """Show a progress bar per epoch with the live status (`status_line`), until the trainer exits."""
+    def _follow(self, trainer: subprocess.Popen[str], agent_url: str, hub: Hub, windows: WindowFile) -> None:
+        """Show a progress bar per epoch with the live status (`status_line`) until the trainer exits, and each
+        epoch's line once its windows are out."""
         stop = threading.Event()
-        threading.Thread(target=self._refresh, args=(agent_url, hub, stop), daemon=True).start()
+        refresh = threading.Thread(target=self._refresh, args=(agent_url, hub, windows, stop), daemon=True)
+        refresh.start()
         assert trainer.stdout is not None
+        epoch = step = steps = 0
         try:
             for line in trainer.stdout:
                 match = PROGRESS.match(line)
                 if match:
-                    self.live.progress(*(int(g) for g in match.groups()))
+                    epoch, step, steps = (int(g) for g in match.groups())
+                    self.live.progress(epoch, step, steps)
+                    if step == steps:  # its reads are done, the next epoch's begin after this step
+                        self._epoch_ended(epoch, step, scrape(agent_url), time.time() + self.s.step_seconds)
         finally:
             stop.set()
             trainer.wait(timeout=60)
+            refresh.join(timeout=30)
+        if 0 < step < steps:  # the run ended within an epoch
+            self._epoch_ended(epoch, step, scrape(agent_url), time.time())
 
-    def _refresh(self, agent_url: str, hub: Hub, stop: threading.Event) -> None:
-        """Every second: cut the hub when its time comes, scrape the agent and redraw the live line."""
+    def _epoch_from(self, started: float, samples: Samples) -> None:
+        self._epoch_start = (started, *spoke_requests(samples))
+
+    def _epoch_ended(self, epoch: int, steps: int, samples: Samples, ended: float) -> None:
+        started, requests, hits = self._epoch_start
+        now_requests, now_hits = spoke_requests(samples)
+        with self._epoch_lock:
+            self._ended_epochs.append(EpochFigures(epoch, steps, started, ended, now_requests - requests,
+                                                   now_hits - hits, 0.0, 0.0, ()))
+        self._epoch_from(ended, samples)
+
+    def _say_epochs(self, windows: WindowFile, final: bool = False) -> None:
+        """Say the ended epochs whose windows are all out (`final`: all of them, the run is over)."""
+        with self._epoch_lock:
+            while self._ended_epochs and (final or windows.covers(self._ended_epochs[0].ended)):
+                epoch = self._ended_epochs.pop(0)
+                stall, compute, phases = windows.booked(epoch.started, epoch.ended)
+                figures = dataclasses.replace(epoch, stall_seconds=stall, compute_seconds=compute, phases=phases)
+                self.epochs.append(figures)
+                self.say(epoch_line(figures))
+
+    def _say_time_to_steady(self, metrics: Samples) -> None:
+        """Once the correlator has found the job steady, say its time to steady (the report's figure too)."""
+        found = [v for (name, labels), v in metrics.items()
+                 if name == c.WARMUP_TIME_TO_STEADY.name and (c.JOB_LABEL, JOB) in labels]
+        if found and self.time_to_steady is None:
+            self.time_to_steady = found[0]
+            self.say(f"  steady: recognised {time.time() - self.live.started:.0f} s into the run; time to steady "
+                     f"{found[0]:.1f} s from the job's first event, backdated to where the windows that proved it "
+                     f"began ({c.WARMUP_TIME_TO_STEADY.name}, as in the report)")
+
+    def _refresh(self, agent_url: str, hub: Hub, windows: WindowFile, stop: threading.Event) -> None:
+        """Every second: cut the hub when its time comes, scrape the agent, redraw the live line and say the
+        epochs whose windows are out."""
         s = self.s
         cut_at = self.live.started + s.cut_after if s.outage else None
         recent: list[Scrape] = []
@@ -340,9 +336,12 @@ class Demo:
                 hub.cut_for(s.outage_seconds)
                 self.cut_at, cut_at = time.time(), None
                 self.say(f"  hub cut for {s.outage_seconds:.0f} s (emulated region-link outage)")
+            windows.read()
+            self._say_epochs(windows)
             with contextlib.suppress(OSError, ValueError):
                 recent = [*recent[1 - RECENT_SCRAPES:], (time.time(), scrape(agent_url))]
-                self.live.show(status_line(recent, self.firing))
+                self._say_time_to_steady(recent[-1][1])
+                self.live.show(status_line(recent, self.watch.firing))
 
 
 def _size(text: str) -> int:
@@ -359,7 +358,7 @@ def main(argv: Sequence[str]) -> int:
         ("--duration", float, d.duration, "seconds of training"),
         ("--outage-seconds", float, d.outage_seconds, "how long --outage cuts the hub"),
         ("--rtt-ms", float, d.rtt_seconds * 1000, "round trip to the hub"),
-        ("--bandwidth-mbit", float, d.bandwidth_mbit, "bandwidth to the hub"),
+        ("--bandwidth-mbit", float, d.bandwidth_mbit, "bandwidth from the hub, per connection"),
         ("--shards", int, d.shards, "dataset shards"),
         ("--shard-mib", float, d.shard_mib, "size of one shard"),
         ("--step-seconds", float, d.step_seconds, "emulated compute per step"),
@@ -369,7 +368,8 @@ def main(argv: Sequence[str]) -> int:
     for flag, kind, default, text in flags:
         parser.add_argument(flag, type=kind, default=default, help=f"{text} (default: %(default)s)")
     parser.add_argument("--cache-size", type=_size, default=None,
-                        help="spoke capacity, e.g. 150MiB (default: the whole dataset; 85%% of it with --outage)")
+                        help=f"spoke capacity, e.g. 150MiB (default: {CACHE_OF_DATASET:g} times the dataset's size, "
+                             f"{OUTAGE_CACHE_OF_DATASET:.0%} of it with --outage)".replace("%", "%%"))
     parser.add_argument("--outage", action="store_true", help="cut the hub mid-run so a stall alert fires")
     parser.add_argument("--workdir", type=Path, default=None, help="(default: a new temporary folder)")
     parser.add_argument("--nodes", type=int, default=1,

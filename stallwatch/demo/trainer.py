@@ -7,7 +7,7 @@ trace so the agent's emulated GPU is busy exactly while the job computes.
 
     python -m stallwatch.demo.trainer --spoke URL --shards 96 --trace FILE --duration 120
 
-Prints `epoch E step S/N` after every step, for the demo's progress bar.
+Prints `epoch E step S/N` as every step begins, for the demo's progress bar and epoch lines.
 """
 
 from __future__ import annotations
@@ -81,8 +81,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             # The span is known before the step runs (it is a fixed sleep): the fake GPU reads it live.
             started = time.time()
             ComputeTrace.append_span(options.trace, started, started + options.step_seconds)
-            time.sleep(options.step_seconds)
+            # Said as the step begins: after an epoch's last one, its reads are all done and the next
+            # epoch's not begun for a whole step.
             print(f"epoch {epoch} step {step}/{steps_per_epoch}", flush=True)
+            time.sleep(options.step_seconds)
             if stop["now"] or time.monotonic() >= deadline:
                 break
     return 0

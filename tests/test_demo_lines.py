@@ -1,0 +1,76 @@
+"""The demo's lines, without running it: each epoch's figures over its own span, from the agent's window file
+and the spoke's counters; the flags' help says the defaults the demo uses; where its files stay."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from stallwatch import catalogue as c
+from stallwatch.demo.epochs import EpochFigures, WindowFile, epoch_line, spoke_requests
+from stallwatch.demo.outputs import files_left
+from stallwatch.demo.run import Settings, main
+
+
+def window(start: float, stall: float, compute: float, phase: str, job: str = "demo") -> dict[str, object]:
+    """A window file line of 0.5 s: one rank's stall (all remote fetches) and compute, the job's phase."""
+    stalls = {cause: 0.0 for cause in c.CAUSES} | {"remote_fetch": stall}
+    return {"start_s": start, "end_s": start + 0.5, "gpus": [], "whatif_hit_ratio": {},
+            "ranks": [{"job": job, "rank": 0, "steps": 1, "wait_s": stall, "compute_s": compute,
+                       "input_bound_ratio": 0.0, "stall_s": stalls}],
+            "jobs": [{"job": job, "phase": phase, "hit_ratio": 1.0, "reads": 1, "hub_bytes": 0}]}
+
+
+def test_an_epoch_takes_the_windows_of_its_own_span_once_they_are_out(tmp_path: Path) -> None:
+    path = tmp_path / "windows.jsonl"
+    # The epoch runs 100.0 to 102.0: a cold window before it, then stalls in its first second only.
+    lines = [window(99.5, 0.5, 0.0, "cold"), window(100.0, 0.4, 0.1, "cold"), window(100.5, 0.3, 0.2, "transition"),
+             window(101.0, 0.0, 0.5, "transition"), window(101.5, 0.0, 0.5, "steady"),
+             window(101.5, 0.1, 0.0, "steady", job="other")]
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines) + '{"start_s": 102.0, "end')
+    windows = WindowFile(path, "demo")
+    windows.read()
+    assert not windows.covers(102.0)  # the window after the epoch is still being written
+    assert windows.booked(100.0, 102.0) == (pytest.approx(0.7), pytest.approx(1.3), ("cold", "transition", "steady"))
+    with path.open("a") as handle:
+        handle.write(json.dumps(window(102.0, 0.0, 0.5, "steady"))[len('{"start_s": 102.0, "end'):] + "\n")
+    windows.read()
+    assert windows.covers(102.0)
+    assert windows.booked(102.0, 103.0)[1] == pytest.approx(0.5)
+
+
+def test_the_epoch_line_gives_its_own_ratios() -> None:
+    figures = EpochFigures(epoch=3, steps=80, started=100.0, ended=112.5, requests=160, hits=40, stall_seconds=3.0,
+                           compute_seconds=9.0, phases=("cold", "transition"))
+    assert epoch_line(figures) == ("  epoch  3   80 steps in  12.5 s  hit  25%  input-bound  25%  "
+                                   "phase cold > transition")
+    nothing = EpochFigures(1, 2, 0.0, 1.0, 0, 0, 0.0, 0.0, ())
+    assert epoch_line(nothing).endswith("hit   -   input-bound   -   phase -")
+
+
+def test_the_spokes_requests_and_hits_come_from_the_scrape() -> None:
+    def requests(result: str) -> tuple[str, tuple[tuple[str, str], ...]]:
+        return c.SPOKE_REQUESTS.name, (("result", result), ("spoke", "demo-spoke"))
+
+    assert spoke_requests({requests("hit"): 30.0, requests("miss"): 10.0, requests("expired"): 2.0}) == (42.0, 30.0)
+
+
+def test_the_help_states_the_default_cache_and_the_hubs_bandwidth_per_connection(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    shown = " ".join(capsys.readouterr().out.split())
+    default, outage = Settings(shards=10, shard_mib=1), Settings(shards=10, shard_mib=1, outage=True)
+    factor, outage_share = default.cache_bytes / default.dataset_bytes, outage.cache_bytes / outage.dataset_bytes
+    assert f"default: {factor:g} times the dataset's size, {outage_share:.0%} of it with --outage" in shown
+    assert "bandwidth from the hub, per connection" in shown
+
+
+def test_the_demo_says_where_its_files_stay_and_how_big(tmp_path: Path) -> None:
+    (tmp_path / "dataset").mkdir()
+    (tmp_path / "dataset" / "shard").write_bytes(b"x" * 3_000_000)
+    (tmp_path / "report.html").write_bytes(b"y" * 1_000_000)
+    assert files_left(tmp_path).startswith(f"files left in {tmp_path}: 4 MB (")
+    assert files_left(tmp_path).endswith(f"rm -r {tmp_path} removes them")
