@@ -82,8 +82,8 @@ def test_the_agent_in_the_image_is_scraped_over_http(container: str) -> None:
             except OSError:
                 pass
             time.sleep(0.5)
-        assert 'stallwatch_gpu_up{gpu="1"} 1.0' in body, (agent.stdout.read() if agent.stdout and agent.poll() is not None
-                                                           else body)
+        exited = agent.stdout is not None and agent.poll() is not None
+        assert 'stallwatch_gpu_up{gpu="1"} 1.0' in body, agent.stdout.read() if exited and agent.stdout else body
         revision = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=ROOT,
                                   check=True).stdout.strip()
         # the image names the commit it was built from (stallwatch_build_info shows it abbreviated)

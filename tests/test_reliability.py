@@ -23,7 +23,7 @@ from stallwatch import catalogue as c
 from stallwatch.client import monitor, transport, wire
 from stallwatch.client.identity import source_from_environment
 from stallwatch.eventbatch import Interner
-from stallwatch.exporters.collector import ScrapeCollector
+from stallwatch.exporters.collector import ScrapeCollector, collected
 from stallwatch.exporters.events import EventsCollector
 from stallwatch.exporters.gpu import GpuCollector
 from stallwatch.exporters.host import HostCollector
@@ -370,7 +370,8 @@ def test_a_deleted_and_recreated_nginx_log_loses_and_repeats_nothing(tmp_path: P
         writer.write("\n".join(lines[7:10]) + "\n")
         writer.flush()
         used += [collector.poll(), collector.poll()]
-        samples = {(s.name, tuple(sorted(s.labels.items()))): s.value for f in collector.collect() for s in f.samples}
+        samples = {(s.name, tuple(sorted(s.labels.items()))): s.value for f in collected(collector, "spoke")[0]
+                   for s in f.samples}
     finally:
         writer.close()
         collector.close()
@@ -407,7 +408,8 @@ def test_a_slow_then_down_spoke_endpoint_is_counted_and_recovers_without_double_
                                           "jfs", timeout=0.3)
 
     def read() -> Samples:
-        return {(s.name, tuple(sorted(s.labels.items()))): s.value for f in collector.collect() for s in f.samples}
+        return {(s.name, tuple(sorted(s.labels.items()))): s.value for f in collected(collector, "spoke")[0]
+                for s in f.samples}
 
     try:
         healthy = read()

@@ -6,15 +6,17 @@ from __future__ import annotations
 import importlib.resources
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any, ClassVar
 
 import pytest
 
+from stallwatch.exporters.collector import collected
 from stallwatch.exporters.openmetrics_mapping import BUILTIN_MAPPINGS, MappingError, load_mapping, mapping_text
 from stallwatch.exporters.spoke_openmetrics import OpenMetricsSpokeCollector
+from stallwatch.harness import AgentProcess, scrape, total
 
 DATA = Path(__file__).parent / "data"
 
@@ -62,8 +64,9 @@ def collector(url: str, mapping: str, timeout: float = 2.0) -> OpenMetricsSpokeC
 
 
 def samples(c: OpenMetricsSpokeCollector) -> dict[tuple[str, ...], float]:
+    """What a scrape serves of the collector (its error counts too when its source failed)."""
     return {(s.name, *(f"{k}={v}" for k, v in sorted(s.labels.items()))): s.value
-            for family in c.collect() for s in family.samples}
+            for family in collected(c, "spoke")[0] for s in family.samples}
 
 
 def test_juicefs_recorded_from_a_real_gateway(server: str) -> None:
@@ -103,8 +106,10 @@ def test_failed_scrapes_are_counted_not_raised(server: str, path: str, reason: s
 def test_refused_connection() -> None:
     from tests.realspoke import free_port
 
-    seen = samples(collector(f"http://127.0.0.1:{free_port()}/metrics", "juicefs", timeout=0.5))
-    assert seen == {("stallwatch_spoke_collector_errors_total", "reason=unreachable", "spoke=spoke-a"): 1}
+    refused = collector(f"http://127.0.0.1:{free_port()}/metrics", "juicefs", timeout=0.5)
+    assert samples(refused) == {("stallwatch_spoke_collector_errors_total", "reason=unreachable", "spoke=spoke-a"): 1}
+    families, succeeded = collected(refused, "spoke_openmetrics")  # a failure, not "no data"
+    assert not succeeded and [f.name for f in families] == ["stallwatch_spoke_collector_errors"]
 
 
 @pytest.mark.parametrize(("text", "message"), [
@@ -124,3 +129,19 @@ def test_builtin_mappings_ship_as_package_data() -> None:
     for name in BUILTIN_MAPPINGS:
         assert (importlib.resources.files("stallwatch.exporters") / "mappings" / f"{name}.yaml").is_file()
         assert load_mapping(*mapping_text(name))
+
+
+def test_an_unreachable_source_is_a_failed_collector_on_the_agent(
+        agent_factory: Callable[..., AgentProcess]) -> None:
+    """node_exporter tells a failed source from one with no data: the agent reports the collector failed while
+    its spoke's endpoint refuses, and serves the count of refusals beside it."""
+    from tests.realspoke import free_port
+
+    agent = agent_factory("--no-collector.gpu", "--no-collector.host", "--no-collector.events",
+                          "--collector.spoke_openmetrics", "--spoke_openmetrics.url",
+                          f"http://127.0.0.1:{free_port()}/metrics", "--spoke_openmetrics.timeout", "0.5")
+    metrics = scrape(agent.url)
+    assert total(metrics, "stallwatch_scrape_collector_success", collector="spoke_openmetrics") == 0
+    assert total(metrics, "stallwatch_scrape_collector_success", collector="correlator") == 1
+    assert total(metrics, "stallwatch_spoke_collector_errors_total", reason="unreachable") >= 1
+    assert "Traceback" not in agent.stderr()

@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 
+from stallwatch.exporters.collector import collected
 from stallwatch.exporters.openmetrics_mapping import load_mapping, mapping_text
 from stallwatch.exporters.openmetrics_scrape import http_get
 from stallwatch.exporters.spoke_qumulo import METRICS_PATH, QumuloSpokeCollector, token_source
@@ -61,8 +62,9 @@ def cluster() -> Iterator[str]:
 
 
 def samples(c: QumuloSpokeCollector) -> dict[tuple[str, ...], float]:
+    """What a scrape serves of the collector (its error counts too when its source failed)."""
     return {(s.name, *(f"{k}={v}" for k, v in sorted(s.labels.items()))): s.value
-            for family in c.collect() for s in family.samples}
+            for family in collected(c, "spoke")[0] for s in family.samples}
 
 
 def make(url: str, token_file: Path, **kwargs: Any) -> QumuloSpokeCollector:

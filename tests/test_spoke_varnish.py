@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from stallwatch.exporters.collector import collected
 from stallwatch.exporters.spoke_varnish import VarnishSpokeCollector, counter_values
 from stallwatch.harness import find_binary, wait_for
 from tests.realspoke import Hub, free_port, get
@@ -20,8 +21,9 @@ needs_varnish = pytest.mark.skipif(not Path(VARNISHD).exists() or not find_binar
 
 
 def samples(c: VarnishSpokeCollector) -> dict[tuple[str, ...], float]:
+    """What a scrape serves of the collector (its error counts too when its source failed)."""
     return {(s.name, *(f"{k}={v}" for k, v in sorted(s.labels.items()))): s.value
-            for family in c.collect() for s in family.samples}
+            for family in collected(c, "spoke")[0] for s in family.samples}
 
 
 def listens(port: int) -> bool:
@@ -84,3 +86,7 @@ def test_broken_output_and_missing_program_are_counted() -> None:
     absent = VarnishSpokeCollector("spoke-v", varnishstat="/nonexistent/varnishstat")
     assert samples(absent) == {
         ("stallwatch_spoke_collector_errors_total", "reason=varnishstat_failed", "spoke=spoke-v"): 1}
+    # Failure, not "no data": the scrape reports the collector failed and still serves its error counts.
+    for broken in (absent, VarnishSpokeCollector("spoke-v", run=garbage)):
+        families, succeeded = collected(broken, "spoke_varnish")
+        assert not succeeded and [f.name for f in families] == ["stallwatch_spoke_collector_errors"]

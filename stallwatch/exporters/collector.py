@@ -126,6 +126,26 @@ DEFAULT_TIMEOUT_S = 8.0  # under Prometheus's default scrape timeout of 10 s, wi
 WEDGED_DEADLINES = 3  # a call outstanding this many deadlines makes the agent unhealthy
 
 
+class SourceUnavailableError(Exception):
+    """Raised by a collector after yielding what it has (its error counts) when its source gave it nothing
+    this time: reported as `scrape_collector_success 0` with those families served, as node_exporter tells a
+    failed source from one with no data. The collector has logged why; no traceback follows."""
+
+
+def collected(collector: Collector, name: str) -> tuple[list[Metric], bool]:
+    """What one `collect()` gave, and whether it succeeded; a failure keeps the families yielded before it."""
+    families: list[Metric] = []
+    try:
+        for family in collector.collect():
+            families.append(family)
+    except SourceUnavailableError:
+        return families, False
+    except Exception:
+        log.exception("collector %s failed", name)
+        return families, False
+    return families, True
+
+
 class _Call:
     """One run of a collector's `collect()`, on a daemon thread of its own (a wedged one never blocks exit)."""
 
@@ -142,11 +162,8 @@ class _Call:
                          daemon=True).start()
 
     def _run(self, name: str) -> None:
-        try:
-            self.families = list(self._collector.collect())
-        except Exception:
-            log.exception("collector %s failed", name)
-            self.failed = True
+        self.families, succeeded = collected(self._collector, name)
+        self.failed = not succeeded
         self.finished = self._clock()
         self.done.set()
 

@@ -19,7 +19,7 @@ from collections.abc import Iterable, Iterator, Mapping
 
 from prometheus_client.core import Metric
 
-from stallwatch.exporters.collector import CollectorContext, register_collector
+from stallwatch.exporters.collector import CollectorContext, SourceUnavailableError, register_collector
 from stallwatch.exporters.openmetrics_mapping import BUILTIN_MAPPINGS, Rule, apply_mapping, load_mapping, mapping_text
 from stallwatch.exporters.openmetrics_scrape import HttpGet, ScrapeError, http_get, parse_exposition
 from stallwatch.exporters.spokes import collector_errors
@@ -51,8 +51,9 @@ class OpenMetricsSpokeCollector:
             if not self._errors[error.reason]:
                 log.warning("spoke %s: %s (counted from now on)", self._spoke, error)
             self._errors[error.reason] += 1
-        else:
-            yield from mapped
+            yield collector_errors(self._spoke, self._errors)
+            raise SourceUnavailableError(self._spoke) from error
+        yield from mapped
         yield collector_errors(self._spoke, self._errors)
 
     def close(self) -> None:

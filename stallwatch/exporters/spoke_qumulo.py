@@ -25,7 +25,7 @@ from pathlib import Path
 
 from prometheus_client.core import Metric
 
-from stallwatch.exporters.collector import CollectorContext, register_collector
+from stallwatch.exporters.collector import CollectorContext, SourceUnavailableError, register_collector
 from stallwatch.exporters.config import ConfigError
 from stallwatch.exporters.openmetrics_mapping import Rule, apply_mapping, load_mapping, mapping_text
 from stallwatch.exporters.openmetrics_scrape import HttpGet, ScrapeError, http_get, parse_exposition
@@ -86,6 +86,8 @@ class QumuloSpokeCollector:
                 self._failures, self._next_attempt = 0, 0.0
                 yield from apply_mapping(self._rules, families, self._spoke)
         yield collector_errors(self._spoke, self._errors)
+        if self._failures:  # the last attempt failed, now or before a backoff that has not run out
+            raise SourceUnavailableError(self._spoke)
 
     def close(self) -> None:
         pass

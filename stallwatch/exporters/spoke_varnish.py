@@ -24,7 +24,7 @@ from typing import Any
 from prometheus_client.core import Metric
 
 from stallwatch import catalogue
-from stallwatch.exporters.collector import CollectorContext, register_collector
+from stallwatch.exporters.collector import CollectorContext, SourceUnavailableError, register_collector
 from stallwatch.exporters.spokes import collector_errors
 
 log = logging.getLogger(__name__)
@@ -64,15 +64,22 @@ class VarnishSpokeCollector:
         self._errors: Counter[str] = Counter()
 
     def collect(self) -> Iterator[Metric]:
+        values = self._values()
+        if values is not None:
+            yield from self._families(values)
+        yield collector_errors(self._spoke, self._errors)
+        if values is None:
+            raise SourceUnavailableError(self._spoke)
+
+    def _values(self) -> Mapping[str, float] | None:
+        """varnishstat's counters; None, counted, when it failed or answered what cannot be read."""
         try:
-            values = counter_values(self._run(self._command, self._timeout))
+            return counter_values(self._run(self._command, self._timeout))
         except (OSError, subprocess.SubprocessError) as error:
             self._count("varnishstat_failed", error)
         except (ValueError, TypeError, KeyError) as error:
             self._count("parse_error", error)
-        else:
-            yield from self._families(values)
-        yield collector_errors(self._spoke, self._errors)
+        return None
 
     def close(self) -> None:
         pass
