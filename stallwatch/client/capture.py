@@ -33,7 +33,7 @@ CAPTURE_ENV = "STALLWATCH_CAPTURE_READS"
 SPOKE_MOUNTS_ENV = "STALLWATCH_SPOKE_MOUNTS"
 KERNEL_FILES = ("/proc", "/sys", "/dev")
 
-_original_open: Callable[..., IO[Any]] = io.open
+original_open: Callable[..., IO[Any]] = io.open
 
 
 def enabled(env: Mapping[str, str] = os.environ) -> bool:
@@ -41,8 +41,11 @@ def enabled(env: Mapping[str, str] = os.environ) -> bool:
 
 
 def _folders(paths: Iterable[str]) -> tuple[str, ...]:
-    """Each path as a prefix of what lies under it (`/data/` does not take in `/database`)."""
-    return tuple(sorted({os.path.join(os.path.abspath(path), "") for path in paths if path}))
+    """Each path as a prefix of what lies under it (`/data/` does not take in `/database`), those inside
+    another left out: each open that is not skipped tries them all."""
+    folders = sorted({os.path.join(os.path.abspath(path), "") for path in paths if path})
+    return tuple(folder for folder in folders if not any(folder.startswith(other) for other in folders
+                                                          if other != folder))
 
 
 def skipped_prefixes() -> tuple[str, ...]:
@@ -73,15 +76,14 @@ def capturing_open(file: Any, mode: str = "r", buffering: int = -1, encoding: st
                    errors: str | None = None, newline: str | None = None, closefd: bool = True,
                    opener: Callable[[str, int], int] | None = None) -> IO[Any]:
     """`open()`, whose file records its reads when it is one to capture (the module's rules)."""
-    opened = _original_open(file, mode, buffering, encoding, errors, newline, closefd, opener)
-    if not bound() or "r" not in mode or "+" in mode or buffering == 0:
+    opened = original_open(file, mode, buffering, encoding, errors, newline, closefd, opener)
+    # Cheapest refusals first: most opens a process skips are refused by the first two tests.
+    if not bound() or (type(file) is str and file.startswith(_settings.skipped)):
+        return opened
+    if "r" not in mode or "+" in mode or buffering == 0 or isinstance(file, int):  # no path to key a descriptor by
         return opened
     try:
-        path = file if type(file) is str else None if isinstance(file, int) else os.fsdecode(file)
-        if path is None:  # a file descriptor: no path to key it by
-            return opened
-        if not path.startswith(os.sep):
-            path = os.path.abspath(path)
+        path = os.path.abspath(os.fsdecode(file)) if type(file) is not str or not file.startswith(os.sep) else file
         if path.startswith(_settings.skipped):
             return opened
         verdict = wire.VERDICT_UNKNOWN if path.startswith(_settings.mounts) else wire.VERDICT_DIRECT
@@ -118,4 +120,4 @@ def start(env: Mapping[str, str] = os.environ) -> bool:
 
 def stop() -> None:
     """Open files as before `start()`; files already captured keep recording."""
-    builtins.open = io.open = _original_open  # type: ignore[assignment]
+    builtins.open = io.open = original_open  # type: ignore[assignment]

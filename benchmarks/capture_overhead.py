@@ -1,0 +1,170 @@
+"""What read capture costs, measured side by side in one run.
+
+1. A captured read: 64-byte reads of a file in the page cache, through the file `open()` returns with
+   capture off (plain) and on (captured, as a loader worker's), and the recording of one read event alone
+   (two clock reads and `reads.record_read`, what any recorded read pays). What capture adds beyond
+   recording its event is captured - plain - recording, per read.
+2. An open it skips: `open()` of a file of the Python installation (the path checked and skipped), of any
+   file in a process whose reads have no source (the trainer outside a loop without workers), and for
+   comparison the open of a file it captures, each against the original `open()`.
+
+Each round times every side once, in an order that alternates from round to round, so that all meet the
+same moment of the machine; the figures are the medians over the rounds of each round's differences.
+Events go to a real socket drained by another process, as the agent would, in chunks of eight datagrams
+with an untimed pause after each (the kernel queues only ten here).
+
+    PYTHONPATH=. python benchmarks/capture_overhead.py [--rounds N] [--opens N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import IO, Any
+
+from benchmarks.client_overhead import DRAIN
+from stallwatch.client import capture, reads, transport, wire
+
+READ_SIZE = 64
+READS_PER_CHUNK = 8 * wire.MAX_EVENTS  # eight datagrams of events
+SOURCE = wire.Source("bench", rank=0, worker=0)
+
+Side = Callable[[], int]  # runs a chunk, returns the nanoseconds it took
+
+
+def read_sides(path: str) -> dict[str, Side]:
+    """Each side reads (or records) READS_PER_CHUNK times; the files rewind untimed."""
+    plain = capture.original_open(path, "rb")  # open for the run
+    with reads.reads_as(SOURCE):
+        captured: Any = capture.capturing_open(path, "rb")
+    assert type(captured) is reads.RecordedFile
+
+    def reading(file: Any) -> Side:  # a file, or the captured one
+        def chunk() -> int:
+            file.seek(0)
+            read = file.read
+            start = time.perf_counter_ns()
+            for _ in range(READS_PER_CHUNK):
+                read(READ_SIZE)
+            return time.perf_counter_ns() - start
+        return chunk
+
+    def recording() -> int:
+        clock, record = time.monotonic_ns, reads.record_read
+        start = time.perf_counter_ns()
+        for offset in range(0, READS_PER_CHUNK * READ_SIZE, READ_SIZE):
+            began = clock()
+            record(path, offset, READ_SIZE, began, clock(), wire.VERDICT_DIRECT)
+        return time.perf_counter_ns() - start
+
+    return {"plain": reading(plain), "captured": reading(captured), "recording": recording}
+
+
+def passthrough(file: Any, mode: str = "r", buffering: int = -1, encoding: str | None = None,
+                errors: str | None = None, newline: str | None = None, closefd: bool = True,
+                opener: Callable[[str, int], int] | None = None) -> IO[Any]:
+    """The least any `open()` written in Python costs: a call that only calls the original."""
+    return capture.original_open(file, mode, buffering, encoding, errors, newline, closefd, opener)
+
+
+def open_sides(skipped: str, captured: str, opens: int) -> dict[str, Side]:
+    def opening(opener: Callable[..., IO[Any]], path: str, bound: bool) -> Side:
+        def chunk() -> int:
+            if bound:
+                reads.bind_worker(SOURCE)
+            else:
+                reads._context.source = None  # the trainer outside a loop without workers
+            start = time.perf_counter_ns()
+            for _ in range(opens):
+                opener(path, "rb").close()
+            return time.perf_counter_ns() - start
+        return chunk
+
+    return {
+        "plain skipped file": opening(capture.original_open, skipped, True),
+        "captured skipped file": opening(capture.capturing_open, skipped, True),
+        "passthrough skipped file": opening(passthrough, skipped, True),
+        "plain, no source": opening(capture.original_open, captured, False),
+        "captured, no source": opening(capture.capturing_open, captured, False),
+        "plain captured file": opening(capture.original_open, captured, True),
+        "captured captured file": opening(capture.capturing_open, captured, True),
+    }
+
+
+def rounds_of(sides: dict[str, Side], rounds: int, pause_s: float) -> dict[str, list[int]]:
+    timings: dict[str, list[int]] = {name: [] for name in sides}
+    names = list(sides)
+    for number in range(rounds):
+        for name in names if number % 2 == 0 else reversed(names):
+            timings[name].append(sides[name]())
+            time.sleep(pause_s)  # the drain empties the socket
+    return timings
+
+
+def median_difference(timings: dict[str, list[int]], side: str, *minus: str, per: int) -> float:
+    """Median over the rounds of (side - the others) in nanoseconds per item."""
+    return statistics.median((timings[side][n] - sum(timings[m][n] for m in minus)) / per
+                             for n in range(len(timings[side])))
+
+
+def measure(rounds: int, opens: int) -> dict[str, float]:
+    with tempfile.TemporaryDirectory() as directory:
+        data = Path(directory) / "sample.bin"
+        data.write_bytes(os.urandom(READS_PER_CHUNK * READ_SIZE))
+        socket = str(Path(directory) / "events.sock")
+        drain = subprocess.Popen([sys.executable, "-c", DRAIN, socket], stdout=subprocess.PIPE, text=True)
+        gc.disable()
+        try:
+            assert drain.stdout is not None and drain.stdout.readline().strip() == "ready"
+            transport.configure(socket)
+            capture.start({})
+            read = rounds_of(read_sides(str(data)), rounds, 0.005)
+            opened = rounds_of(open_sides(os.__file__, str(data), opens), rounds, 0.0)
+        finally:
+            capture.stop()
+            gc.enable()
+            drain.kill()
+            drain.wait()
+    per_read = {"per": READS_PER_CHUNK}
+    return {
+        "plain read": median_difference(read, "plain", **per_read),
+        "recording an event": median_difference(read, "recording", **per_read),
+        "captured read": median_difference(read, "captured", **per_read),
+        "capture beyond recording, per read": median_difference(read, "captured", "plain", "recording", **per_read),
+        "plain open": median_difference(opened, "plain skipped file", per=opens),
+        "capture's cost, skipped file": median_difference(opened, "captured skipped file", "plain skipped file",
+                                                          per=opens),
+        "a Python open()'s least cost": median_difference(opened, "passthrough skipped file", "plain skipped file",
+                                                          per=opens),
+        "capture's cost, no source": median_difference(opened, "captured, no source", "plain, no source", per=opens),
+        "capture's cost, captured file": median_difference(opened, "captured captured file", "plain captured file",
+                                                           per=opens),
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=41, help="rounds, each timing every side once")
+    parser.add_argument("--opens", type=int, default=20_000, help="opens a side a round")
+    args = parser.parse_args()
+    figures = measure(args.rounds, args.opens)
+    print(f"read capture ({args.rounds} rounds, medians; reads of {READ_SIZE} B, {READS_PER_CHUNK:,} a side a round; "
+          f"{args.opens:,} opens a side a round; CPU count {os.cpu_count()}):")
+    for name, nanoseconds in figures.items():
+        print(f"  {name:40s} {nanoseconds:9.0f} ns")
+    beyond, skipped = figures["capture beyond recording, per read"], figures["capture's cost, skipped file"]
+    print(f"target: capture beyond recording <= 1000 ns a read: {'met' if beyond <= 1000 else 'MISSED'}; "
+          f"<= 100 ns an open it skips: {'met' if skipped <= 100 else 'MISSED'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
