@@ -223,7 +223,8 @@ STEP_COMPUTE = histogram(
 )
 DATASET_READS = counter(
     "loader", "dataset_reads_total", "", [JOB_LABEL, "rank", "verdict"],
-    "Dataset reads by loader workers, by the cache's verdict (hit, miss, unknown) as the reader saw it.",
+    "Dataset reads by loader workers, by the cache's verdict as the reader saw it: hit, miss, unknown, or direct "
+    "(the read crossed no spoke).",
 )
 DATASET_READ_BYTES = counter(
     "loader", "dataset_read_bytes_total", "bytes", [JOB_LABEL, "rank"], "Bytes read by loader workers."
