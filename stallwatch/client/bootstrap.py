@@ -1,7 +1,9 @@
 """Zero-code start-up: what `stallwatch run` does inside each Python process of the command it runs.
 
-`start()` captures reads (`capture`, unless `capture.CAPTURE_ENV` is "0") and, once the process has
-imported torch, instruments every DataLoader it makes (`stallwatch.client.torch.instrument_every_loader`).
+`start()` has every DataLoader the process makes instrumented, once it has imported torch
+(`stallwatch.client.torch.instrument_every_loader`), and so its reads captured where a loader's dataset
+reads (in its workers, or during its epochs without workers; `capture`, unless `capture.CAPTURE_ENV` is
+"0"). Opens anywhere else in the process stay the original's.
 It runs from `startup/sitecustomize.py`, which Python imports at start-up when `stallwatch run` puts that
 folder on PYTHONPATH and sets `INSTRUMENT_ENV`; loader workers started by spawn or forkserver inherit
 both and start the same way, forked ones inherit the process.
@@ -18,8 +20,6 @@ from collections.abc import Callable, Mapping, Sequence
 from types import ModuleType
 from typing import Any
 
-from stallwatch.client import capture
-
 INSTRUMENT_ENV = "STALLWATCH_INSTRUMENT"  # "1": instrument this process at start-up (`stallwatch run` sets it)
 STARTUP_FOLDER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "startup")
 
@@ -35,7 +35,6 @@ def start(env: Mapping[str, str] = os.environ) -> None:
     if env.get(INSTRUMENT_ENV) != "1":
         return
     try:
-        capture.start(env)
         after_import("torch", _instrument_loaders)
     except Exception as error:
         print(f"stallwatch: this process runs uninstrumented: {error!r}", file=sys.stderr)

@@ -242,7 +242,7 @@ class _BindWorker:
 
     def __call__(self, worker_id: int) -> None:
         reads.bind_worker(dataclasses.replace(self._source, worker=worker_id))
-        if self._capture_reads and not capture.installed():  # a worker started by spawn or forkserver
+        if self._capture_reads and not capture.installed():  # here, not in the trainer: its opens stay untouched
             capture.start()
         if self._init is not None:
             self._init(worker_id)
@@ -300,7 +300,11 @@ def _instrumented_class(base: type[DataLoader[Any]]) -> type[DataLoader[Any]]:
         view: DataLoader[Any] = object.__new__(view_class)
         object.__setattr__(view, "__dict__", loader.__dict__)  # one state: `_iterator`, resumption, epochs
         steps = timed_steps(base.__iter__(view), sender().channel(source))
-        return _reading_here(source, steps) if loader.num_workers == 0 else steps
+        if loader.num_workers > 0:
+            return steps
+        if loader.__dict__.get(_CAPTURE, False) and not capture.installed():
+            capture.start()
+        return _reading_here(source, steps)
 
     found = type(f"Instrumented{base.__name__}", (base,), {
         "__module__": __name__,
@@ -348,8 +352,6 @@ def instrument(
     """
     setattr(loader, _STATE, source_from_environment(job, rank, gpu))
     setattr(loader, _CAPTURE, capture_reads and capture.enabled())
-    if capture_reads and not capture.installed():
-        capture.start()
     if type(loader) not in _base_of:
         loader.__class__ = _instrumented_class(type(loader))  # type: ignore[assignment]  # a subclass of L
     return loader
