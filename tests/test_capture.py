@@ -8,6 +8,7 @@ import io
 import itertools
 import os
 import pickle
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -210,6 +211,35 @@ def test_a_read_the_dataset_records_itself_is_one_event(capturing: Path, datagra
     transport.sender().flush_all()
     wait_for("the read", lambda: len(datagrams.rows("reads")) >= 1, 10)
     assert [(row["key"], row["bytes"]) for row in datagrams.rows("reads")] == [(read_key("https://hub/item", 0), 300)]
+
+
+def test_another_threads_open_read_hides_no_read_of_this_one(capturing: Path, datagrams: Datagrams,
+                                                             tmp_path: Path) -> None:
+    """A dataset reading in a thread pool: a read open in one thread (a `ReadSpan` waiting on its storage)
+    is not the outer read of the files another thread reads meanwhile."""
+    path = tmp_path / "item.bin"
+    path.write_bytes(b"v" * 128)
+    span_open, span_may_end = threading.Event(), threading.Event()
+
+    def slow_read() -> None:
+        with reads.reads_as(SOURCE), ReadSpan("https://hub/slow", 0) as span:
+            span_open.set()
+            span_may_end.wait(10)
+            span.bytes = 1
+
+    other = threading.Thread(target=slow_read)
+    other.start()
+    try:
+        assert span_open.wait(10)
+        with open(path, "rb") as f:
+            f.read()
+    finally:
+        span_may_end.set()
+        other.join(10)
+    transport.sender().flush_all()
+    wait_for("both reads", lambda: len(datagrams.rows("reads")) >= 2, 10)
+    assert sorted((row["key"], row["bytes"]) for row in datagrams.rows("reads")) == sorted(
+        [(read_key(str(path), 0), 128), (read_key("https://hub/slow", 0), 1)])
 
 
 def opening(*args: Any, **kwargs: Any) -> Callable[[], Any]:

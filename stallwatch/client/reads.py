@@ -22,6 +22,7 @@ import os
 import time
 import urllib.request
 from collections.abc import Callable, Iterator, Sized
+from threading import get_ident
 from types import TracebackType
 from typing import IO, Any, ParamSpec, SupportsIndex, TypeVar
 
@@ -53,12 +54,13 @@ def verdict_from_cache_status(value: str | None) -> int:
 class _ReadContext:
     """Where this process's reads go, which batch they serve, and what it has in flight."""
 
-    __slots__ = ("batch", "building", "channel", "handed", "reading", "source")
+    __slots__ = ("batch", "building", "channel", "handed", "reader", "reading", "source")
     source: wire.Source | None
     channel: Channel | None
     batch: int
     building: tuple[int, int] | None  # (batch, since)
     reading: tuple[str, int, int] | None  # (location, offset, start)
+    reader: int  # the thread of the open read (`threading.get_ident`)
     handed: tuple[int, int] | None  # (batch, when)
 
     def __init__(self) -> None:
@@ -94,6 +96,7 @@ class _ReadContext:
     def _forget(self) -> None:  # also in a forked child: the parent's channel and work are not ours
         self.channel, self.batch = None, -1
         self.building = self.reading = self.handed = None
+        self.reader = 0
 
 
 _context = _ReadContext()
@@ -167,7 +170,7 @@ class ReadSpan:
 
     def __enter__(self) -> ReadSpan:
         self._start = start = time.monotonic_ns()
-        _context.reading = (self.location, self.offset, start)
+        _context.reading, _context.reader = (self.location, self.offset, start), get_ident()
         return self
 
     def __exit__(
@@ -196,8 +199,8 @@ class RecordedFile:
 
     Tracks its own position instead of calling tell(), which would cost a system call per read.
     Everything else is the wrapped file's, pickling included (it refuses as the file does). A read made
-    while another recorded read is open (a `ReadSpan` around it, or a wrapper of this file) is not
-    recorded again: the outer read is the event.
+    while another recorded read of the same thread is open (a `ReadSpan` around it, or a wrapper of this
+    file) is not recorded again: the outer read is the event.
     """
 
     def __init__(self, raw: IO[bytes], path: str, verdict: int = wire.VERDICT_UNKNOWN,
@@ -208,10 +211,11 @@ class RecordedFile:
         self._position = position if position is not None else raw.tell() if raw.seekable() else 0
 
     def _recorded(self, read: Callable[[Any], T], argument: Any, count: Callable[[T], int]) -> T:
-        if _context.reading is not None:  # inside another recorded read: that one is the event
+        thread = get_ident()
+        if _context.reading is not None and _context.reader == thread:  # inside another recorded read: the event
             return read(argument)
         start, offset = time.monotonic_ns(), self._position
-        _context.reading = (self._path, offset, start)
+        _context.reading, _context.reader = (self._path, offset, start), thread
         try:
             result = read(argument)
         finally:
