@@ -43,8 +43,7 @@ Side = Callable[[], int]  # runs a chunk, returns the nanoseconds it took
 def read_sides(path: str) -> dict[str, Side]:
     """Each side reads (or records) READS_PER_CHUNK times; the files rewind untimed."""
     plain = capture.original_open(path, "rb")  # open for the run
-    with reads.reads_as(SOURCE):
-        captured: Any = capture.capturing_open(path, "rb")
+    captured: Any = capture.capturing_open(path, "rb")
     assert type(captured) is reads.RecordedFile
 
     def reading(file: Any) -> Side:  # a file, or the captured one
@@ -126,10 +125,12 @@ def measure(rounds: int, opens: int) -> dict[str, float]:
             assert drain.stdout is not None and drain.stdout.readline().strip() == "ready"
             transport.configure(socket)
             capture.start({})
-            read = rounds_of(read_sides(str(data)), rounds, 0.005)
-            opened = rounds_of(open_sides(os.__file__, str(data), opens), rounds, 0.0)
+            with reads.reads_as(SOURCE):  # and the process's own source again after
+                read = rounds_of(read_sides(str(data)), rounds, 0.005)
+                opened = rounds_of(open_sides(os.__file__, str(data), opens), rounds, 0.0)
         finally:
             capture.stop()
+            transport.sender().close()
             gc.enable()
             drain.kill()
             drain.wait()

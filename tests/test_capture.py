@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import io
 import itertools
+import math
 import os
 import pickle
 import threading
@@ -17,6 +18,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from benchmarks.capture_overhead import measure
 from stallwatch.client import ReadSpan, capture, reads, transport, wire
 from stallwatch.client.keys import read_key
 from stallwatch.harness import wait_for
@@ -298,3 +300,12 @@ def test_recording_that_fails_never_reaches_the_reader(capturing: Path, tmp_path
 def test_capture_is_off_when_the_environment_says_so() -> None:
     assert not capture.start({capture.CAPTURE_ENV: "0"})
     assert not capture.installed()
+
+
+def test_the_cost_benchmark_measures_every_side() -> None:
+    """benchmarks/capture_overhead.py, one short round: every figure it prints is measured (the figures
+    themselves are the benchmark's to judge, never a test's), and it leaves the process as it found it."""
+    figures = measure(rounds=1, opens=50)
+    assert len(figures) == 9 and all(math.isfinite(value) for value in figures.values()), figures
+    assert figures["captured read"] > 0 and figures["recording an event"] > 0
+    assert not capture.installed() and not reads.bound()
