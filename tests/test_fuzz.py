@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from prometheus_client.core import Metric
 
 from stallwatch.client import wire
-from stallwatch.exporters.collector import registered
+from stallwatch.exporters.collector import collected, registered
 from stallwatch.exporters.config import ConfigError, parse
 from stallwatch.exporters.events import EventsCollector
 from stallwatch.exporters.events_decode import REJECT_REASONS
@@ -158,10 +158,11 @@ JUICEFS = load_mapping(*mapping_text("juicefs"))
                b'juicefs_object_request_durations_histogram_seconds_bucket{method="GET",le="x1"} 3\n')  # found
 def test_openmetrics_exposition(body: bytes) -> None:
     collector = OpenMetricsSpokeCollector("http://spoke/metrics", JUICEFS, "fuzz", get=lambda *_: body)
-    families = list(collector.collect())
+    families, succeeded = collected(collector, "spoke_openmetrics")
     errors = total(families, "stallwatch_spoke_collector_errors_total")
     assert errors in (0, 1)
-    assert errors == 1 or len(families) > 1  # either mapped families or one counted parse error
+    # Either mapped families, or one counted parse error and the collector reported failed.
+    assert (errors == 0 and succeeded and len(families) > 1) or (errors == 1 and not succeeded)
 
 
 # --- varnishstat -j ----------------------------------------------------------------------------------
@@ -186,9 +187,9 @@ JSON = st.recursive(
 @example(text='{"counters": null}')  # found: an AttributeError past the collector's error handling
 def test_varnishstat_json(text: str) -> None:
     collector = VarnishSpokeCollector("fuzz", run=lambda *_: text)
-    families = list(collector.collect())
+    families, succeeded = collected(collector, "spoke_varnish")
     errors = total(families, "stallwatch_spoke_collector_errors_total", reason="parse_error")
-    assert errors == (0 if len(families) > 1 else 1)
+    assert errors == (0 if len(families) > 1 else 1) and succeeded == (errors == 0)
 
 
 # --- the agent's --config.file -----------------------------------------------------------------------
