@@ -154,7 +154,7 @@ def status_line(recent: Sequence[Scrape], firing: Collection[str] = ()) -> str:
         parts.append(_stalled(recent, causes))
     metrics = recent[-1][1]
     phase = next((dict(ls)["phase"] for (n, ls), v in metrics.items() if n == c.WARMUP_PHASE.name and v == 1), "-")
-    parts.append(f"phase now {phase:10}")
+    parts.append(f"recognised phase {phase:10}")
     if firing:
         parts.append(f"FIRING {', '.join(sorted(firing))}")
     return "  ".join(parts)
@@ -230,9 +230,8 @@ class Demo:
             if s.training_seconds > s.duration:
                 self.say(f"  the hub is cut {s.cut_after:.0f} s in for {s.outage_seconds:.0f} s: the job trains "
                          f"{s.training_seconds:.0f} s instead of {s.duration:.0f} s, to recover after it")
-            self.say(f"  each epoch's line, over the epoch: the spoke's hit ratio ({c.SPOKE_REQUESTS.name}) and the "
-                     f"input-bound ratio ({c.STALL_SECONDS.name} over itself plus {c.COMPUTE_SECONDS.name}); "
-                     f"the line below them: the last {RECENT_SCRAPES - 1} s")
+            self.say("  each epoch's line is over the epoch: hit = the spoke's hits / requests, input-bound = stall / "
+                     "(stall + compute) seconds")
             windows = WindowFile(work / "windows.jsonl", JOB)
             started = self.live.begin()
             self._epoch_from(started, scrape(agent_url))
@@ -287,9 +286,9 @@ class Demo:
                     self.live.progress(epoch, step, steps)
                     if step == steps:  # its reads are done, the next epoch's begin after this step
                         self._epoch_ended(epoch, step, scrape(agent_url), time.time() + self.s.step_seconds)
-        finally:
-            stop.set()
             trainer.wait(timeout=60)
+        finally:  # interrupted, the run's stack stops the trainer
+            stop.set()
             refresh.join(timeout=30)
         if 0 < step < steps:  # the run ended within an epoch
             self._epoch_ended(epoch, step, scrape(agent_url), time.time())
@@ -321,9 +320,8 @@ class Demo:
                  if name == c.WARMUP_TIME_TO_STEADY.name and (c.JOB_LABEL, JOB) in labels]
         if found and self.time_to_steady is None:
             self.time_to_steady = found[0]
-            self.say(f"  steady: recognised {time.time() - self.live.started:.0f} s into the run; time to steady "
-                     f"{found[0]:.1f} s from the job's first event, backdated to where the windows that proved it "
-                     f"began ({c.WARMUP_TIME_TO_STEADY.name}, as in the report)")
+            self.say(f"  steady: time to steady {found[0]:.1f} s ({c.WARMUP_TIME_TO_STEADY.name}, as the report "
+                     f"says), recognised {time.time() - self.live.started:.0f} s in")
 
     def _refresh(self, agent_url: str, hub: Hub, windows: WindowFile, stop: threading.Event) -> None:
         """Every second: cut the hub when its time comes, scrape the agent, redraw the live line and say the
