@@ -33,8 +33,7 @@ from stallwatch.correlator.eventfile import read_events
 from stallwatch.correlator.pipeline import CorrelatorPipeline
 from stallwatch.correlator.results import WindowResult
 from stallwatch.correlator.settings import CorrelatorSettings
-from stallwatch.harness import scrape, total, wait_for
-from tests.conftest import AgentProcess, stop_agent
+from stallwatch.harness import AgentProcess, scrape, stop_agent, total, wait_for
 
 pytestmark = pytest.mark.slow
 Span = tuple[int, int]
@@ -76,7 +75,7 @@ class TimedDataset(Dataset[dict[str, Any]]):
 
 def collate(samples: list[dict[str, Any]]) -> dict[str, Any]:
     """The batch as plain bytes (pickled through the worker's result queue) and its truth."""
-    batch = {"payload": [s["payload"] for s in samples], "reads": [s["read"] for s in samples]}
+    batch: dict[str, Any] = {"payload": [s["payload"] for s in samples], "reads": [s["read"] for s in samples]}
     batch["handover"] = time.monotonic_ns()
     return batch
 

@@ -8,6 +8,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import numpy as np
 import pytest
 from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import generate_latest
@@ -68,7 +69,7 @@ def test_each_step_times_the_wait_and_the_work_after_it(agent: tuple[EventsColle
         time.sleep(0.01)
     wait_for("3 steps at the agent", lambda: received.rows("step") == 3, 15)
     (batch,) = [b for b in received.batches if b.kind == "step"]
-    columns = batch.columns
+    columns = {name: column.astype(np.int64) for name, column in batch.columns.items()}
     assert list(columns["batch"]) == [0, 1, 2]
     assert list(columns["rank"]) == [2, 2, 2] and list(columns["gpu"]) == [1, 1, 1]
     waits = columns["wait_end_ns"] - columns["wait_start_ns"]
@@ -279,7 +280,7 @@ def test_a_batch_that_fails_to_pack_is_counted_as_dropped(agent: tuple[EventsCol
     collector, received = agent
     channel = transport.sender().channel(wire.Source("unpackable", 0))
     now = time.monotonic_ns()
-    channel.step((0, now, now + 1, now + 2))  # a row one field short: its whole batch cannot be packed
+    channel.step((0, now, now + 1, now + 2))  # type: ignore[arg-type]  # one field short: the batch cannot be packed
     channel.step((1, now, now + 1, now + 2, -1))
     channel.flush()
     channel.step((2, now, now + 1, now + 2, -1))  # the next batch gets through and reports the two lost events

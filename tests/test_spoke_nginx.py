@@ -12,6 +12,7 @@ import tracemalloc
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -107,13 +108,13 @@ def test_bad_lines_say_why(line: str, reason: str) -> None:
 
 # --- the collector on a file ---------------------------------------------------------------------------
 
-def make_collector(path: Path, batches: list[EventBatch], **kwargs: object) -> NginxSpokeCollector:
+def make_collector(path: Path, batches: list[EventBatch], **kwargs: Any) -> NginxSpokeCollector:
     return NginxSpokeCollector(str(path), "spoke-a", spoke_id=3, sink=batches.append, interval=0,
                                wall_ns=lambda: 5_000_000_000_000_000_000, monotonic_ns=lambda: 1_000, **kwargs)
 
 
 def test_counts_bytes_batches_and_errors_from_real_lines(tmp_path: Path) -> None:
-    log, batches = tmp_path / "access.log", []
+    log, batches = tmp_path / "access.log", list[EventBatch]()
     collector = make_collector(log, batches)
     log.write_text("\n".join([*REAL_LINES, "not a log line"]) + "\n")
     seen = samples(collector)
@@ -142,7 +143,7 @@ def test_counts_bytes_batches_and_errors_from_real_lines(tmp_path: Path) -> None
 
 
 def test_partial_line_waits_for_its_end_and_missing_log_is_waited_for(tmp_path: Path) -> None:
-    log, batches = tmp_path / "later.log", []
+    log, batches = tmp_path / "later.log", list[EventBatch]()
     collector = make_collector(log, batches)
     assert collector.poll() == 0  # no file yet: nothing, no error
     first, second = REAL_LINES[0], REAL_LINES[1]
@@ -165,7 +166,7 @@ def test_existing_log_starts_at_its_end_unless_asked(tmp_path: Path) -> None:
 
 
 def test_rename_rotation_reads_the_old_file_to_its_end_first(tmp_path: Path) -> None:
-    log, now, problems = tmp_path / "access.log", [0.0], []
+    log, now, problems = tmp_path / "access.log", [0.0], list[str]()
     tailer = LogTailer(str(log), rotate_wait=5.0, clock=lambda: now[0], on_problem=problems.append)
     log.write_bytes(b"a\n")
     assert tailer.read_lines() == [b"a"]
@@ -190,7 +191,7 @@ def test_rename_rotation_reads_the_old_file_to_its_end_first(tmp_path: Path) -> 
 
 
 def test_copytruncate_recovers_unread_lines_from_the_copy(tmp_path: Path) -> None:
-    log, problems = tmp_path / "access.log", []
+    log, problems = tmp_path / "access.log", list[str]()
     tailer = LogTailer(str(log), on_problem=problems.append)
     log.write_bytes(b"one\n")
     assert tailer.read_lines() == [b"one"]
@@ -252,7 +253,7 @@ def test_agent_metrics_agree_exactly_with_known_hits_and_misses(spoke: tuple[Ngi
                    "--spoke_nginx.name", "spoke-a", "--spoke_nginx.interval", "0.2"])
     try:
         # (path, request headers, the result we know nginx must give, hub contacted, hub errors)
-        first = [
+        first: list[tuple[str, dict[str, str], str, bool, int]] = [
             ("/data/a.bin", {}, "miss", True, 0), ("/data/a.bin", {}, "hit", False, 0),
             ("/data/a.bin", {}, "hit", False, 0), ("/data/b.bin", {}, "miss", True, 0),
             ("/data/b.bin", {"X-Bypass": "1"}, "bypass", True, 0), ("/data/missing", {}, "miss", True, 0),
@@ -264,7 +265,7 @@ def test_agent_metrics_agree_exactly_with_known_hits_and_misses(spoke: tuple[Ngi
         # After the 1 s validity has surely passed (nginx compares whole seconds) and the stale
         # location's hub is gone. The first /upd request starts a background update of the slow file
         # and is served stale; the second arrives while that update runs.
-        after = [
+        after: list[tuple[str, dict[str, str], str, bool, int]] = [
             ("/short/short.bin", {}, "expired", True, 0), ("/reval/reval.bin", {}, "revalidated", True, 0),
             ("/stale/stale.bin", {}, "stale", True, 1), ("/upd/slow-upd.bin", {}, "stale", False, 0),
             ("/upd/slow-upd.bin", {}, "updating", False, 0),
@@ -447,7 +448,7 @@ def test_two_rotations_between_polls_and_a_log_never_reopened_lose_nothing(spoke
 
 
 def test_a_line_over_the_limit_is_skipped_counted_and_never_held(tmp_path: Path) -> None:
-    log, problems = tmp_path / "access.log", []
+    log, problems = tmp_path / "access.log", list[str]()
     tailer = LogTailer(str(log), max_line_bytes=1000, on_problem=problems.append)
     tracemalloc.start()
     with log.open("ab") as writer:
