@@ -21,6 +21,7 @@ SHORT = [
     ["gpu_check.py"],
     ["scrape.py"],
     ["client_overhead.py"],
+    ["capture_overhead.py"],
     ["correlator_throughput.py"],
     ["flood.py", "--seconds", "20"],
     ["soak.py", "--seconds", "60", "--sample", "5"],

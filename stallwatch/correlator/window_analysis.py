@@ -177,8 +177,9 @@ class WindowAnalyser:
 
     def _verdicts(self, reads: dict[str, np.ndarray], window: WindowInput, in_window: np.ndarray) -> np.ndarray:
         """Each read's verdict: its own, else the spoke's, else the latency split's (learnt from the window's own
-        reads)."""
-        self.latency.learn(reads["end_ns"][in_window] - reads["start_ns"][in_window])
+        reads, less those the client saw cross no spoke: a local disk's latency is neither cluster's)."""
+        learnt = in_window & (reads["verdict"] != Verdict.DIRECT)
+        self.latency.learn(reads["end_ns"][learnt] - reads["start_ns"][learnt])
         return self._resolved(reads["verdict"].astype(np.int8, copy=True), reads["key"], reads["start_ns"],
                               reads["end_ns"], window)
 
