@@ -158,9 +158,9 @@ def test_over_several_jobs_the_report_names_them_instead_of_running_their_phases
             time.sleep(0.02)
         client.flush_all()
     assert _answers(prometheus, f"{phases} == 2"), "both jobs' phases reached Prometheus"
-    end = time.time()
-    both = run_from_prometheus(secured.url, end - 120, end, Scope(), secured.access())
-    alpha = run_from_prometheus(secured.url, end - 120, end, Scope(job="alpha"), secured.access())
+    until = time.time()
+    both = run_from_prometheus(secured.url, until - 120, until, Scope(), secured.access())
+    alpha = run_from_prometheus(secured.url, until - 120, until, Scope(job="alpha"), secured.access())
     assert both.phases == [] and both.several_jobs == ("alpha", "beta")
     assert alpha.phases and alpha.several_jobs == ()
 
