@@ -1,4 +1,7 @@
-"""A run drawn as one self-contained HTML page, its PNG figures (matplotlib) inline."""
+"""A run drawn as one self-contained HTML page, its PNG figures (matplotlib) inline.
+
+Every figure says which metric it is; what the run cannot know (no GPU, no spoke, no reads) is said in words
+where its figure would be."""
 
 from __future__ import annotations
 
@@ -11,10 +14,24 @@ from typing import Any
 import numpy as np
 
 from stallwatch import catalogue as c
-from stallwatch.report.run import Run, Series
+from stallwatch.report.run import FloatArray, Run, Series
 
 PHASE_COLOURS = {"cold": "#4a90d9", "transition": "#f5a623", "steady": "#7ed321"}
 CAUSE_COLOURS = {cause.name: cause.colour for cause in c.CAUSE_TABLE}
+# What each timeline is, by source: the metric a user would query for the same figure.
+WHAT = {
+    "prometheus": {
+        "gpu": f"mean of the job's GPUs' {c.GPU_UTILIZATION.name} over each step of the figure",
+        "steps": f"increase of {c.STEP_COMPUTE.name}_count per second, all ranks",
+        "hit": f"the spoke's {c.SPOKE_REQUESTS.name}{{result=\"hit\"}} over all its requests",
+        "hub": f"increase of {c.SPOKE_BYTES.name}{{source=\"hub\"}} per second: the spoke's fetches",
+    },
+    "windows": {
+        "steps": "steps per second of the job's ranks in each window",
+        "hit": "the job's reads that crossed the spoke and hit, over all of them, in each window",
+        "hub": "bytes of the job's reads that missed the spoke, per second, in each window",
+    },
+}
 
 
 def _figure_png(draw: Any, height: float = 2.2) -> str:
@@ -36,37 +53,53 @@ def _clock(t: float, with_date: bool = False) -> str:
     return time.strftime("%Y-%m-%d %H:%M:%S" if with_date else "%H:%M:%S", time.gmtime(t))
 
 
-def _shade(axis: Any, run: Run) -> None:
+def _steps(series: Series, since: float) -> tuple[FloatArray, FloatArray]:
+    """A series as steps, each value over its own span, broken where no span covers the time."""
+    x: list[float] = []
+    y: list[float] = []
+    for i, (start, end, value) in enumerate(zip(series.t, series.end, series.v, strict=True)):
+        x += [start - since, end - since]
+        y += [value, value]
+        if i + 1 < series.t.size and series.t[i + 1] > end + 1e-3:
+            x.append(end - since)
+            y.append(np.nan)
+    return np.array(x), np.array(y)
+
+
+def _axes(axis: Any, run: Run, label: str) -> None:
     for start, end, phase in run.phases:
         axis.axvspan(start - run.start, max(end, start + 1) - run.start, color=PHASE_COLOURS.get(phase, "#ddd"),
                      alpha=0.15, lw=0)
+    if run.steady_at is not None:
+        axis.axvline(run.steady_at - run.start, color="#2b7a0b", ls="--", lw=1.2, label="time to steady")
+    axis.set_ylabel(label)
+    axis.set_xlabel(f"seconds since {_clock(run.start)} UTC")
+    axis.set_xlim(0, run.end - run.start)
+    axis.grid(alpha=0.3)
 
 
-def _timeline(run: Run, series: Series, label: str, unit: str, scale: float = 1.0) -> str:
+def _timeline(run: Run, series: Series, label: str, scale: float = 1.0) -> str:
     def draw(axis: Any) -> None:
-        _shade(axis, run)
-        axis.plot(series.t - run.start, series.v * scale, lw=1.5, color="#333")
-        axis.set_ylabel(f"{label} ({unit})" if unit else label)
-        axis.set_xlabel(f"seconds since {_clock(run.start)} UTC")
-        axis.set_xlim(0, run.end - run.start)
-        axis.grid(alpha=0.3)
+        _axes(axis, run, label)
+        x, y = _steps(series, run.start)
+        axis.plot(x, y * scale, lw=1.5, color="#333")
 
     return _figure_png(draw)
 
 
 def _stalls(run: Run) -> str:
     def draw(axis: Any) -> None:
-        _shade(axis, run)
-        causes = [cause for cause in c.CAUSES if cause in run.stall_by_cause]
-        if causes:
-            t = run.stall_by_cause[causes[0]].t
-            stacked = [np.interp(t, run.stall_by_cause[k].t, run.stall_by_cause[k].v) for k in causes]
-            axis.stackplot(t - run.start, *stacked, labels=causes, colors=[CAUSE_COLOURS[k] for k in causes])
+        _axes(axis, run, "stall s per s per rank")
+        lower: FloatArray | None = None
+        for cause in c.CAUSES:
+            x, y = _steps(run.stall_by_cause[cause], run.start)
+            base = np.zeros_like(y) if lower is None else lower
+            if np.nansum(y) > 0:
+                axis.fill_between(x, base, base + y, color=CAUSE_COLOURS[cause], lw=0, label=cause)
+            lower = base + y
+        axis.set_ylim(0, 1.05)
+        if axis.get_legend_handles_labels()[0]:
             axis.legend(loc="upper right", fontsize=8)
-        axis.set_ylabel("stall s per s")
-        axis.set_xlabel(f"seconds since {_clock(run.start)} UTC")
-        axis.set_xlim(0, run.end - run.start)
-        axis.grid(alpha=0.3)
 
     return _figure_png(draw, 2.6)
 
@@ -80,9 +113,10 @@ def _header(run: Run) -> str:
     same_day = time.gmtime(run.start)[:3] == time.gmtime(run.end)[:3]
     scope = "".join(f", {kind} {html.escape(name)}" for kind, name in (("job", run.job), ("node", run.node)) if name)
     spans = ", ".join(f"{html.escape(phase)} {_clock(start)}&ndash;{_clock(end)}" for start, end, phase in run.phases)
+    nodes = f", {run.nodes} nodes combined" if run.nodes > 1 else ""
     return (f"Run from {_clock(run.start, True)} to {_clock(run.end, not same_day)} UTC "
-            f"({run.end - run.start:,.0f} s){scope}."
-            f'<br><span id="phases">Phases: {spans or _no_phases(run)}</span>')
+            f"({run.end - run.start:,.0f} s){scope}{nodes}."
+            f'<br><span id="phases">Phases as recognised: {spans or _no_phases(run)}</span>')
 
 
 def _no_phases(run: Run) -> str:
@@ -91,41 +125,126 @@ def _no_phases(run: Run) -> str:
     return "none seen"
 
 
-def render_html(run: Run, price_per_gb: float) -> str:
+def _gpu_unknown(run: Run) -> str | None:
+    """Why the run's GPU idle and utilization cannot be shown, if they cannot."""
+    if run.gpu_devices == 0:
+        return f"no GPU on this node ({c.GPU_DEVICES.name} 0)" if run.nodes == 1 else "no GPU on the job's nodes"
+    if run.gpu_devices is None and not any(run.gpu_stall_idle_seconds.values()):
+        return "not known: the source does not say whether the node has GPUs"
+    return None
+
+
+def _headline(run: Run) -> str:
+    """The job's input-bound share and its stalls by cause, in seconds and shares; the GPU idle in them."""
+    ratio = run.input_bound_ratio
+    ranks = f"summed over {run.ranks} rank{'s' if run.ranks != 1 else ''}"
+    said = ("no step seen" if ratio is None else
+            f"of step time waiting for input: {run.stall_total:,.1f} s stalled, {run.compute_seconds:,.1f} s "
+            f"computing ({ranks}; {c.STALL_SECONDS.name} over it plus {c.COMPUTE_SECONDS.name})")
+    gpu = _gpu_unknown(run)
+    rows = "".join(
+        f"<tr><td style='text-align:left'><span style='color:{CAUSE_COLOURS[cause]}'>&#9632;</span> {cause}</td>"
+        f"<td>{run.stall_seconds[cause]:,.1f} s</td>"
+        f"<td>{(run.stall_seconds[cause] / run.stall_total * 100 if run.stall_total else 0):.1f} %</td>"
+        f"<td>{'&ndash;' if gpu else f'{run.gpu_stall_idle_seconds[cause]:,.1f} s'}</td></tr>"
+        for cause in c.CAUSES)
+    return (f'<p>Input-bound: <span class="k" id="input-bound">{_fmt(None if ratio is None else ratio * 100, " %")}'
+            f"</span> {html.escape(said)}.</p>"
+            f'<table id="stalls"><tr><th>cause</th><th>stall seconds ({ranks})</th><th>share of the stall</th>'
+            f'<th id="gpu-idle">GPU idle in these stalls ({html.escape(gpu or c.GPU_STALL_IDLE_SECONDS.name)})</th>'
+            f"</tr>{rows}</table>")
+
+
+def _steady(run: Run) -> str:
+    if run.not_steady:
+        return f"not steady yet on {', '.join(run.not_steady)}"
+    if run.time_to_steady_seconds is None:
+        return "not steady in this run"
+    recognised = next((start for start, _, phase in run.phases if phase == "steady"), None)
+    said = [f"{c.WARMUP_TIME_TO_STEADY.name}: from the job's first event to the start of the windows that proved "
+            "the cache warm"]
+    if run.steady_at is not None:
+        said.append(f"warm from {_clock(run.steady_at)} UTC (the dashed line)")
+    if recognised is not None:
+        said.append(f"steady recognised at {_clock(recognised)} UTC, when enough windows had proved it")
+    if run.nodes > 1:
+        said.append(f"the last of {run.nodes} nodes to be steady")
+    return "; ".join(said)
+
+
+def _warmup(run: Run, price_per_gb: float) -> str:
     hub_gb = None if run.warmup_hub_bytes is None else run.warmup_hub_bytes / 1e9
     cost = None if hub_gb is None else hub_gb * price_per_gb
-    figures = [
-        ("GPU utilization", _timeline(run, run.gpu_utilization, "GPU utilization", "%", 100)),
-        ("Step throughput", _timeline(run, run.steps_per_second, "steps/s", "")),
-        ("Spoke hit ratio", _timeline(run, run.hit_ratio, "hit ratio", "%", 100)),
-        ("Hub throughput (cross-region)", _timeline(run, run.hub_bytes_per_second, "hub", "MB/s", 1e-6)),
-        ("Stall seconds by cause", _stalls(run)),
-    ]
-    whatif_rows = "".join(
-        f"<tr><td>{html.escape(k)}&times;</td><td>{v * 100:.1f} %</td></tr>"
-        for k, v in sorted(run.whatif.items(), key=lambda kv: float(kv[0]))
-    ) or "<tr><td colspan=2>no estimate (no reads seen)</td></tr>"
-    legend = " ".join(f'<span style="background:{colour}33;padding:2px 6px">{phase}</span>'
-                      for phase, colour in PHASE_COLOURS.items())
-    blocks = "".join(f'<h2>{html.escape(title)}</h2><img alt="{html.escape(title)}" src="data:image/png;base64,{png}">'
-                     for title, png in figures)
-    return f"""<!doctype html>
-<html lang="en"><head><meta charset="utf-8"><title>stallwatch warm-up report</title>
-<style>body{{font-family:sans-serif;max-width:1040px;margin:2em auto;color:#222}}
-table{{border-collapse:collapse}}td,th{{border:1px solid #ccc;padding:4px 10px;text-align:right}}
-img{{width:100%}}.k{{font-size:1.6em;font-weight:bold}}</style></head>
-<body>
-<h1>stallwatch warm-up report</h1>
-<p id="run">{_header(run)}</p>
-<p>Shading: {legend}</p>
-<table><tr><th>time to steady</th><th>idle GPU-seconds during warm-up</th><th>hub bytes during warm-up</th>
-<th>cross-region cost at ${price_per_gb:.3f}/GB</th></tr>
+    summed = f", summed over {run.nodes} nodes" if run.nodes > 1 else ""
+    return f"""<h2>Warm-up</h2>
+<table><tr><th>time to steady</th><th>GPU idle in stalls until steady was recognised</th>
+<th>hub bytes until steady was recognised</th><th>cross-region cost at ${price_per_gb:.3f}/GB</th></tr>
 <tr><td class="k" id="time-to-steady">{_fmt(run.time_to_steady_seconds, " s")}</td>
 <td class="k" id="warmup-idle">{_fmt(run.warmup_idle_gpu_seconds, " s")}</td>
 <td class="k" id="warmup-hub-bytes">{_fmt(hub_gb, " GB", 3)}</td>
 <td class="k" id="warmup-cost">{'n/a' if cost is None else f'${cost:,.4f}'}</td></tr></table>
+<p id="steady">{html.escape(_steady(run))}. The warm-up's cost: {c.WARMUP_IDLE_GPU_SECONDS.name} (the GPU idle in
+the stalls above, up to the window that recognised steady) and {c.WARMUP_HUB_BYTES.name}{summed}.</p>"""
+
+
+def _whatif(run: Run) -> str:
+    rows = "".join(f"<tr><td>{html.escape(k)}&times;</td><td>{v * 100:.1f} %</td></tr>"
+                   for k, v in sorted(run.whatif.items(), key=lambda kv: float(kv[0])))
+    if not rows:
+        if run.whatif_keys is None:
+            why = "the correlator's what-if saw no read"
+        elif not run.spoke_reads:
+            why = "no read crossed a spoke"
+        else:
+            why = (f"the correlator was not given the spoke's capacity (--correlator.cache-capacity); its curve "
+                   f"tracks {run.whatif_keys:,.0f} keys")
+        rows = f'<tr><td colspan=2 id="whatif-none">no estimate: {html.escape(why)}</td></tr>'
+    combined = " (each node's estimate weighted by the reads it replayed)" if run.nodes > 1 and run.whatif else ""
+    return (f"<h2>What a different spoke would buy</h2><p>{c.CACHE_WHATIF_HIT_RATIO.name}{combined}</p>"
+            f'<table id="whatif"><tr><th>capacity</th><th>estimated hit ratio</th></tr>{rows}</table>')
+
+
+def _figures(run: Run) -> list[tuple[str, str, str]]:
+    """(title, what it is, a PNG or, where the run cannot know, why) per timeline."""
+    what = WHAT[run.source]
+    no_spoke = "no read crossed a spoke in this run: no hit ratio, no hub bytes"
+    no_gpu = _gpu_unknown(run)
+    if no_gpu is None and run.gpu_utilization is not None:
+        gpu = ("GPU utilization", what["gpu"], _timeline(run, run.gpu_utilization, "GPU utilization (%)", 100))
+    else:
+        gpu = ("GPU utilization", no_gpu or "not in the window file (it holds the GPU idle in stalls, above): "
+               "read the run with --prometheus", "")
+    ranks = f"stall-seconds per second per rank, averaged over the {run.ranks} rank{'s' if run.ranks != 1 else ''}"
+    return [
+        gpu,
+        ("Step throughput", what["steps"], _timeline(run, run.steps_per_second, "steps/s")),
+        ("Spoke hit ratio", what["hit"] if run.spoke_reads else no_spoke,
+         _timeline(run, run.hit_ratio, "hit ratio (%)", 100) if run.spoke_reads else ""),
+        ("Hub throughput (cross-region)", what["hub"] if run.spoke_reads else no_spoke,
+         _timeline(run, run.hub_bytes_per_second, "hub (MB/s)", 1e-6) if run.spoke_reads else ""),
+        ("Stall seconds by cause", f"{c.STALL_SECONDS.name}: {ranks}", _stalls(run)),
+    ]
+
+
+def render_html(run: Run, price_per_gb: float) -> str:
+    legend = " ".join(f'<span style="background:{colour}33;padding:2px 6px">{phase}</span>'
+                      for phase, colour in PHASE_COLOURS.items())
+    blocks = "".join(
+        f"<h2>{html.escape(title)}</h2><p class='what'>{html.escape(what)}</p>"
+        + (f'<img alt="{html.escape(title)}" src="data:image/png;base64,{png}">' if png else "")
+        for title, what, png in _figures(run))
+    return f"""<!doctype html>
+<html lang="en"><head><meta charset="utf-8"><title>stallwatch warm-up report</title>
+<style>body{{font-family:sans-serif;max-width:1040px;margin:2em auto;color:#222}}
+table{{border-collapse:collapse}}td,th{{border:1px solid #ccc;padding:4px 10px;text-align:right}}
+img{{width:100%}}.k{{font-size:1.6em;font-weight:bold}}.what{{color:#555;font-size:0.9em}}</style></head>
+<body>
+<h1>stallwatch warm-up report</h1>
+<p id="run">{_header(run)}</p>
+{_headline(run)}
+{_warmup(run, price_per_gb)}
+<p>Shading: {legend}, each phase from the window that recognised it; dashed line: the time to steady.</p>
 {blocks}
-<h2>What a different spoke would buy</h2>
-<table id="whatif"><tr><th>capacity</th><th>estimated hit ratio</th></tr>{whatif_rows}</table>
+{_whatif(run)}
 </body></html>
 """

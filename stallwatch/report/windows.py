@@ -48,10 +48,7 @@ def _by_window(lines: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [merged[start] for start in sorted(merged)]
 
 
-def _read_rows(path: Path, start: float | None, end: float | None) -> list[dict[str, Any]]:
-    rows = _by_window(_parse(path))
-    if not rows:
-        raise ValueError(f"{path}: no windows recorded")
+def _within(rows: list[dict[str, Any]], path: Path, start: float | None, end: float | None) -> list[dict[str, Any]]:
     kept = [row for row in rows
             if (start is None or row["end_s"] > start) and (end is None or row["start_s"] < end)]
     if not kept:
@@ -63,13 +60,16 @@ def _read_rows(path: Path, start: float | None, end: float | None) -> list[dict[
 def run_from_windows(path: Path, job: str | None = None, start: float | None = None,
                      end: float | None = None) -> Run:
     """A run from `--correlator.record-windows` lines (times in unix seconds): the job's rows only if given,
-    the windows that overlap [start, end] if given."""
-    rows = _read_rows(path, start, end)
+    the windows that overlap [start, end] if given. Each figure is the sum of the windows' rows of the metric
+    it is published as; a window holds its values over its own span, and where no window holds a rank of the
+    run (between jobs, before and after), nothing is drawn."""
+    recorded = _by_window(_parse(path))
+    if not recorded:
+        raise ValueError(f"{path}: no windows recorded")
+    rows = _within(recorded, path, start, end)
     jobs = sorted({item["job"] for row in rows for item in row["jobs"]})
     if job is not None and job not in jobs:
         raise ValueError(f"{path}: no windows of job {job!r} (jobs: {', '.join(jobs) or 'none'})")
-    t = np.array([(row["start_s"] + row["end_s"]) / 2 for row in rows])
-    length = np.array([row["end_s"] - row["start_s"] for row in rows])
 
     def ours(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
         return [item for item in items if job is None or item["job"] == job]
@@ -77,22 +77,47 @@ def run_from_windows(path: Path, job: str | None = None, start: float | None = N
     def total(key: str, pick: Any) -> FloatArray:
         return np.array([sum(pick(item) for item in ours(row[key])) for row in rows], dtype=np.float64)
 
-    compute = total("ranks", lambda r: r["compute_s"])
-    ranks = np.maximum(total("ranks", lambda r: 1), 1)
-    # A job with no hit ratio yet (no read in its warm-up span) counts in neither.
-    reads = total("jobs", lambda j: j["reads"] if j["hit_ratio"] is not None else 0)
-    hits = total("jobs", lambda j: j["reads"] * j["hit_ratio"] if j["hit_ratio"] is not None else 0)
     run = Run(start=float(rows[0]["start_s"]), end=float(rows[-1]["end_s"]), job=job)
-    run.gpu_utilization = Series(t, compute / length / ranks)  # the emulated GPU is busy while its rank computes
-    run.steps_per_second = Series(t, total("ranks", lambda r: r["steps"]) / length)
-    run.hit_ratio = Series(t, np.divide(hits, reads, out=np.full_like(hits, np.nan), where=reads > 0))
-    run.hub_bytes_per_second = Series(t, total("jobs", lambda j: j["hub_bytes"]) / length)
+    starts = np.array([row["start_s"] for row in rows], dtype=np.float64)
+    ends = np.array([row["end_s"] for row in rows], dtype=np.float64)
+    length = ends - starts
+    # A window with no row of the run's jobs tells nothing about them (as a job's series stop in Prometheus).
+    active = total("ranks", lambda r: 1) + total("jobs", lambda j: 1) > 0
+
+    def series(values: FloatArray, known: Any = active) -> Series:
+        return Series(starts, np.where(known, values, np.nan), ends)
+
+    run.ranks = len({(r["job"], r["rank"]) for row in rows for r in ours(row["ranks"])})
+    run.compute_seconds = float(total("ranks", lambda r: r["compute_s"]).sum())
+    run.steps_per_second = series(total("ranks", lambda r: r["steps"]) / length)
     for cause in c.CAUSES:
-        run.stall_by_cause[cause] = Series(t, total("ranks", lambda r, k=cause: r["stall_s"][k]) / length)
+        stalled = total("ranks", lambda r, k=cause: r["stall_s"][k])
+        run.stall_seconds[cause] = float(stalled.sum())
+        run.stall_by_cause[cause] = series(stalled / length / max(run.ranks, 1))
+        run.gpu_stall_idle_seconds[cause] = float(total("gpus", lambda g, k=cause: g["idle_s"][k]).sum())
+    devices = [row["gpu_devices"] for row in rows if "gpu_devices" in row]
+    run.gpu_devices = max(devices) if devices else None
+    reads = total("jobs", lambda j: j["reads"])  # those that crossed a spoke: a job's hit ratio is theirs
+    hits = total("jobs", lambda j: j["reads"] * (j["hit_ratio"] or 0.0))
+    run.spoke_reads = float(reads.sum())
+    run.hit_ratio = series(np.divide(hits, reads, out=np.zeros_like(hits), where=reads > 0), reads > 0)
+    run.hub_bytes_per_second = series(total("jobs", lambda j: j["hub_bytes"]) / length)
     if job is None and len(jobs) > 1:
         run.several_jobs = tuple(jobs)  # one job's phases after another's would read as one run's
+    else:
+        _warmup(run, rows, ours)
+        run.job_started = next(row["start_s"] for row in recorded if ours(row["jobs"]))
     for row in rows:
-        for item in [] if run.several_jobs else ours(row["jobs"]):
+        if row["whatif_hit_ratio"]:
+            run.whatif = {k: float(v) for k, v in row["whatif_hit_ratio"].items()}
+        run.whatif_keys = row.get("whatif_keys") or run.whatif_keys
+    return run
+
+
+def _warmup(run: Run, rows: list[dict[str, Any]], ours: Any) -> None:
+    """The job's phases, each from the window that recognised it, and its warm-up figures as last published."""
+    for row in rows:
+        for item in ours(row["jobs"]):
             if run.phases and run.phases[-1][2] == item["phase"]:
                 run.phases[-1] = (run.phases[-1][0], row["end_s"], item["phase"])
             else:
@@ -101,6 +126,3 @@ def run_from_windows(path: Path, job: str | None = None, start: float | None = N
                 run.time_to_steady_seconds = item["time_to_steady_s"]
                 run.warmup_idle_gpu_seconds = item["warmup_idle_gpu_s"]
                 run.warmup_hub_bytes = item["warmup_hub_bytes"]
-        if row["whatif_hit_ratio"]:
-            run.whatif = {k: float(v) for k, v in row["whatif_hit_ratio"].items()}
-    return run
