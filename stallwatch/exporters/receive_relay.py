@@ -13,6 +13,12 @@ and the agent refuses it as `truncated`), then those bytes. While the agent read
 clients keep, and at worst drop and count, their batches: nothing is lost without a count. It exits
 when the agent closes the pipe or when its parent process is gone.
 
+SIGTERM and SIGINT stop it when the agent sends them. Sent to the agent's whole process group
+(`systemctl stop`, Ctrl-C), they reach the relay as well as the agent: the relay goes on relaying and
+leaves the agent to stop it, so the agent stops cleanly instead of finding its relay gone first (and
+saying so as an error). It stops by itself `STOP_GRACE_S` after such a signal if the agent has not
+(the agent may have taken that signal as its own request: a signal sent twice before it is taken is one).
+
     python -m stallwatch.exporters.receive_relay SOCKET_FD PIPE_FD PARENT_PID
 """
 
@@ -22,9 +28,12 @@ import contextlib
 import fcntl
 import os
 import select
+import signal
 import socket
 import struct
 import sys
+import threading
+import time
 from collections import deque
 
 FRAME = struct.Struct("<II")  # the datagram's length, then how many of its bytes follow (fewer if cut)
@@ -34,6 +43,35 @@ PIPE_BYTES = 1 << 20  # the pipe's own buffer, as large as an unprivileged proce
 DRAIN_PER_WAKE = 64
 CHECK_PARENT_MS = 1000
 F_SETPIPE_SZ = 1031
+STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM}
+STOP_GRACE_S = 3.0  # below the 5 s the agent waits for its relay to stop
+
+
+def _wait_for_stop(parent_pid: int, stop: threading.Event, wake_fd: int) -> None:
+    """Set `stop` (and wake the relay's poll) on a stop signal from the agent, or `STOP_GRACE_S` after one from
+    elsewhere. Takes the signals synchronously (`sigwaitinfo`): their sender is known only that way."""
+    deadline: float | None = None
+    info: signal.struct_siginfo | None
+    while True:
+        if deadline is None:
+            info = signal.sigwaitinfo(STOP_SIGNALS)
+        else:
+            info = signal.sigtimedwait(STOP_SIGNALS, max(0.0, deadline - time.monotonic()))
+        if info is None or info.si_pid == parent_pid:
+            break
+        deadline = deadline or time.monotonic() + STOP_GRACE_S
+    stop.set()
+    os.write(wake_fd, b"x")
+
+
+def _stop_on_signal(parent_pid: int) -> tuple[threading.Event, int]:
+    """Block the stop signals and take them in a thread of their own; the event it sets, and the fd it wakes."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)  # before the thread starts: it inherits the mask
+    stop = threading.Event()
+    wake_read, wake_write = os.pipe()
+    threading.Thread(target=_wait_for_stop, args=(parent_pid, stop, wake_write), name="stop-signals",
+                     daemon=True).start()
+    return stop, wake_read
 
 
 def relay(sock: socket.socket, pipe_fd: int, parent_pid: int) -> None:
@@ -45,7 +83,9 @@ def relay(sock: socket.socket, pipe_fd: int, parent_pid: int) -> None:
     buffer = bytearray(RECEIVE_BUFFER)
     poller = select.poll()
     sock_fd = sock.fileno()
-    while os.getppid() == parent_pid:
+    stop, wake_fd = _stop_on_signal(parent_pid)
+    poller.register(wake_fd, select.POLLIN)
+    while os.getppid() == parent_pid and not stop.is_set():
         poller.register(sock_fd, select.POLLIN if buffered < MAX_BUFFERED_BYTES else 0)
         poller.register(pipe_fd, select.POLLOUT if out else 0)
         for fd, event in poller.poll(CHECK_PARENT_MS):
