@@ -6,8 +6,10 @@
 - Prometheus: each rule file is installed as `stallwatch-<name>.yaml`, the name the shipped scrape configs'
   `rule_files` glob (`rules/stallwatch-*.yaml`) loads. It is staged next to its target under a name no
   `*.yaml` glob matches, checked with `promtool check rules`, and only then moved over the old one
-  (atomically); then `POST /-/reload` when a URL is given (the server must run with
-  `--web.enable-lifecycle`). A broken rule never replaces a good file, and no staged file is left behind.
+  (atomically). A broken rule never replaces a good file, and no staged file is left behind. With a
+  URL, the server is asked first whether it is a Prometheus at all (before any file is written), then
+  reloaded (`POST /-/reload`: it must run with `--web.enable-lifecycle`), then asked whether it loaded
+  every rule group: a Prometheus that reads its rules from another directory is an error, not a success.
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ import urllib.request
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
+
+import yaml
 
 from stallwatch.mixin.generate import ARTIFACTS
 
@@ -101,10 +105,12 @@ def _comparable(dashboard: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _message(body: bytes) -> str:
+    """An error answer's message, on one line: a JSON body's `message`, else the start of the text."""
     try:
-        return str(json.loads(body).get("message", ""))
+        text = str(json.loads(body).get("message", ""))
     except (ValueError, AttributeError):
-        return body[:200].decode(errors="replace")
+        text = body[:200].decode(errors="replace")
+    return " ".join(text.split())
 
 
 def read_token(path: str | None) -> str:
@@ -164,15 +170,72 @@ def install_rules(rules: Mapping[str, str], directory: Path, promtool: str) -> l
     return changed
 
 
-def reload_prometheus(url: str, timeout: float = TIMEOUT_SECONDS) -> None:
-    request = urllib.request.Request(url.rstrip("/") + "/-/reload", method="POST")
-    try:
-        urllib.request.urlopen(request, timeout=timeout).close()
-    except urllib.error.HTTPError as error:
-        hint = " (start Prometheus with --web.enable-lifecycle)" if error.code in (403, 404) else ""
-        raise PublishError(f"Prometheus refused the reload: {error.code} {error.reason}{hint}") from error
-    except (urllib.error.URLError, OSError) as error:
-        raise PublishError(f"Prometheus is not reachable at {url}: {getattr(error, 'reason', error)}") from error
+class Prometheus:
+    """The Prometheus HTTP API calls publish makes; every failure is a PublishError but `_RefusedError`'s, kept
+    for the caller to explain."""
+
+    def __init__(self, url: str, timeout: float = TIMEOUT_SECONDS) -> None:
+        self._url = url.rstrip("/")
+        self._timeout = timeout
+
+    def _request(self, method: str, path: str) -> bytes:
+        request = urllib.request.Request(self._url + path, method=method)
+        try:
+            with urllib.request.urlopen(request, timeout=self._timeout) as reply:
+                return bytes(reply.read())
+        except urllib.error.HTTPError as error:
+            raise _RefusedError(error.code, f"{error.code} {_message(error.read()) or error.reason}") from error
+        except (urllib.error.URLError, OSError) as error:
+            raise PublishError(f"Prometheus is not reachable at {self._url}: {getattr(error, 'reason', error)}"
+                               ) from error
+
+    def _api(self, path: str) -> Any:
+        """The `data` of a Prometheus HTTP API answer; anything else means the URL is not a Prometheus."""
+        not_prometheus = PublishError(f"{self._url} is not a Prometheus (GET {path} did not answer as Prometheus's "
+                                      "HTTP API does): give its base URL, e.g. http://prometheus:9090")
+        try:
+            reply = json.loads(self._request("GET", path))
+        except (_RefusedError, ValueError) as error:
+            raise not_prometheus from error
+        if not isinstance(reply, dict) or reply.get("status") != "success":
+            raise not_prometheus
+        return reply.get("data")
+
+    def check(self) -> None:
+        """Fail unless the URL answers as a Prometheus."""
+        self._api("/api/v1/status/buildinfo")
+
+    def reload(self) -> None:
+        try:
+            self._request("POST", "/-/reload")
+        except _RefusedError as refusal:
+            hint = " (start Prometheus with --web.enable-lifecycle)" if refusal.status in (403, 404) else ""
+            raise PublishError(f"Prometheus refused the reload: {refusal.detail}{hint}") from refusal
+
+    def missing_groups(self, names: set[str]) -> list[str]:
+        """The rule groups of `names` the server has not loaded."""
+        data = self._api("/api/v1/rules")
+        loaded = {group.get("name") for group in data.get("groups", [])} if isinstance(data, dict) else set()
+        return sorted(names - loaded)
+
+
+class _RefusedError(Exception):
+    def __init__(self, status: int, detail: str) -> None:
+        super().__init__(detail)
+        self.status, self.detail = status, detail
+
+
+def reload_prometheus(url: str, rules: Mapping[str, str], rules_dir: Path, timeout: float = TIMEOUT_SECONDS) -> None:
+    """Reload the Prometheus at `url` and make sure it loaded every group of `rules` (installed in `rules_dir`)."""
+    prometheus = Prometheus(url, timeout)
+    prometheus.reload()
+    names = {group["name"] for text in rules.values() for group in yaml.safe_load(text)["groups"]}
+    missing = prometheus.missing_groups(names)
+    if missing:
+        raise PublishError(f"Prometheus at {url} reloaded but did not load {len(missing)} of the {len(names)} rule "
+                           f"groups ({', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''}): its rule_files "
+                           f"must include {rules_dir.resolve()}/{RULE_FILE_PREFIX}*.yaml; is it the Prometheus "
+                           "that reads that directory?")
 
 
 # --- the command ---------------------------------------------------------------------------------------
@@ -189,13 +252,18 @@ def main(argv: Sequence[str]) -> int:
     parser.add_argument("--grafana.folder", dest="grafana_folder", default="stallwatch", help="(default: %(default)s)")
     parser.add_argument("--prometheus.rules-dir", dest="rules_dir", type=Path,
                         help="directory Prometheus loads rule files from (rule_files glob)")
-    parser.add_argument("--prometheus.url", dest="prometheus_url", help="reload this Prometheus after writing rules")
+    parser.add_argument("--prometheus.url", dest="prometheus_url",
+                        help="reload this Prometheus after writing rules, and check that it loaded them")
     parser.add_argument("--promtool", default="promtool",
                         help="promtool to check rules with, a path or a command on PATH (default: %(default)s)")
     options = parser.parse_args(argv)
     if not options.grafana_url and not options.rules_dir:
         parser.error("nothing to do: give --grafana.url and/or --prometheus.rules-dir")
+    if options.prometheus_url and not options.rules_dir:
+        parser.error("--prometheus.url reloads the rules written to --prometheus.rules-dir: give both")
     try:
+        if options.prometheus_url:  # before anything is written: a wrong URL changes nothing
+            Prometheus(options.prometheus_url).check()
         if options.grafana_url:
             grafana = Grafana(options.grafana_url, read_token(options.grafana_token_file))
             folder = grafana.ensure_folder(options.grafana_folder, options.grafana_folder.lower())
@@ -203,11 +271,12 @@ def main(argv: Sequence[str]) -> int:
                 changed = grafana.publish_dashboard(json.loads(text), folder)
                 print(f"grafana: {name}: {'published' if changed else 'unchanged'}")
         if options.rules_dir:
-            changed_rules = install_rules(generated("alerts/"), options.rules_dir, options.promtool)
+            rules = generated("alerts/")
+            changed_rules = install_rules(rules, options.rules_dir, options.promtool)
             print(f"prometheus: {len(changed_rules)} rule file(s) updated in {options.rules_dir}")
-            if options.prometheus_url and changed_rules:
-                reload_prometheus(options.prometheus_url)
-                print(f"prometheus: reloaded {options.prometheus_url}")
+            if options.prometheus_url:  # reloaded even when nothing changed: it may not have loaded them yet
+                reload_prometheus(options.prometheus_url, rules, options.rules_dir)
+                print(f"prometheus: reloaded {options.prometheus_url}, every rule group loaded")
     except PublishError as error:
         print(f"stallwatch publish: error: {error}", file=sys.stderr)
         return 1

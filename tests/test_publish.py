@@ -193,14 +193,14 @@ def test_rules_reach_a_real_prometheus_and_a_broken_file_never_replaces_a_good_o
     url, rules = prometheus
     installed = "stallwatch-test.yaml"
     assert install_rules({"test.yaml": GOOD_RULES}, rules, promtool) == [installed]
-    reload_prometheus(url)
+    reload_prometheus(url, {"test.yaml": GOOD_RULES}, rules)
     assert "stallwatch-publish-test" in loaded_groups(url)
     assert install_rules({"test.yaml": GOOD_RULES}, rules, promtool) == []  # unchanged: not rewritten
     with pytest.raises(PublishError, match="failed promtool check rules"):
         install_rules({"test.yaml": BROKEN_RULES}, rules, promtool)
     assert (rules / installed).read_text() == GOOD_RULES
     assert sorted(p.name for p in rules.iterdir()) == [installed]  # no staged leftovers
-    reload_prometheus(url)
+    reload_prometheus(url, {"test.yaml": GOOD_RULES}, rules)
     assert "stallwatch-publish-test" in loaded_groups(url)
 
 
@@ -258,12 +258,63 @@ def test_what_publish_writes_loads_through_the_shipped_scrape_config(tmp_path: P
 
 
 def test_reload_without_the_lifecycle_api_or_a_server_is_explained(tmp_path: Path) -> None:
-    with running_prometheus(tmp_path, lifecycle=False) as (url, _), pytest.raises(
+    with running_prometheus(tmp_path, lifecycle=False) as (url, rules), pytest.raises(
         PublishError, match=r"--web\.enable-lifecycle"
     ):
-        reload_prometheus(url)
+        reload_prometheus(url, {}, rules)
     with pytest.raises(PublishError, match="not reachable"):
-        reload_prometheus(f"http://127.0.0.1:{free_port()}", timeout=2)
+        reload_prometheus(f"http://127.0.0.1:{free_port()}", {}, tmp_path, timeout=2)
+
+
+def publish(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "stallwatch", "publish", *args], capture_output=True, text=True,
+                          timeout=120)
+
+
+def assert_one_line_error(result: subprocess.CompletedProcess[str], *words: str) -> None:
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "Traceback" not in result.stderr and result.stderr.count("\n") == 1, result.stderr
+    assert result.stderr.startswith("stallwatch publish: error:") and all(w in result.stderr for w in words)
+
+
+def test_a_prometheus_url_nothing_answers_or_not_a_prometheus_fails_before_writing_rules(
+    tmp_path: Path, grafana: GrafanaDouble, promtool: str
+) -> None:
+    rules = tmp_path / "rules"
+    absent = f"http://127.0.0.1:{free_port()}"
+    for url, words in ((absent, ("not reachable", absent)), (url_of(grafana), ("is not a Prometheus",))):
+        assert_one_line_error(publish("--prometheus.rules-dir", str(rules), "--prometheus.url", url,
+                                      "--promtool", promtool), *words)
+        assert not rules.exists()
+    # Rules already in place (nothing to update) do not make a wrong URL a success.
+    assert publish("--prometheus.rules-dir", str(rules), "--promtool", promtool).returncode == 0
+    assert_one_line_error(publish("--prometheus.rules-dir", str(rules), "--prometheus.url", absent,
+                                  "--promtool", promtool), "not reachable")
+
+
+def test_a_prometheus_that_reads_its_rules_elsewhere_is_an_error_and_the_right_one_is_checked_each_time(
+    prometheus: tuple[str, Path], tmp_path: Path, promtool: str
+) -> None:
+    url, read_by_prometheus = prometheus
+    elsewhere = tmp_path / "elsewhere"
+    assert_one_line_error(publish("--prometheus.rules-dir", str(elsewhere), "--prometheus.url", url,
+                                  "--promtool", promtool), "did not load", str(elsewhere))
+    expected = {g["name"] for text in generated("alerts/").values() for g in yaml.safe_load(text)["groups"]}
+    for updated in ("updated", "0 rule file(s) updated"):  # the second run writes nothing, and still checks
+        result = publish("--prometheus.rules-dir", str(read_by_prometheus), "--prometheus.url", url,
+                         "--promtool", promtool)
+        assert result.returncode == 0 and updated in result.stdout, result.stderr
+        assert loaded_groups(url) == expected
+
+
+def test_a_prometheus_url_needs_the_rules_dir_and_an_absent_grafana_fails(tmp_path: Path) -> None:
+    result = publish("--grafana.url", "http://127.0.0.1:1", "--prometheus.url", "http://127.0.0.1:1")
+    assert result.returncode == 2 and "--prometheus.rules-dir" in result.stderr
+    token = tmp_path / "token"
+    token.write_text(TOKEN)
+    absent = f"http://127.0.0.1:{free_port()}"
+    assert_one_line_error(publish("--grafana.url", absent, "--grafana.token-file", str(token)), "Grafana",
+                          "not reachable")
 
 
 @pytest.mark.parametrize(("module", "argv", "extra"), [
