@@ -190,14 +190,15 @@ the stalls above, up to the window that recognised steady) and {c.WARMUP_HUB_BYT
 def _whatif(run: Run) -> str:
     rows = "".join(f"<tr><td>{html.escape(k)}&times;</td><td>{v * 100:.1f} %</td></tr>"
                    for k, v in sorted(run.whatif.items(), key=lambda kv: float(kv[0])))
-    if not rows:
-        if run.whatif_keys is None:
-            why = "the correlator's what-if saw no read"
-        elif not run.spoke_reads:
-            why = "no read crossed a spoke"
-        else:
-            why = (f"the correlator was not given the spoke's capacity (--correlator.cache-capacity); its curve "
-                   f"tracks {run.whatif_keys:,.0f} keys")
+    why = None
+    if run.whatif_keys is None:
+        why = "the correlator's what-if saw no read"
+    elif not run.spoke_reads:  # its curve replays every read, those of no spoke too: no spoke to size
+        why = "no read crossed a spoke"
+    elif not rows:
+        why = (f"the correlator was not given the spoke's capacity (--correlator.cache-capacity); its curve "
+               f"tracks {run.whatif_keys:,.0f} keys")
+    if why is not None:
         rows = f'<tr><td colspan=2 id="whatif-none">no estimate: {html.escape(why)}</td></tr>'
     combined = " (each node's estimate weighted by the reads it replayed)" if run.nodes > 1 and run.whatif else ""
     return (f"<h2>What a different spoke would buy</h2><p>{c.CACHE_WHATIF_HIT_RATIO.name}{combined}</p>"
