@@ -10,6 +10,7 @@ from collections.abc import Sequence
 # `stallwatch agent` never imports matplotlib and `stallwatch report` never imports NVML.
 COMMANDS: dict[str, tuple[str, str]] = {
     "agent": ("stallwatch.exporters.agent", "run the node agent that serves /metrics"),
+    "check": ("stallwatch.check", "say whether a training job's events reach the agent, and under which names"),
     "correlate": ("stallwatch.correlator.replay", "run the correlator over a recorded event file"),
     "demo": ("stallwatch.demo.run", "run a hub, a spoke, a training job and the agent on this machine"),
     "generate": ("stallwatch.mixin.generate", "write the generated artifacts (docs, dashboards, rules)"),
