@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import bcrypt
+import numpy as np
 import pytest
 import yaml
 
@@ -20,7 +21,7 @@ from stallwatch.demo.stack import RELABELS, SCRAPE_INTERVAL_SECONDS
 from stallwatch.harness import AgentProcess, free_port, start_agent, stop_agent, stop_process, wait_for
 from stallwatch.report.api import Access, Prometheus, PrometheusError
 from stallwatch.report.prometheus import range_step, run_from_prometheus
-from stallwatch.report.run import Run
+from stallwatch.report.run import Run, Series
 from stallwatch.report.scope import Scope
 from stallwatch.report.windows import run_from_windows
 from tests.conftest import ROOT, require_binary
@@ -125,12 +126,26 @@ def test_refusals_are_one_line_and_exit_1(secured: Secured, flags: list[str], sa
         assert "--ca-file" in done.stderr and "--insecure-skip-tls-verify" in done.stderr
 
 
+def known(series: Series) -> int:
+    """How many of the series' values are known."""
+    return int(np.count_nonzero(~np.isnan(series.v)))
+
+
+def stall_time(run: Run, until: float) -> float:
+    """The mean time of the run's stall-seconds before `until`, each weighted by its seconds."""
+    series = list(run.stall_by_cause.values())
+    t = (series[0].t + series[0].end) / 2
+    seconds = np.nansum([s.v * (s.end - s.t) for s in series], axis=0) * (t < until)
+    return float(np.sum(seconds * t) / np.sum(seconds))
+
+
 def test_filters_narrow_every_query_on_a_real_prometheus(secured: Secured) -> None:
     end = time.time()
 
     def run(scope: Scope) -> tuple[int, int]:
         got = run_from_prometheus(secured.url, end - 120, end, scope, secured.access())
-        return got.gpu_utilization.t.size, sum(s.t.size for s in got.stall_by_cause.values())
+        utilization = got.gpu_utilization or Series.empty()  # none: the scope's nodes have no GPU
+        return known(utilization), sum(known(series) for series in got.stall_by_cause.values())
 
     assert run(Scope())[0] > 0
     assert run(Scope(node=secured.node))[0] > 0
@@ -174,7 +189,8 @@ def test_both_report_modes_of_one_run_agree_on_its_phases(tmp_path: Path) -> Non
     span that starts before the job, as a user's `--start -10m` does, and from its window file: the same
     phases, on the wall clock. Prometheus holds only the windows its scrapes caught, and the report reads
     it at its range step, so a phase's start there is the window file's within a scrape, a step and a
-    window (0.5 and 1.0 s apart were both seen with 0.5 s windows, 1 s scrapes and 1 s steps)."""
+    window (0.5 and 1.0 s apart were both seen with 0.5 s windows, 1 s scrapes and 1 s steps); so is its
+    stall's time."""
     for binary, package in (("nginx", "nginx-light"), ("prometheus", "prometheus")):
         require_binary(binary, package)
     settings = Settings(duration=30, shards=48, shard_mib=1, bandwidth_mbit=100, quiet=True, workdir=tmp_path)
@@ -196,8 +212,11 @@ def test_both_report_modes_of_one_run_agree_on_its_phases(tmp_path: Path) -> Non
     read_until = from_prometheus[0].phases[-1][1]
     window_phases = [(phase, start) for phase, start in phase_starts(from_windows) if start < read_until]
     print("prometheus:", prometheus_phases, "\nwindows:", window_phases)
-    assert from_prometheus[0].gpu_utilization.t.size > 0  # the job's GPUs, found through the correlator's map
+    utilization = from_prometheus[0].gpu_utilization
+    assert utilization is not None and known(utilization) > 0  # the job's GPUs, found through the correlator's map
     assert [p for p, _ in prometheus_phases] == [p for p, _ in window_phases]
     assert outcome.started - settings.window_seconds <= window_phases[0][1] <= outcome.ended  # a wall-clock time
     for (phase, seen), (_, recorded) in zip(prometheus_phases, window_phases, strict=True):
         assert abs(seen - recorded) <= resolution[0], (phase, seen, recorded)
+    # The stall is drawn at the same time by both: the correlator stamps a window's series with its end.
+    assert abs(stall_time(from_prometheus[0], read_until) - stall_time(from_windows, read_until)) <= resolution[0]

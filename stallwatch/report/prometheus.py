@@ -60,6 +60,8 @@ def least_advanced(per_node: Iterable[Spans]) -> Spans:
     """A job's phases from its nodes': at each instant the least advanced phase of the nodes it ran on there
     (a job is steady once every node is)."""
     nodes = [spans for spans in per_node if spans]
+    if len(nodes) == 1:
+        return nodes[0]
     edges = sorted({t for spans in nodes for start, end, _ in spans for t in (start, end)})
     out: Spans = []
     for start, end in pairwise(edges):
