@@ -83,7 +83,8 @@ def identity(source: wire.Source, env: Mapping[str, str], explicit_job: bool) ->
         return [said, Finding(
             f"the job is named after torchrun's run id {source.job}, a random one per launch "
             "(`torchrun --standalone`): every launch is a new job no one can look up by name.",
-            f"{NAME_THE_JOB}, or launch with `torchrun --rdzv-id=<name>`")]
+            f"{NAME_THE_JOB}, or launch with `torchrun --rdzv-backend=c10d --rdzv-endpoint=localhost:0 "
+            "--rdzv-id=<name>` instead of --standalone, which replaces any --rdzv-id with a random one")]
     return [said]
 
 
