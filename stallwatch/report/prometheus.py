@@ -199,7 +199,7 @@ def _warmup(read: _Reader, scope: Scope, run: Run) -> None:
                 for node, stamp in ((labels.get(NODE, ""), series) for labels, series in stamps)}
     run.phases = least_advanced(per_node.values())
     run.nodes = max(len(per_node), 1)
-    if run.phases and run.phases[0][0] > read.start + read.step:  # the job began within the run
+    if run.phases and all(stamp.t[0] > read.start for _, stamp in stamps):  # the job began within the run
         run.job_started = run.phases[0][0]
     steady = read.per_node(scope.select(c.WARMUP_TIME_TO_STEADY))
     started = {node: spans[0][0] for node, spans in per_node.items() if spans}
