@@ -25,15 +25,14 @@ import re
 import socket
 import time
 import urllib.error
-import urllib.request
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-from stallwatch import catalogue
+from stallwatch import catalogue, harness
 from stallwatch.client import wire
 from stallwatch.client.identity import JOB_SOURCES, source_from_environment
 from stallwatch.exporters.config import DEFAULT_PORT
-from stallwatch.harness import Samples, parse_samples, total
+from stallwatch.harness import Samples, total
 
 DEFAULT_AGENT_URL = f"http://127.0.0.1:{DEFAULT_PORT}/metrics"
 # The variable each of identity.JOB_SOURCES reads, in the same order.
@@ -121,11 +120,17 @@ def _group_of(path: str) -> str:
         return f"gid {gid}"
 
 
-def send_probe(path: str, source: wire.Source) -> None:
-    """One batch of no events from `source`, in the client's wire format, to the agent at `path`."""
+def send_probe(path: str, source: wire.Source, timeout: float) -> str:
+    """Send one batch of no events from `source`, in the client's wire format, to the agent at `path`; why it
+    could not be sent, or "" when it was."""
     datagram = wire.encode(source, (), (), 0, 0, 0, time.monotonic_ns(), time.time_ns())
     with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
-        sock.sendto(datagram, path)
+        sock.settimeout(timeout)  # a full queue (an agent that stopped reading) would block
+        try:
+            sock.sendto(datagram, path)
+        except OSError as error:
+            return error.strerror or "timed out: the agent's queue stays full"
+    return ""
 
 
 # --- what the agent exposes ------------------------------------------------------------------------------
@@ -135,8 +140,7 @@ class AgentUnreachableError(Exception):
 
 def scrape(url: str, timeout: float) -> Samples:
     try:
-        with urllib.request.urlopen(url, timeout=timeout) as reply:
-            return parse_samples(reply.read().decode())
+        return harness.scrape(url, timeout)
     except urllib.error.HTTPError as error:
         raise AgentUnreachableError(f"{error.code} {error.reason}") from error
     except (urllib.error.URLError, OSError) as error:
@@ -178,14 +182,22 @@ def delivery(path: str, origin: str, url: str, source: wire.Source, timeout: flo
         return findings, before
     if stuck is not None:
         return findings, before
-    send_probe(path, source)
+    unsent = send_probe(path, source, timeout)
+    if unsent:
+        findings.append(Finding(f"a probe could not be sent to {path} ({origin}): {unsent}.",
+                                "see the agent's log: it is bound to the socket but does not take batches"))
+        return findings, before
     after, deadline = before, time.monotonic() + timeout
     while not _knows(after, source) and time.monotonic() < deadline:
         time.sleep(POLL_S)
         after = scrape(url, timeout)
-    if _knows(after, source):
+    if _knows(before, source):  # the job already sends: its own batches show it, whatever becomes of the probe
+        findings.append(Finding(f"the agent at {url} already counts the job's events under "
+                                f"training_job={source.job!r} rank {source.rank}: they reach it."))
+    elif _knows(after, source):
         findings.append(Finding(f"the agent at {url} counted a probe sent to {path} ({origin}) under "
                                 f"training_job={source.job!r} rank {source.rank}: the job's events reach it."))
+    if _knows(after, source):
         dropped = total(after, catalogue.CLIENT_DROPPED_EVENTS.name, **{catalogue.JOB_LABEL: source.job})
         if dropped:
             findings.append(Finding(f"the job's processes could not send {dropped:.0f} events (the agent was absent "

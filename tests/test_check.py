@@ -76,7 +76,7 @@ def test_a_small_job_through_the_real_client_checks_out(agent: Callable[..., Age
     assert result.returncode == 0, result.stdout + result.stderr
     out = result.stdout
     assert "training_job='resnet' (from STALLWATCH_JOB), rank 1" in out
-    assert f"counted a probe sent to {path} (STALLWATCH_SOCKET)" in out
+    assert "the agent at" in out and "already counts the job's events under training_job='resnet' rank 1" in out
     assert f"counts {STEPS} steps and" in out and "problem" not in out
     assert "no spoke collector is on" in out and out.endswith("all is well.\n")
     # The probe changed none of the job's figures: the agent still counts the job's own steps.
@@ -96,8 +96,8 @@ def test_a_wrong_socket_path_records_nothing_and_the_check_says_so(
     assert f"problem: the agent's socket, {wrong} (STALLWATCH_SOCKET), does not exist" in out
     assert "fix: start the agent" in out and "set STALLWATCH_SOCKET" in out
     assert "no step or read of job 'resnet'" in out
-    status, out = run_check(running.url, env, socket=path)  # the right path: all is well
-    assert status == 0, out
+    status, out = run_check(running.url, env, socket=path)  # the right path: the probe gets there
+    assert status == 0 and f"counted a probe sent to {path} (--socket) under training_job='resnet'" in out, out
 
 
 def test_no_agent_and_a_stale_socket(tmp_path: Path) -> None:
