@@ -11,11 +11,15 @@ import functools
 import statistics
 import time
 from collections.abc import Callable
-from typing import Any
+
+import pynvml
+
+from stallwatch.exporters.nvml_api import DeviceHandle, NvmlApi
 
 
-def calls(nvml: Any, handle: Any) -> list[tuple[str, Callable[[], Any]]]:
-    samples, rx, tx = nvml.NVML_GPU_UTILIZATION_SAMPLES, nvml.NVML_PCIE_UTIL_RX_BYTES, nvml.NVML_PCIE_UTIL_TX_BYTES
+def calls(nvml: NvmlApi, handle: DeviceHandle) -> list[tuple[str, Callable[[], object]]]:
+    samples = pynvml.NVML_GPU_UTILIZATION_SAMPLES
+    rx, tx = pynvml.NVML_PCIE_UTIL_RX_BYTES, pynvml.NVML_PCIE_UTIL_TX_BYTES
     return [
         ("nvmlDeviceGetUUID", lambda: nvml.nvmlDeviceGetUUID(handle)),
         ("nvmlDeviceGetName", lambda: nvml.nvmlDeviceGetName(handle)),
@@ -24,31 +28,31 @@ def calls(nvml: Any, handle: Any) -> list[tuple[str, Callable[[], Any]]]:
         ("nvmlDeviceGetMemoryInfo", lambda: nvml.nvmlDeviceGetMemoryInfo(handle).used),
         ("nvmlDeviceGetPowerUsage", lambda: nvml.nvmlDeviceGetPowerUsage(handle)),
         ("nvmlDeviceGetTotalEnergyConsumption", lambda: nvml.nvmlDeviceGetTotalEnergyConsumption(handle)),
-        ("nvmlDeviceGetClockInfo(SM)", lambda: nvml.nvmlDeviceGetClockInfo(handle, nvml.NVML_CLOCK_SM)),
-        ("nvmlDeviceGetClockInfo(MEM)", lambda: nvml.nvmlDeviceGetClockInfo(handle, nvml.NVML_CLOCK_MEM)),
-        ("nvmlDeviceGetTemperature", lambda: nvml.nvmlDeviceGetTemperature(handle, nvml.NVML_TEMPERATURE_GPU)),
+        ("nvmlDeviceGetClockInfo(SM)", lambda: nvml.nvmlDeviceGetClockInfo(handle, pynvml.NVML_CLOCK_SM)),
+        ("nvmlDeviceGetClockInfo(MEM)", lambda: nvml.nvmlDeviceGetClockInfo(handle, pynvml.NVML_CLOCK_MEM)),
+        ("nvmlDeviceGetTemperature", lambda: nvml.nvmlDeviceGetTemperature(handle, pynvml.NVML_TEMPERATURE_GPU)),
         ("nvmlDeviceGetCurrentClocksEventReasons", lambda: hex(nvml.nvmlDeviceGetCurrentClocksEventReasons(handle))),
         ("nvmlDeviceGetComputeRunningProcesses", lambda: len(nvml.nvmlDeviceGetComputeRunningProcesses(handle))),
         ("nvmlDeviceGetPcieThroughput(RX)", lambda: nvml.nvmlDeviceGetPcieThroughput(handle, rx)),
         ("nvmlDeviceGetPcieThroughput(TX)", lambda: nvml.nvmlDeviceGetPcieThroughput(handle, tx)),
-        ("nvmlDeviceGetMaxMigDeviceCount", unless_mig_off(nvml, lambda: nvml.nvmlDeviceGetMaxMigDeviceCount(handle))),
+        ("nvmlDeviceGetMaxMigDeviceCount", unless_mig_off(lambda: nvml.nvmlDeviceGetMaxMigDeviceCount(handle))),
         ("nvmlDeviceGetMigDeviceHandleByIndex(0) UUID", unless_mig_off(
-            nvml, lambda: nvml.nvmlDeviceGetUUID(nvml.nvmlDeviceGetMigDeviceHandleByIndex(handle, 0)))),
+            lambda: nvml.nvmlDeviceGetUUID(nvml.nvmlDeviceGetMigDeviceHandleByIndex(handle, 0)))),
     ]
 
 
-def unless_mig_off(nvml: Any, call: Callable[[], Any]) -> Callable[[], Any]:
+def unless_mig_off(call: Callable[[], object]) -> Callable[[], object]:
     """A GPU without MIG devices answers the MIG calls with an error: an expected result, not a failure."""
-    def answer() -> Any:
+    def answer() -> object:
         try:
             return call()
-        except nvml.NVMLError as error:
+        except pynvml.NVMLError as error:
             return f"{type(error).__name__} (no MIG devices: expected)"
 
     return answer
 
 
-def time_call(call: Callable[[], Any], repeat: int) -> tuple[str, float]:
+def time_call(call: Callable[[], object], repeat: int) -> tuple[str, float]:
     durations, shown = [], ""
     for _ in range(repeat):
         start = time.perf_counter()
@@ -65,19 +69,17 @@ def main() -> int:
     parser.add_argument("--fake", type=int, default=0, metavar="N", help="use N fake GPUs instead of NVML")
     parser.add_argument("--repeat", type=int, default=5, help="calls per function (default: %(default)s)")
     options = parser.parse_args()
-    nvml: Any
+    nvml: NvmlApi
     if options.fake:
         from stallwatch.exporters.nvml_fake import FakeGpu, FakeNVML
 
         nvml = FakeNVML([FakeGpu() for _ in range(options.fake)])
     else:
-        import pynvml
-
         nvml = pynvml
     try:
         nvml.nvmlInit()
         count = nvml.nvmlDeviceGetCount()
-    except nvml.NVMLError as error:
+    except pynvml.NVMLError as error:
         print(f"no GPU: NVML says: {error}")
         return 0
     if count == 0:
@@ -93,14 +95,16 @@ def main() -> int:
             shown, micros = time_call(call, options.repeat)
             print(f"{name:42} {micros:10.1f}  {shown[:60]}")
         shown, micros = time_call(
-            functools.partial(nvml.nvmlDeviceRegisterEvents, handle, nvml.nvmlEventTypeXidCriticalError, event_set), 1
+            functools.partial(nvml.nvmlDeviceRegisterEvents, handle, pynvml.nvmlEventTypeXidCriticalError, event_set), 1
         )
         print(f"{'nvmlDeviceRegisterEvents(Xid)':42} {micros:10.1f}  {shown[:60]}")
 
     def wait() -> str:
         try:
             return str(nvml.nvmlEventSetWait(event_set, 100).eventData)
-        except nvml.NVMLError_Timeout:
+        except pynvml.NVMLError as error:
+            if getattr(error, "value", None) != pynvml.NVML_ERROR_TIMEOUT:
+                raise
             return "timeout (no XID pending: expected)"
 
     shown, micros = time_call(wait, 1)

@@ -133,7 +133,8 @@ GPU_UTILIZATION_MIN = gauge(
 )
 GPU_IDLE_SECONDS = counter(
     "gpu", "gpu_idle_seconds_total", "seconds", ["gpu"],
-    "Seconds the driver's high-rate utilization samples were at or below the idle threshold.",
+    "Seconds the GPU ran nothing: each of the driver's high-rate utilization samples adds (1 - utilization) x its "
+    "period.",
 )
 GPU_UTILIZATION_SAMPLES = counter(
     "gpu", "gpu_utilization_samples_total", "", ["gpu"],

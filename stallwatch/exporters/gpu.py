@@ -4,7 +4,12 @@ NVML is read in a background thread, never on the scrape path: `nvmlDeviceGetPci
 blocks ~20 ms per call. Each poll reads every field of every GPU; the driver's high-rate utilization
 samples (`nvmlDeviceGetSamples`) are read since the last timestamp seen, so a 200 ms dip between
 two polls still shows, as `stallwatch_gpu_utilization_min_ratio` and in
-`stallwatch_gpu_idle_seconds_total`, and reaches the correlator as `gpu_util` batches.
+`stallwatch_gpu_idle_seconds_total`, and reaches the correlator as `gpu_util` batches. Each sample is
+the GPU's mean utilization over its period, so its idle time is (1 - utilization) x period: an
+input-bound GPU mixes compute and idle within most samples, and counting only samples near 0 % would
+miss most of its idle time.
+
+NVML is reached through `NvmlApi` (nvml_api.py): pynvml in production, the fake NVML in tests and demos.
 
 A failing call degrades one metric of one GPU and is counted in `stallwatch_gpu_nvml_errors_total`:
 NotSupported stops asking for that field, GpuIsLost marks the GPU down until it answers again, a
@@ -24,33 +29,38 @@ from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TypeVar
 
 import numpy as np
+import pynvml
 from prometheus_client.core import Metric
 
 from stallwatch import catalogue
+from stallwatch.correlator.wallclock import wall_offset_ns
 from stallwatch.eventbatch import EventBatch, EventSink, discard
 from stallwatch.exporters.collector import CollectorContext, register_collector
 from stallwatch.exporters.gpu_directory import GpuDirectory
-from stallwatch.flags import bounded_float, bounded_int, non_negative_float, ratio
+from stallwatch.exporters.nvml_api import DeviceHandle, NvmlApi
+from stallwatch.flags import bounded_float, bounded_int, non_negative_float
 
 log = logging.getLogger(__name__)
 
-# Bits of nvmlDeviceGetCurrentClocksEventReasons, by pynvml constant; gpu_idle is the starvation signal.
-CLOCK_EVENT_REASONS = {
-    "gpu_idle": "nvmlClocksEventReasonGpuIdle",
-    "applications_clocks_setting": "nvmlClocksEventReasonApplicationsClocksSetting",
-    "sw_power_cap": "nvmlClocksEventReasonSwPowerCap",
-    "hw_slowdown": "nvmlClocksEventReasonHwSlowdown",
-    "sync_boost": "nvmlClocksEventReasonSyncBoost",
-    "sw_thermal_slowdown": "nvmlClocksEventReasonSwThermalSlowdown",
-    "hw_thermal_slowdown": "nvmlClocksEventReasonHwThermalSlowdown",
-    "hw_power_brake_slowdown": "nvmlClocksEventReasonHwPowerBrakeSlowdown",
-    "display_clock_setting": "nvmlClocksEventReasonDisplayClockSetting",
+# Bits of nvmlDeviceGetCurrentClocksEventReasons; gpu_idle is the starvation signal.
+CLOCK_EVENT_REASONS: dict[str, int] = {
+    "gpu_idle": pynvml.nvmlClocksEventReasonGpuIdle,
+    "applications_clocks_setting": pynvml.nvmlClocksEventReasonApplicationsClocksSetting,
+    "sw_power_cap": pynvml.nvmlClocksEventReasonSwPowerCap,
+    "hw_slowdown": pynvml.nvmlClocksEventReasonHwSlowdown,
+    "sync_boost": pynvml.nvmlClocksEventReasonSyncBoost,
+    "sw_thermal_slowdown": pynvml.nvmlClocksEventReasonSwThermalSlowdown,
+    "hw_thermal_slowdown": pynvml.nvmlClocksEventReasonHwThermalSlowdown,
+    "hw_power_brake_slowdown": pynvml.nvmlClocksEventReasonHwPowerBrakeSlowdown,
+    "display_clock_setting": pynvml.nvmlClocksEventReasonDisplayClockSetting,
 }
 RETRY_INIT_SECONDS = 30.0
 XID_WAIT_MS = 500
+
+T = TypeVar("T")
 
 
 class _DeviceLostError(Exception):
@@ -83,13 +93,14 @@ class _Reading:
 @dataclass
 class _Device:
     index: int
-    handle: Any
+    handle: DeviceHandle
     uuid: str = ""
     name: str = ""
     mig_uuids: list[str] = field(default_factory=list)
     up: bool = True
     unsupported: set[str] = field(default_factory=set)
     last_sample_us: int = 0
+    follows_last_sample: bool = False  # whether the driver's next sample follows the one read last
     sample_period_us: float = 0.0
     idle_seconds: float = 0.0
     samples: int = 0
@@ -100,17 +111,17 @@ class _Device:
         return str(self.index)
 
 
-def _mig_uuids(nvml: Any, handle: Any) -> list[str]:
+def _mig_uuids(nvml: NvmlApi, handle: DeviceHandle) -> list[str]:
     """The MIG devices carved out of a GPU, read once at init: none when MIG is off or unsupported."""
     try:
         slots = int(nvml.nvmlDeviceGetMaxMigDeviceCount(handle))
-    except nvml.NVMLError:
+    except pynvml.NVMLError:
         return []
     found = []
     for slot in range(slots):
         try:
             found.append(str(nvml.nvmlDeviceGetUUID(nvml.nvmlDeviceGetMigDeviceHandleByIndex(handle, slot))))
-        except nvml.NVMLError:  # an empty slot
+        except pynvml.NVMLError:  # an empty slot
             continue
     return found
 
@@ -118,23 +129,26 @@ def _mig_uuids(nvml: Any, handle: Any) -> list[str]:
 class GpuCollector:
     def __init__(
         self,
-        nvml: Any,
+        nvml: NvmlApi,
         *,
         interval: float = 0.5,
         pcie_interval: float = 10.0,
-        idle_threshold: float = 0.05,
         sink: EventSink = discard,
         clock: Callable[[], float] = time.monotonic,
+        wall_offset: Callable[[], int] = wall_offset_ns,
         start: bool = True,
         directory: GpuDirectory | None = None,
     ) -> None:
+        """`clock` (the node's monotonic seconds) schedules the reads; `wall_offset` (ns, wall clock minus
+        monotonic clock: wallclock's mapping) moves NVML's wall-clock sample stamps onto the events' clock.
+        Both are the only times the collector reads: a test drives them from one fake clock."""
         self._nvml = nvml
         self._directory = directory if directory is not None else GpuDirectory()
         self._interval = interval
         self._pcie_interval = pcie_interval
-        self._idle_threshold = idle_threshold
         self._sink = sink
         self._clock = clock
+        self._wall_offset = wall_offset
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._devices: list[_Device] = []
@@ -160,7 +174,7 @@ class GpuCollector:
             if thread is not threading.current_thread():
                 thread.join(timeout=2)
         if self._initialised:
-            with contextlib.suppress(self._nvml.NVMLError):
+            with contextlib.suppress(pynvml.NVMLError):
                 self._nvml.nvmlShutdown()
 
     def _poll_forever(self) -> None:
@@ -185,12 +199,13 @@ class GpuCollector:
         try:
             nvml.nvmlInit()
             count = nvml.nvmlDeviceGetCount()
+            driver = nvml.nvmlSystemGetDriverVersion()
             devices = [_Device(i, nvml.nvmlDeviceGetHandleByIndex(i)) for i in range(count)]
             for device in devices:
                 device.uuid = str(nvml.nvmlDeviceGetUUID(device.handle))
                 device.name = str(nvml.nvmlDeviceGetName(device.handle))
                 device.mig_uuids = _mig_uuids(nvml, device.handle)
-        except nvml.NVMLError as error:
+        except pynvml.NVMLError as error:
             self._count_error("", "nvmlInit", error)
             if not self._said_no_gpu:
                 log.warning("gpu collector: no GPU (NVML: %s); GPU metrics are off, the agent runs on", error)
@@ -201,7 +216,7 @@ class GpuCollector:
         if not devices and not self._said_no_gpu:
             log.warning("gpu collector: NVML found no GPU; GPU metrics are off, the agent runs on")
             self._said_no_gpu = True
-        log.info("gpu collector: %d GPU(s): %s", len(devices), ", ".join(d.name for d in devices))
+        log.info("gpu collector: driver %s, %d GPU(s): %s", driver, len(devices), ", ".join(d.name for d in devices))
         # Before the devices show in a scrape; a MIG device's steps count on the GPU it is carved from.
         self._directory.learn({uuid: d.index for d in devices for uuid in (d.uuid, *d.mig_uuids)})
         with self._lock:
@@ -225,7 +240,7 @@ class GpuCollector:
             except _DeviceLostError:
                 if device.up:
                     log.warning("gpu %d (%s) is lost", device.index, device.uuid)
-                reading, device.up = _Reading(), False
+                reading, device.up, device.follows_last_sample = _Reading(), False, False
             except _DriverGoneError:
                 log.warning("gpu collector: the NVIDIA driver went away; retrying every %ss", RETRY_INIT_SECONDS)
                 with self._lock:
@@ -237,22 +252,21 @@ class GpuCollector:
             with self._lock:
                 device.reading = reading
 
-    def _call(self, device: _Device, function: str, *args: Any) -> Any:
+    def _call(self, device: _Device, function: Callable[..., T], *args: object) -> T | None:
         """One NVML call for one GPU: None when it failed, the failure counted."""
-        if function in device.unsupported:
+        if function.__name__ in device.unsupported:
             return None
-        nvml = self._nvml
         try:
-            return getattr(nvml, function)(device.handle, *args)
-        except nvml.NVMLError as error:
-            self._call_failed(device, function, error)
+            return function(device.handle, *args)
+        except pynvml.NVMLError as error:
+            self._call_failed(device, function.__name__, error)
             return None
 
     def _read_device(self, device: _Device, read_pcie: bool) -> _Reading:
         nvml = self._nvml
         reading = _Reading()
         gauges = reading.gauges
-        utilization = self._call(device, "nvmlDeviceGetUtilizationRates")
+        utilization = self._call(device, nvml.nvmlDeviceGetUtilizationRates)
         if not device.up:
             log.info("gpu %d answers again", device.index)
             device.up = True
@@ -260,28 +274,28 @@ class GpuCollector:
             gauges[catalogue.GPU_UTILIZATION.name] = utilization.gpu / 100
             gauges[catalogue.GPU_MEMORY_UTILIZATION.name] = utilization.memory / 100
         reading.utilization_min = self._read_samples(device)
-        memory = self._call(device, "nvmlDeviceGetMemoryInfo")
+        memory = self._call(device, nvml.nvmlDeviceGetMemoryInfo)
         if memory is not None:
             gauges[catalogue.GPU_MEMORY_USED.name] = float(memory.used)
             gauges[catalogue.GPU_MEMORY_TOTAL.name] = float(memory.total)
-        scaled = (
-            (catalogue.GPU_POWER, "nvmlDeviceGetPowerUsage", (), 1e-3),  # mW
-            (catalogue.GPU_ENERGY, "nvmlDeviceGetTotalEnergyConsumption", (), 1e-3),  # mJ
-            (catalogue.GPU_SM_CLOCK, "nvmlDeviceGetClockInfo", (nvml.NVML_CLOCK_SM,), 1e6),  # MHz
-            (catalogue.GPU_MEMORY_CLOCK, "nvmlDeviceGetClockInfo", (nvml.NVML_CLOCK_MEM,), 1e6),
-            (catalogue.GPU_TEMPERATURE, "nvmlDeviceGetTemperature", (nvml.NVML_TEMPERATURE_GPU,), 1.0),
+        scaled: tuple[tuple[catalogue.AnyMetricDef, Callable[..., int], tuple[int, ...], float], ...] = (
+            (catalogue.GPU_POWER, nvml.nvmlDeviceGetPowerUsage, (), 1e-3),  # mW
+            (catalogue.GPU_ENERGY, nvml.nvmlDeviceGetTotalEnergyConsumption, (), 1e-3),  # mJ
+            (catalogue.GPU_SM_CLOCK, nvml.nvmlDeviceGetClockInfo, (pynvml.NVML_CLOCK_SM,), 1e6),  # MHz
+            (catalogue.GPU_MEMORY_CLOCK, nvml.nvmlDeviceGetClockInfo, (pynvml.NVML_CLOCK_MEM,), 1e6),
+            (catalogue.GPU_TEMPERATURE, nvml.nvmlDeviceGetTemperature, (pynvml.NVML_TEMPERATURE_GPU,), 1.0),
         )
         for metric, function, args, scale in scaled:
             value = self._call(device, function, *args)
             if value is not None:
                 gauges[metric.name] = value * scale
-        reading.reasons = self._call(device, "nvmlDeviceGetCurrentClocksEventReasons")
-        processes = self._call(device, "nvmlDeviceGetComputeRunningProcesses")
+        reading.reasons = self._call(device, nvml.nvmlDeviceGetCurrentClocksEventReasons)
+        processes = self._call(device, nvml.nvmlDeviceGetComputeRunningProcesses)
         if processes is not None:
             reading.pids = tuple(int(p.pid) for p in processes)
         if read_pcie:
-            for direction, counter in (("rx", nvml.NVML_PCIE_UTIL_RX_BYTES), ("tx", nvml.NVML_PCIE_UTIL_TX_BYTES)):
-                value = self._call(device, "nvmlDeviceGetPcieThroughput", counter)
+            for direction, counter in (("rx", pynvml.NVML_PCIE_UTIL_RX_BYTES), ("tx", pynvml.NVML_PCIE_UTIL_TX_BYTES)):
+                value = self._call(device, nvml.nvmlDeviceGetPcieThroughput, counter)
                 if value is not None:
                     reading.pcie[direction] = value * 1024.0  # KB/s
         else:
@@ -291,15 +305,15 @@ class GpuCollector:
     def _read_samples(self, device: _Device) -> float | None:
         """Fold the driver's new utilization samples into idle seconds; return their minimum, or the previous
         reading's when there is no new sample (as PCIe throughput holds between its reads)."""
-        nvml = self._nvml
-        if "nvmlDeviceGetSamples" in device.unsupported:
+        read = self._nvml.nvmlDeviceGetSamples
+        if read.__name__ in device.unsupported:
             return None
         try:
-            _, raw = nvml.nvmlDeviceGetSamples(device.handle, nvml.NVML_GPU_UTILIZATION_SAMPLES, device.last_sample_us)
-        except nvml.NVMLError as error:
-            if getattr(error, "value", None) == nvml.NVML_ERROR_NOT_FOUND:
+            _, raw = read(device.handle, pynvml.NVML_GPU_UTILIZATION_SAMPLES, device.last_sample_us)
+        except pynvml.NVMLError as error:
+            if getattr(error, "value", None) == pynvml.NVML_ERROR_NOT_FOUND:
                 return device.reading.utilization_min  # no sample since the last one: the last minimum holds
-            self._call_failed(device, "nvmlDeviceGetSamples", error)
+            self._call_failed(device, read.__name__, error)
             return None
         stamps = np.fromiter((s.timeStamp for s in raw), dtype=np.int64, count=len(raw))
         values = np.fromiter((s.sampleValue.uiVal for s in raw), dtype=np.float64, count=len(raw)) / 100
@@ -312,20 +326,20 @@ class GpuCollector:
         gaps = np.diff(stamps).astype(np.float64)
         if gaps.size:
             device.sample_period_us = float(np.median(gaps))
-        # Each sample covers the time since the one before; the first ever sample has no predecessor.
-        previous = device.last_sample_us if device.last_sample_us else stamps[0] - device.sample_period_us
-        periods_us = np.diff(stamps, prepend=previous).astype(np.float64)
-        periods_us = np.minimum(periods_us, 4 * max(device.sample_period_us, 1.0))
-        idle = values <= self._idle_threshold
-        device.idle_seconds += float(periods_us[idle].sum()) / 1e6
+        # A sample is the mean since the driver's sample before it, however far back the driver's irregular
+        # sampling put that one (as the correlator reads it). The first read of a GPU, or once it answers
+        # again, has no known predecessor: it covers one typical period.
+        first = device.last_sample_us if device.follows_last_sample else stamps[0] - device.sample_period_us
+        periods_us = np.diff(stamps, prepend=first).astype(np.float64)
+        device.follows_last_sample = True
+        device.idle_seconds += float(((1.0 - np.clip(values, 0.0, 1.0)) * periods_us).sum()) / 1e6
         device.samples += int(stamps.size)
         device.last_sample_us = int(stamps[-1])
-        wall_to_monotonic_ns = time.monotonic_ns() - time.time_ns()
         self._sink(
             EventBatch.of(
                 "gpu_util",
                 {
-                    "ts_ns": stamps * 1000 + wall_to_monotonic_ns,
+                    "ts_ns": stamps * 1000 - self._wall_offset(),
                     "period_ns": (periods_us * 1000).astype(np.int64),
                     "gpu": np.full(stamps.size, device.index),
                     "util": values,
@@ -336,14 +350,13 @@ class GpuCollector:
 
     def _call_failed(self, device: _Device, function: str, error: Exception) -> None:
         """Count a failed call; stop asking for what is unsupported; escalate a lost GPU or driver."""
-        nvml = self._nvml
         self._count_error(device.label, function, error)
         code = getattr(error, "value", None)
-        if code == nvml.NVML_ERROR_NOT_SUPPORTED:
+        if code == pynvml.NVML_ERROR_NOT_SUPPORTED:
             device.unsupported.add(function)
-        elif code in (nvml.NVML_ERROR_GPU_IS_LOST, nvml.NVML_ERROR_GPU_NOT_FOUND):
+        elif code in (pynvml.NVML_ERROR_GPU_IS_LOST, pynvml.NVML_ERROR_GPU_NOT_FOUND):
             raise _DeviceLostError from error
-        elif code in (nvml.NVML_ERROR_DRIVER_NOT_LOADED, nvml.NVML_ERROR_UNINITIALIZED):
+        elif code in (pynvml.NVML_ERROR_DRIVER_NOT_LOADED, pynvml.NVML_ERROR_UNINITIALIZED):
             raise _DriverGoneError from error
 
     # --- XID events ----------------------------------------------------------------------------
@@ -351,31 +364,31 @@ class GpuCollector:
         nvml = self._nvml
         try:
             event_set = nvml.nvmlEventSetCreate()
-        except nvml.NVMLError as error:
+        except pynvml.NVMLError as error:
             self._count_error("", "nvmlEventSetCreate", error)
             return
         for device in list(self._devices):
             try:
-                nvml.nvmlDeviceRegisterEvents(device.handle, nvml.nvmlEventTypeXidCriticalError, event_set)
-            except nvml.NVMLError as error:
+                nvml.nvmlDeviceRegisterEvents(device.handle, pynvml.nvmlEventTypeXidCriticalError, event_set)
+            except pynvml.NVMLError as error:
                 self._count_error(device.label, "nvmlDeviceRegisterEvents", error)
         while not self._stop.is_set() and self._initialised:
             try:
                 event = nvml.nvmlEventSetWait(event_set, XID_WAIT_MS)
-            except nvml.NVMLError as error:
-                if getattr(error, "value", None) == nvml.NVML_ERROR_TIMEOUT:
+            except pynvml.NVMLError as error:
+                if getattr(error, "value", None) == pynvml.NVML_ERROR_TIMEOUT:
                     continue
                 self._count_error("", "nvmlEventSetWait", error)
                 self._stop.wait(self._interval)
                 continue
             try:
                 gpu = str(nvml.nvmlDeviceGetIndex(event.device))
-            except nvml.NVMLError:
+            except pynvml.NVMLError:
                 gpu = ""
             with self._lock:
                 self._xids[(gpu, str(event.eventData))] += 1
             log.warning("gpu %s: XID %s", gpu, event.eventData)
-        with contextlib.suppress(nvml.NVMLError):
+        with contextlib.suppress(pynvml.NVMLError):
             nvml.nvmlEventSetFree(event_set)
 
     # --- what others read ----------------------------------------------------------------------
@@ -414,8 +427,8 @@ class GpuCollector:
             for direction, value in reading.pcie.items():
                 pcie.add_metric([gpu, direction], value)
             if reading.reasons is not None:
-                for reason, constant in CLOCK_EVENT_REASONS.items():
-                    reasons.add_metric([gpu, reason], 1 if reading.reasons & getattr(self._nvml, constant) else 0)
+                for reason, bit in CLOCK_EVENT_REASONS.items():
+                    reasons.add_metric([gpu, reason], 1 if reading.reasons & bit else 0)
             if reading.pids is not None:
                 processes.add_metric([gpu], len(reading.pids))
         xid_family = c.GPU_XID_ERRORS.family()
@@ -447,9 +460,6 @@ def _add_arguments(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--gpu.pcie-interval", dest="gpu_pcie_interval", type=non_negative_float, default=10.0,
                        metavar="SECONDS", help="how often PCIe throughput is read, 0 to never; each read "
                        "blocks ~20 ms per GPU (default: %(default)s)")
-    group.add_argument("--gpu.idle-threshold", dest="gpu_idle_threshold", type=ratio, default=0.05,
-                       metavar="RATIO", help="a utilization sample at or below this counts as idle "
-                       "(default: %(default)s)")
     group.add_argument("--gpu.fake-devices", dest="gpu_fake_devices", type=bounded_int(0, 64), default=0,
                        metavar="N", help="emulate N GPUs with stallwatch's fake NVML instead of the real one "
                        "(demos, tests)")
@@ -460,7 +470,7 @@ def _add_arguments(group: argparse._ArgumentGroup) -> None:
 
 def _from_context(context: CollectorContext) -> GpuCollector:
     options = context.options
-    nvml: Any
+    nvml: NvmlApi
     if options.gpu_fake_devices > 0:
         from stallwatch.exporters.nvml_fake import ComputeTrace, DriverSampling, FakeGpu, FakeNVML, training
 
@@ -471,14 +481,11 @@ def _from_context(context: CollectorContext) -> GpuCollector:
             sampling=DriverSampling(),
         )
     else:
-        import pynvml
-
         nvml = pynvml
     return GpuCollector(
         nvml,
         interval=options.gpu_interval,
         pcie_interval=options.gpu_pcie_interval,
-        idle_threshold=options.gpu_idle_threshold,
         sink=context.sink,
         directory=context.gpus,
     )

@@ -1,9 +1,10 @@
 """A fake NVML that answers like `pynvml`, for machines without a GPU.
 
-Same function names and signatures as the pynvml functions the GPU collector calls, the same
-exception classes (pynvml's own `NVMLError_*`, raised through `pynvml.NVMLError(code)`), the same
-return types (pynvml's ctypes structs) and the same units: milliwatts, millijoules, bytes, MHz,
-KB/s, microsecond wall-clock timestamps. Constants and exception classes are pynvml's own.
+It answers the NVML Protocol the GPU collector calls (nvml_api.py: pynvml's function names and
+signatures), with the same exception classes (pynvml's own `NVMLError_*`, raised through
+`pynvml.NVMLError(code)`), the same return types (pynvml's ctypes structs) and the same units:
+milliwatts, millijoules, bytes, MHz, KB/s, microsecond wall-clock timestamps. Callers take
+constants and exception classes from pynvml itself, as with the real library.
 
 Each scripted GPU follows a utilization timeline (percent as a function of seconds since
 `nvmlInit`), can be lost at a given moment, can refuse some functions with NotSupported, and can
@@ -27,10 +28,11 @@ import uuid as uuidlib
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import FunctionType
-from typing import Any
+from typing import NoReturn
 
 import pynvml
+
+from stallwatch.exporters.nvml_api import DeviceHandle, EventSet
 
 Timeline = Callable[[float], float]
 
@@ -124,8 +126,8 @@ class ComputeTrace:
 class DriverSampling:
     """Utilization samples as a real driver's look: each stamped up to `jitter` of a period after its
     nominal grid point, missing with probability `missing`, and in a stretch of `4 * gap_samples`
-    samples, with probability `gap`, a run of `gap_samples` missing ones (longer than the 4 periods
-    an agent lets one sample cover). Every sample is the mean utilization since the one before it.
+    samples, with probability `gap`, a run of `gap_samples` missing ones. Every sample is the mean
+    utilization since the one before it, however long ago that was.
     Seeded: the same samples whenever they are read."""
 
     jitter: float = 0.5
@@ -214,12 +216,17 @@ class _EventSet:
     delivered: set[tuple[int, int]] = field(default_factory=set)
 
 
-def _raise(code: int) -> None:
-    raise pynvml.NVMLError(code)
+# pynvml.NVMLError(code) makes the code's own subclass (NVMLError_GpuIsLost, ...), as the library raises it;
+# its constructor is untyped, this is its type.
+_nvml_error: Callable[[int], Exception] = pynvml.NVMLError
+
+
+def _raise(code: int) -> NoReturn:
+    raise _nvml_error(code)
 
 
 class FakeNVML:
-    """Drop-in for the `pynvml` module: pass it wherever the collector takes `nvml`."""
+    """Drop-in for the `pynvml` module: pass it wherever the collector takes `nvml` (an `NvmlApi`)."""
 
     def __init__(
         self,
@@ -247,13 +254,6 @@ class FakeNVML:
         self._energy_at: list[float | None] = [None] * len(self.gpus)
         self.calls: dict[str, int] = {}
 
-    def __getattr__(self, name: str) -> Any:
-        # Constants and exception classes are pynvml's own; functions must be implemented here.
-        value = getattr(pynvml, name)
-        if isinstance(value, FunctionType):
-            raise AttributeError(f"FakeNVML does not implement {name}")
-        return value
-
     # --- test controls -------------------------------------------------------------------------
     def unload_driver(self) -> None:
         self._driver_loaded = False
@@ -266,15 +266,25 @@ class FakeNVML:
         assert self._started is not None
         return self._clock() - self._started
 
-    def _device(self, handle: _Handle, function: str) -> FakeGpu:
+    def _handle(self, handle: DeviceHandle) -> _Handle:
+        """The fake's own handle of one of its GPUs; anything else is an invalid argument, as to NVML."""
+        if not isinstance(handle, _Handle) or not 0 <= handle.index < len(self.gpus):
+            _raise(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        return handle
+
+    @staticmethod
+    def _event_set(event_set: EventSet) -> _EventSet:
+        if not isinstance(event_set, _EventSet):
+            _raise(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        return event_set
+
+    def _device(self, handle: DeviceHandle, function: str) -> FakeGpu:
         self._count(function)
         if not self._driver_loaded:
             _raise(pynvml.NVML_ERROR_DRIVER_NOT_LOADED)
         if self._started is None:
             _raise(pynvml.NVML_ERROR_UNINITIALIZED)
-        if not isinstance(handle, _Handle) or not 0 <= handle.index < len(self.gpus):
-            _raise(pynvml.NVML_ERROR_INVALID_ARGUMENT)
-        gpu = self.gpus[handle.index]
+        gpu = self.gpus[self._handle(handle).index]
         if gpu.lost_at is not None and self._elapsed() >= gpu.lost_at:
             _raise(pynvml.NVML_ERROR_GPU_IS_LOST)
         if function in gpu.unsupported:
@@ -329,38 +339,38 @@ class FakeNVML:
             _raise(pynvml.NVML_ERROR_INVALID_ARGUMENT)
         return _Handle(index)
 
-    def nvmlDeviceGetIndex(self, handle: _Handle) -> int:  # noqa: N802
+    def nvmlDeviceGetIndex(self, handle: DeviceHandle) -> int:  # noqa: N802
         self._device(handle, "nvmlDeviceGetIndex")
-        return handle.index
+        return self._handle(handle).index
 
-    def nvmlDeviceGetUUID(self, handle: _Handle | _MigHandle) -> str:  # noqa: N802
+    def nvmlDeviceGetUUID(self, handle: DeviceHandle) -> str:  # noqa: N802
         if isinstance(handle, _MigHandle):
             return self._device(_Handle(handle.parent), "nvmlDeviceGetUUID").mig_uuids[handle.slot]
         return self._device(handle, "nvmlDeviceGetUUID").uuid
 
-    def nvmlDeviceGetMaxMigDeviceCount(self, device: _Handle) -> int:  # noqa: N802
+    def nvmlDeviceGetMaxMigDeviceCount(self, device: DeviceHandle) -> int:  # noqa: N802
         if not self._device(device, "nvmlDeviceGetMaxMigDeviceCount").mig_uuids:
             _raise(pynvml.NVML_ERROR_NOT_SUPPORTED)  # as a GPU without MIG mode answers
         return MAX_MIG_DEVICES
 
-    def nvmlDeviceGetMigDeviceHandleByIndex(self, device: _Handle, index: int) -> _MigHandle:  # noqa: N802
+    def nvmlDeviceGetMigDeviceHandleByIndex(self, device: DeviceHandle, index: int) -> _MigHandle:  # noqa: N802
         gpu = self._device(device, "nvmlDeviceGetMigDeviceHandleByIndex")
         if not 0 <= index < MAX_MIG_DEVICES:
             _raise(pynvml.NVML_ERROR_INVALID_ARGUMENT)
         if index >= len(gpu.mig_uuids):
             _raise(pynvml.NVML_ERROR_NOT_FOUND)
-        return _MigHandle(device.index, index)
+        return _MigHandle(self._handle(device).index, index)
 
-    def nvmlDeviceGetName(self, handle: _Handle) -> str:  # noqa: N802
+    def nvmlDeviceGetName(self, handle: DeviceHandle) -> str:  # noqa: N802
         return self._device(handle, "nvmlDeviceGetName").name
 
-    def nvmlDeviceGetUtilizationRates(self, handle: _Handle) -> pynvml.c_nvmlUtilization_t:  # noqa: N802
+    def nvmlDeviceGetUtilizationRates(self, handle: DeviceHandle) -> pynvml.c_nvmlUtilization_t:  # noqa: N802
         gpu = self._device(handle, "nvmlDeviceGetUtilizationRates")
         percent = self._percent(gpu)
         return pynvml.c_nvmlUtilization_t(gpu=int(percent), memory=int(percent * 0.6))
 
     def nvmlDeviceGetSamples(  # noqa: N802
-        self, device: _Handle, sampling_type: int, timeStamp: int  # noqa: N803
+        self, device: DeviceHandle, sampling_type: int, timeStamp: int  # noqa: N803
     ) -> tuple[int, list[pynvml.c_nvmlSample_t]]:
         gpu = self._device(device, "nvmlDeviceGetSamples")
         if sampling_type != pynvml.NVML_GPU_UTILIZATION_SAMPLES:
@@ -407,51 +417,50 @@ class FakeNVML:
         points = [begin + (end - begin) * (i + 0.5) / 16 for i in range(16)]  # a timeline has no integral
         return sum(self._percent(gpu, t) for t in points) / len(points)
 
-    def nvmlDeviceGetMemoryInfo(self, handle: _Handle, version: int | None = None) -> pynvml.c_nvmlMemory_t:  # noqa: N802
+    def nvmlDeviceGetMemoryInfo(self, handle: DeviceHandle, version: int | None = None) -> pynvml.c_nvmlMemory_t:  # noqa: N802
         gpu = self._device(handle, "nvmlDeviceGetMemoryInfo")
         used = gpu.memory_total // 3 if gpu.pids else 512 * 1024 * 1024
         return pynvml.c_nvmlMemory_t(total=gpu.memory_total, free=gpu.memory_total - used, used=used)
 
-    def nvmlDeviceGetPowerUsage(self, handle: _Handle) -> int:  # noqa: N802
+    def nvmlDeviceGetPowerUsage(self, handle: DeviceHandle) -> int:  # noqa: N802
         return self._power_mw(self._device(handle, "nvmlDeviceGetPowerUsage"))
 
-    def nvmlDeviceGetTotalEnergyConsumption(self, handle: _Handle) -> int:  # noqa: N802
+    def nvmlDeviceGetTotalEnergyConsumption(self, handle: DeviceHandle) -> int:  # noqa: N802
         gpu = self._device(handle, "nvmlDeviceGetTotalEnergyConsumption")
-        now = self._clock()
-        last = self._energy_at[handle.index]
+        index, now = self._handle(handle).index, self._clock()
+        last = self._energy_at[index]
         if last is not None:
-            self._energy_mj[handle.index] += self._power_mw(gpu) * (now - last)
-        self._energy_at[handle.index] = now
-        return int(self._energy_mj[handle.index])
+            self._energy_mj[index] += self._power_mw(gpu) * (now - last)
+        self._energy_at[index] = now
+        return int(self._energy_mj[index])
 
-    def nvmlDeviceGetClockInfo(self, handle: _Handle, type: int) -> int:  # noqa: N802
+    def nvmlDeviceGetClockInfo(self, handle: DeviceHandle, type: int) -> int:  # noqa: N802
         gpu = self._device(handle, "nvmlDeviceGetClockInfo")
         if type == pynvml.NVML_CLOCK_MEM:
             return 2619
         if type == pynvml.NVML_CLOCK_SM:
             return 1980 if self._percent(gpu) > 0 else 345
         _raise(pynvml.NVML_ERROR_INVALID_ARGUMENT)
-        return 0
 
-    def nvmlDeviceGetPcieThroughput(self, device: _Handle, counter: int) -> int:  # noqa: N802
+    def nvmlDeviceGetPcieThroughput(self, device: DeviceHandle, counter: int) -> int:  # noqa: N802
         gpu = self._device(device, "nvmlDeviceGetPcieThroughput")
         time.sleep(self._pcie_latency)  # the real call blocks for the driver's 20 ms window
         scale = 12_000_000 if counter == pynvml.NVML_PCIE_UTIL_RX_BYTES else 1_500_000
         return int(scale * self._percent(gpu) / 100)
 
-    def nvmlDeviceGetTemperature(self, handle: _Handle, sensor: int) -> int:  # noqa: N802
+    def nvmlDeviceGetTemperature(self, handle: DeviceHandle, sensor: int) -> int:  # noqa: N802
         gpu = self._device(handle, "nvmlDeviceGetTemperature")
         if sensor != pynvml.NVML_TEMPERATURE_GPU:
             _raise(pynvml.NVML_ERROR_INVALID_ARGUMENT)
         return int(35 + 40 * self._percent(gpu) / 100)
 
-    def nvmlDeviceGetCurrentClocksEventReasons(self, handle: _Handle) -> int:  # noqa: N802
+    def nvmlDeviceGetCurrentClocksEventReasons(self, handle: DeviceHandle) -> int:  # noqa: N802
         gpu = self._device(handle, "nvmlDeviceGetCurrentClocksEventReasons")
         if self._percent(gpu) == 0:
             return int(pynvml.nvmlClocksEventReasonGpuIdle)
         return int(pynvml.nvmlClocksEventReasonNone)
 
-    def nvmlDeviceGetComputeRunningProcesses(self, handle: _Handle) -> list[_Process]:  # noqa: N802
+    def nvmlDeviceGetComputeRunningProcesses(self, handle: DeviceHandle) -> list[_Process]:  # noqa: N802
         gpu = self._device(handle, "nvmlDeviceGetComputeRunningProcesses")
         return [_Process(pid, gpu.memory_total // 3 // max(1, len(gpu.pids))) for pid in gpu.pids]
 
@@ -462,13 +471,14 @@ class FakeNVML:
             _raise(pynvml.NVML_ERROR_UNINITIALIZED)
         return _EventSet()
 
-    def nvmlDeviceRegisterEvents(self, handle: _Handle, eventTypes: int, eventSet: _EventSet) -> None:  # noqa: N802, N803
+    def nvmlDeviceRegisterEvents(self, handle: DeviceHandle, eventTypes: int, eventSet: EventSet) -> None:  # noqa: N802, N803
         self._device(handle, "nvmlDeviceRegisterEvents")
         if eventTypes & pynvml.nvmlEventTypeXidCriticalError:
-            eventSet.handles.append(handle)
+            self._event_set(eventSet).handles.append(self._handle(handle))
 
-    def nvmlEventSetWait(self, eventSet: _EventSet, timeoutms: int) -> _EventData:  # noqa: N802, N803
+    def nvmlEventSetWait(self, eventSet: EventSet, timeoutms: int) -> _EventData:  # noqa: N802, N803
         self._count("nvmlEventSetWait")
+        watched = self._event_set(eventSet)
         deadline = time.monotonic() + timeoutms / 1000
         for attempt in itertools.count():
             if not self._driver_loaded:
@@ -476,16 +486,16 @@ class FakeNVML:
             if self._started is None:
                 _raise(pynvml.NVML_ERROR_UNINITIALIZED)
             elapsed = self._elapsed()
-            for handle in eventSet.handles:
+            for handle in watched.handles:
                 for n, (at, xid) in enumerate(self.gpus[handle.index].xids):
-                    if at <= elapsed and (handle.index, n) not in eventSet.delivered:
-                        eventSet.delivered.add((handle.index, n))
+                    if at <= elapsed and (handle.index, n) not in watched.delivered:
+                        watched.delivered.add((handle.index, n))
                         return _EventData(handle, pynvml.nvmlEventTypeXidCriticalError, xid)
             if time.monotonic() >= deadline or attempt > 10_000:
                 _raise(pynvml.NVML_ERROR_TIMEOUT)
             time.sleep(min(0.05, max(0.0, deadline - time.monotonic())))
         raise AssertionError("unreachable")
 
-    def nvmlEventSetFree(self, eventSet: _EventSet) -> None:  # noqa: N802, N803
+    def nvmlEventSetFree(self, eventSet: EventSet) -> None:  # noqa: N802, N803
         self._count("nvmlEventSetFree")
-        eventSet.handles.clear()
+        self._event_set(eventSet).handles.clear()
