@@ -216,7 +216,7 @@ def test_the_window_file_draws_an_open_stall_where_the_gpu_idles(outage_s: float
     assert remote.v[during] == pytest.approx(1.0)
     assert not remote.v[(t < cut) | (t > back + 0.25)].any()
     assert max(series.v.max() for series in run.stall_by_cause.values()) <= 1.0 + 1e-9
-    assert run.gpu_utilization.v[during] == pytest.approx(0.0)
+    assert run.gpu_utilization is not None and run.gpu_utilization.v[during] == pytest.approx(0.0)
     total = sum(float(np.sum(series.v)) * 0.5 for series in run.stall_by_cause.values())
     assert total == pytest.approx(outage_s, abs=1e-6)
 
