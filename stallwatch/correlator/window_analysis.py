@@ -128,7 +128,9 @@ class WindowAnalyser:
         # Warm-up takes the GPU idle time of the stalls booked now, in whichever window they lie.
         idle_by_job = {job: float(idle[cut.steps.job == job].sum()) / 1e9 for job in np.unique(cut.steps.job).tolist()}
         jobs = self._jobs(window, steps, stalled, own_reads, idle_by_job, spans, set(live.job.tolist()))
-        order = np.argsort(own_reads["end_ns"], kind="stable")
+        # The what-if replays the reads that crossed a spoke: a spoke's size changes nothing for the others.
+        crossed = np.flatnonzero(own_reads["verdict"] != Verdict.DIRECT)
+        order = crossed[np.argsort(own_reads["end_ns"][crossed], kind="stable")]
         self.whatif.feed(own_reads["key"][order], own_reads["bytes"][order])
         whatif: dict[float, float] = {}
         if self.cache_capacity_bytes:
