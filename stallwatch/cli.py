@@ -51,7 +51,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         extra = EXTRAS.get((error.name or "").partition(".")[0])
         if extra is None:
             raise
-        print(f"stallwatch {args[0]}: error: needs the {extra!r} extra: pip install 'stallwatch[{extra}]'",
+        print(f"stallwatch {args[0]}: error: needs the {extra!r} extra: install the agent's wheel with it, "
+              f"pip install 'dist/stallwatch-VERSION-py3-none-any.whl[{extra}]' (make dist builds it)",
               file=sys.stderr)
         return 2
 
