@@ -163,4 +163,6 @@ def test_the_whatif_says_why_it_has_no_estimate(tmp_path: Path) -> None:
     assert f"tracks {scenario.jobs[0].dataset_items:,} keys" in said  # every item read: the curve saw them
     estimate = run_from_windows(record(scenario, tmp_path / "with.jsonl"))
     assert estimate.whatif and 'id="whatif-none"' not in render_html(estimate, 0.02)
-    assert 'id="whatif-none">no estimate: the correlator&#x27;s what-if saw no read' in render_html(Run(0, 1), 0.02)
+    assert 'id="whatif-none">no estimate: no read crossed a spoke' in render_html(Run(0, 1), 0.02)
+    assert 'id="whatif-none">no estimate: the correlator&#x27;s what-if saw no read' in render_html(
+        Run(0, 1, spoke_reads=10), 0.02)

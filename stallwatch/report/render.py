@@ -191,10 +191,10 @@ def _whatif(run: Run) -> str:
     rows = "".join(f"<tr><td>{html.escape(k)}&times;</td><td>{v * 100:.1f} %</td></tr>"
                    for k, v in sorted(run.whatif.items(), key=lambda kv: float(kv[0])))
     why = None
-    if run.whatif_keys is None:
-        why = "the correlator's what-if saw no read"
-    elif not run.spoke_reads:  # its curve replays every read, those of no spoke too: no spoke to size
+    if not run.spoke_reads:  # its curve replays only reads that crossed a spoke: none, no spoke to size
         why = "no read crossed a spoke"
+    elif run.whatif_keys is None:
+        why = "the correlator's what-if saw no read"
     elif not rows:
         why = (f"the correlator was not given the spoke's capacity (--correlator.cache-capacity); its curve "
                f"tracks {run.whatif_keys:,.0f} keys")
