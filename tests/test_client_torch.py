@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -203,3 +205,35 @@ def test_reads_of_an_iterable_dataset_are_tagged_too(tmp_path: Path, files: list
 def test_reads_in_the_main_process_are_tagged_too(tmp_path: Path, files: list[Path]) -> None:
     loader = DataLoader(FileDataset(files[:12]), batch_size=5, shuffle=True)
     assert_every_read_carries_its_batch(tmp_path, files[:12], instrument(loader, job="main", rank=0), 2, {-1})
+
+
+TRAINER_THAT_EXITS_AT_ONCE = """
+import sys
+from pathlib import Path
+from torch.utils.data import DataLoader
+from stallwatch.client import transport
+from stallwatch.client.torch import instrument
+from tests.test_client_torch import FileDataset
+transport.configure(sys.argv[1])
+loader = DataLoader(FileDataset([Path(p) for p in sys.argv[2:]]), batch_size=4, num_workers=2, persistent_workers=True)
+for epoch in range(2):
+    for batch in instrument(loader, job="quick", rank=0):
+        pass
+"""
+
+
+def test_persistent_workers_of_a_trainer_that_exits_at_once_flush_their_reads(tmp_path: Path,
+                                                                              files: list[Path]) -> None:
+    """The trainer leaves right after its last epoch, long before a worker's periodic flush: every read arrives
+    (multiprocessing's exit hook used to terminate the workers before they could flush: none did)."""
+    socket_path = tmp_path / "run" / "events.sock"
+    agent = start_agent(["--events.socket", str(socket_path), "--no-collector.gpu", "--no-collector.correlator"],
+                        tmp_path / "agent.log", timeout=60)
+    try:
+        subprocess.run([sys.executable, "-c", TRAINER_THAT_EXITS_AT_ONCE, str(socket_path), *map(str, files)],
+                       cwd=Path(__file__).parent.parent, check=True, timeout=120)
+        expected = 2 * sum(reads_per_file(p.stat().st_size) for p in files)
+        key = ("stallwatch_dataset_reads_total", (("rank", "0"), ("training_job", "quick"), ("verdict", "unknown")))
+        wait_for(f"{expected} reads at the agent", lambda: scrape(agent.url).get(key) == expected, 10)
+    finally:
+        stop_agent(agent)

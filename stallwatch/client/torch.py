@@ -301,6 +301,7 @@ def _instrumented_class(base: type[DataLoader[Any]]) -> type[DataLoader[Any]]:
         object.__setattr__(view, "__dict__", loader.__dict__)  # one state: `_iterator`, resumption, epochs
         steps = timed_steps(base.__iter__(view), sender().channel(source))
         if loader.num_workers > 0:
+            _shut_down_at_exit(loader.__dict__.get("_iterator"))
             return steps
         if loader.__dict__.get(_CAPTURE, False) and not capture.installed():
             capture.start()
@@ -315,6 +316,15 @@ def _instrumented_class(base: type[DataLoader[Any]]) -> type[DataLoader[Any]]:
     _instrumented[base] = found
     _base_of[found] = base
     return found
+
+
+def _shut_down_at_exit(iterator: object) -> None:
+    """Persistent workers still running when the trainer exits are terminated by multiprocessing's exit hook,
+    and the reads they have not flushed yet are lost; torch's own hook, which lets them exit (and flush), is
+    registered only with `pin_memory`. Asked for each epoch's iterator: a weak set holds them."""
+    register = getattr(iterator, "_register_persistent_workers_atexit", None)
+    if register is not None:
+        register()
 
 
 def _reading_here(source: wire.Source, steps: Iterator[Any]) -> Iterator[Any]:
