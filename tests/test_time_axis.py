@@ -4,6 +4,7 @@ timeline is complete there, and published series carry their windows' wall-clock
 from __future__ import annotations
 
 import re
+import threading
 import time
 from collections import defaultdict
 from collections.abc import Iterator
@@ -619,3 +620,46 @@ def test_collectors_run_in_the_context_of_the_scrape_that_started_them() -> None
         finally:
             SCRAPER.reset(token)
         assert [s.labels["scraper"] for s in families["who_asks"].samples] == [scraper]
+
+
+def test_overlapping_scrapes_of_two_scrapers_each_get_their_own_view() -> None:
+    """A collector that serves each scraper its own view (`per_scraper`, as the correlator does) is called
+    for each scraper even when their scrapes overlap; one that does not shares the running call."""
+    release = threading.Event()
+
+    class WhoAsks:
+        def __init__(self, per_scraper: bool) -> None:
+            self.per_scraper = per_scraper
+
+        def collect(self) -> Iterator[Metric]:
+            release.wait(5)  # both scrapes are under way before either call ends
+            family = GaugeMetricFamily("who_asks", "The scraper this collect served.", labels=["scraper"])
+            family.add_metric([SCRAPER.get()], 1.0)
+            yield family
+
+        def close(self) -> None:
+            pass
+
+    def served(per_scraper: bool) -> dict[str, list[str]]:
+        scrape = ScrapeCollector({"who": WhoAsks(per_scraper)})
+        seen: dict[str, list[str]] = {}
+
+        def scrape_as(scraper: str) -> None:
+            SCRAPER.set(scraper)  # this thread's own context
+            seen[scraper] = [sample.labels["scraper"] for family in scrape.collect() if family.name == "who_asks"
+                             for sample in family.samples]
+
+        release.clear()
+        threads = [threading.Thread(target=scrape_as, args=(f"10.0.0.{n} 10.0.0.9 Prometheus/2.42",)) for n in (1, 2)]
+        for thread in threads:
+            thread.start()
+            time.sleep(0.2)  # the first one's call is running when the second scrape starts
+        release.set()
+        for thread in threads:
+            thread.join(10)
+        return seen
+
+    assert served(per_scraper=True) == {scraper: [scraper] for scraper in ("10.0.0.1 10.0.0.9 Prometheus/2.42",
+                                                                            "10.0.0.2 10.0.0.9 Prometheus/2.42")}
+    shared = served(per_scraper=False)
+    assert shared["10.0.0.2 10.0.0.9 Prometheus/2.42"] == ["10.0.0.1 10.0.0.9 Prometheus/2.42"]

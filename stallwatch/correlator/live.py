@@ -60,6 +60,8 @@ def _return_freed_memory() -> None:
 class LiveCorrelator:
     """The pipeline fed live by the agent's collectors, on a thread of its own; a collector itself."""
 
+    per_scraper = True  # each scraper gets every window (stallwatch.scraper): scrapes share no call
+
     def __init__(
         self,
         settings: CorrelatorSettings | None = None,

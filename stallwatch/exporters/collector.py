@@ -25,6 +25,7 @@ from prometheus_client.registry import Collector as PromCollector
 from stallwatch import catalogue
 from stallwatch.eventbatch import EventBatch, EventSink, Interner, discard
 from stallwatch.exporters.gpu_directory import GpuDirectory
+from stallwatch.scraper import SCRAPER
 
 log = logging.getLogger(__name__)
 
@@ -185,7 +186,7 @@ class ScrapeCollector(PromCollector):
         self._clock = clock
         self._timeout_s = timeout_s
         self._lock = threading.Lock()
-        self._calls: dict[str, _Call] = {}  # each collector's latest call
+        self._calls: dict[tuple[str, str], _Call] = {}  # each collector's latest call, by (name, scraper)
 
     def collect(self) -> Iterator[Metric]:
         duration = catalogue.SCRAPE_COLLECTOR_DURATION.family()
@@ -207,20 +208,26 @@ class ScrapeCollector(PromCollector):
         yield success
 
     def _start_calls(self) -> dict[str, _Call]:
-        """Each collector's call: the one still running, else a new one."""
+        """Each collector's call: the one still running, else a new one. A collector that serves each scraper
+        a view of its own (`per_scraper`) shares a running call only with the same scraper's scrapes."""
+        scraper = SCRAPER.get()
         with self._lock:
+            self._calls = {key: call for key, call in self._calls.items() if not key[1] or not call.done.is_set()}
+            calls = {}
             for name, collector in self._collectors.items():
-                running = self._calls.get(name)
+                key = (name, scraper if getattr(collector, "per_scraper", False) else "")
+                running = self._calls.get(key)
                 if running is None or running.done.is_set():
-                    self._calls[name] = _Call(name, collector, self._clock)
-            return dict(self._calls)
+                    running = self._calls[key] = _Call(name, collector, self._clock)
+                calls[name] = running
+            return calls
 
     def wedged(self) -> list[str]:
         """Collectors whose call has been running for `WEDGED_DEADLINES` deadlines or more."""
         now = self._clock()
         with self._lock:
-            return sorted(name for name, call in self._calls.items()
-                          if not call.done.is_set() and now - call.started >= WEDGED_DEADLINES * self._timeout_s)
+            return sorted({name for (name, _), call in self._calls.items()
+                          if not call.done.is_set() and now - call.started >= WEDGED_DEADLINES * self._timeout_s})
 
     def close(self) -> None:
         """Close every collector, each given one deadline: a wedged one must not hold up the agent's exit."""
