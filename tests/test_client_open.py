@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from stallwatch.client import RecordedFile, monitor, open_recorded, transport, wire
+from stallwatch.client import RecordedFile, monitor, open_recorded, reads, transport, wire
 from stallwatch.client.keys import read_key
 from stallwatch.client.torch import instrument
 from stallwatch.exporters.events_decode import MAX_EVENT_AGE_NS, Decoded, RejectedBatchError, decode, peek_events
@@ -270,3 +270,23 @@ def test_open_records_are_counted_before_decoding_but_not_past_the_bytes() -> No
     forged = wire.HEADER.pack(wire.VERSION, 1, 0, -1, -1, 0, 0, 0, 2**32 - 1, 0, NOW, WALL) + b"\0\x03job"
     forged += wire.OPEN.pack(*OPEN) * 2
     assert peek_events(forged) == 2
+
+
+def test_a_hanging_read_stays_in_flight_while_another_thread_reads(datagrams: Datagrams, tmp_path: Path) -> None:
+    """A dataset reading on several threads: one read hangs while another thread's reads come and go; the
+    hanging one is reported in flight all along (the other thread's reads used to end it)."""
+    hung_path, quick_path = files(tmp_path, 2)
+    with reads.reads_as(wire.Source("threads", 0, 0, 0)):
+        hanging = threading.Thread(target=lambda: RecordedFile(HangingFile(hung_path, True),  # type: ignore[arg-type]
+                                                               str(hung_path)).read())
+        hanging.start()
+        while hanging.is_alive():
+            with RecordedFile(quick_path.open("rb"), str(quick_path)) as quick:
+                quick.read()
+            time.sleep(0.005)
+        hung_key = read_key(str(hung_path), 0)
+        wait_for("the hung read", lambda: hung_key in [read["key"] for read in datagrams.rows("reads")], 10)
+    (hung,) = [read for read in datagrams.rows("reads") if read["key"] == hung_key]
+    in_flight = [record for record in datagrams.opens(wire.OPEN_READ) if record["key"] == hung_key]
+    late = [record for record in in_flight if record["as_of_ns"] >= hung["start_ns"] + HANG_S * 1e9 / 2]
+    assert late and all(record["since_ns"] == hung["start_ns"] for record in in_flight)

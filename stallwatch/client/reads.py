@@ -54,13 +54,12 @@ def verdict_from_cache_status(value: str | None) -> int:
 class _ReadContext:
     """Where this process's reads go, which batch they serve, and what it has in flight."""
 
-    __slots__ = ("batch", "building", "channel", "handed", "reader", "reading", "source")
+    __slots__ = ("batch", "building", "channel", "handed", "reading", "source")
     source: wire.Source | None
     channel: Channel | None
     batch: int
     building: tuple[int, int] | None  # (batch, since)
-    reading: tuple[str, int, int] | None  # (location, offset, start)
-    reader: int  # the thread of the open read (`threading.get_ident`)
+    reading: dict[int, tuple[str, int, int]]  # each thread's open read (location, offset, start), by `get_ident`
     handed: tuple[int, int] | None  # (batch, when)
 
     def __init__(self) -> None:
@@ -82,11 +81,13 @@ class _ReadContext:
         """The batch being built, the open read and the batch last handed over, while reading as `channel`."""
         if channel is not self.channel:
             return []
-        building, reading, handed, batch = self.building, self.reading, self.handed, self.batch
+        building, handed, batch = self.building, self.handed, self.batch
         records: list[wire.Open] = []
         if building is not None:
             records.append((wire.OPEN_BATCH, building[0], 0, building[1], as_of_ns))
-        if reading is not None and self.reading is reading:  # still open: `batch` was the one it serves
+        # The oldest open read, whichever thread reads it (a dataset may read on several): the stall's longest.
+        reading = min(self.reading.copy().values(), key=lambda read: read[2], default=None)
+        if reading is not None:
             location, offset, start = reading
             records.append((wire.OPEN_READ, batch, read_key(location, offset), start, as_of_ns))
         if handed is not None:
@@ -95,8 +96,8 @@ class _ReadContext:
 
     def _forget(self) -> None:  # also in a forked child: the parent's channel and work are not ours
         self.channel, self.batch = None, -1
-        self.building = self.reading = self.handed = None
-        self.reader = 0
+        self.building = self.handed = None
+        self.reading = {}
 
 
 _context = _ReadContext()
@@ -170,13 +171,13 @@ class ReadSpan:
 
     def __enter__(self) -> ReadSpan:
         self._start = start = time.monotonic_ns()
-        _context.reading, _context.reader = (self.location, self.offset, start), get_ident()
+        _context.reading[get_ident()] = (self.location, self.offset, start)
         return self
 
     def __exit__(
         self, kind: type[BaseException] | None, error: BaseException | None, traceback: TracebackType | None
     ) -> None:
-        _context.reading = None
+        _context.reading.pop(get_ident(), None)
         record_read(self.location, self.offset, self.bytes, self._start, time.monotonic_ns(), self.verdict)
 
     @staticmethod
@@ -211,15 +212,15 @@ class RecordedFile:
         self._position = position if position is not None else raw.tell() if raw.seekable() else 0
 
     def _recorded(self, read: Callable[[Any], T], argument: Any, count: Callable[[T], int]) -> T:
-        thread = get_ident()
-        if _context.reading is not None and _context.reader == thread:  # inside another recorded read: the event
+        thread, reading = get_ident(), _context.reading
+        if thread in reading:  # inside another recorded read of this thread: the outer one is the event
             return read(argument)
         start, offset = time.monotonic_ns(), self._position
-        _context.reading, _context.reader = (self._path, offset, start), thread
+        reading[thread] = (self._path, offset, start)
         try:
             result = read(argument)
         finally:
-            _context.reading = None
+            reading.pop(thread, None)  # a ReadSpan inside it may have ended it already
         nbytes = count(result)
         self._position += nbytes
         record_read(self._path, offset, nbytes, start, time.monotonic_ns(), self._verdict)
