@@ -40,6 +40,15 @@ def s(metric: c.AnyMetricDef, *labels: str, suffix: str = "") -> str:
     return f"{metric.name}{suffix}{{{', '.join(labels)}}}"
 
 
+def bursts(odd: float, even: float, minutes: int = 40) -> str:
+    """A counter's values a minute apart, rising by `odd` in odd minutes and by `even` in even ones."""
+    total, values = 0.0, ["0"]
+    for minute in range(1, minutes + 1):
+        total += odd if minute % 2 else even
+        values.append(f"{total:g}")
+    return " ".join(values)
+
+
 CASES = (
     Case("StallwatchGPUsStarvedByRemoteFetches", {
         s(c.GPU_STALL_IDLE_SECONDS, 'training_job="train"', N1, 'gpu="0"', 'cause="remote_fetch"'): "0+18x30",
@@ -51,13 +60,22 @@ CASES = (
         s(c.GPU_STALL_IDLE_SECONDS, 'training_job="train"', N1, 'gpu="0"', 'cause="remote_fetch"'): "0+3x30",
         s(c.GPU_STALL_IDLE_SECONDS, 'training_job="train"', N1, 'gpu="0"', 'cause="cache_read"'): "0+40x30",
     }, "20m"),
-    Case("StallwatchTrainingInputBound", {
-        s(c.INPUT_BOUND_RATIO, 'training_job="train"', N1, 'rank="0"'): "0.25x30",
-        s(c.INPUT_BOUND_RATIO, 'training_job="train"', N1, 'rank="1"'): "0.35x30",
+    Case("StallwatchTrainingInputBound", {  # stall over stall plus compute, both ranks: 36 s of every 120
+        s(c.STALL_SECONDS, 'training_job="train"', N1, 'rank="0"', 'cause="remote_fetch"'): "0+15x30",
+        s(c.COMPUTE_SECONDS, 'training_job="train"', N1, 'rank="0"'): "0+45x30",
+        s(c.STALL_SECONDS, 'training_job="train"', N1, 'rank="1"', 'cause="preprocess"'): "0+21x30",
+        s(c.COMPUTE_SECONDS, 'training_job="train"', N1, 'rank="1"'): "0+39x30",
     }, "20m", (({"training_job": "train"}, "Job train waits for input 30% of its step time (highly input-bound)."),)),
-    Case("StallwatchTrainingInputBound", {  # moderately input-bound only
-        s(c.INPUT_BOUND_RATIO, 'training_job="train"', N1, 'rank="0"'): "0.15x30",
-        s(c.INPUT_BOUND_RATIO, 'training_job="train"', N1, 'rank="1"'): "0.19x30",
+    Case("StallwatchTrainingInputBound", {  # bursts of stalls every other minute: each window's ratio swings
+        # between 0 and 0.6 (averaged, it kept the alert's `for` starting over), the job's over 5 minutes holds
+        s(c.STALL_SECONDS, 'training_job="train"', N1, 'rank="0"', 'cause="remote_fetch"'): bursts(36, 0),
+        s(c.COMPUTE_SECONDS, 'training_job="train"', N1, 'rank="0"'): bursts(24, 60),
+    }, "20m", (({"training_job": "train"}, "Job train waits for input 30% of its step time (highly input-bound)."),)),
+    Case("StallwatchTrainingInputBound", {  # moderately input-bound only: 20 s of every 120
+        s(c.STALL_SECONDS, 'training_job="train"', N1, 'rank="0"', 'cause="remote_fetch"'): "0+9x30",
+        s(c.COMPUTE_SECONDS, 'training_job="train"', N1, 'rank="0"'): "0+51x30",
+        s(c.STALL_SECONDS, 'training_job="train"', N1, 'rank="1"', 'cause="remote_fetch"'): "0+11x30",
+        s(c.COMPUTE_SECONDS, 'training_job="train"', N1, 'rank="1"'): "0+49x30",
     }, "20m"),
     Case("StallwatchWarmupOverBudget", {
         s(c.WARMUP_PHASE, 'training_job="train"', N1, 'phase="cold"'): "1x10 0x30",
@@ -254,7 +272,7 @@ def test_every_recording_rule_reads_the_correlators_series_its_lag_back() -> Non
     groups = yaml.safe_load((ROOT / "alerts/recording-rules.yaml").read_text())["groups"]
     reads = [(rule["record"], metric.name, rule["expr"]) for group in groups for rule in group["rules"]
              for metric in c.by_subsystem("correlator") if metric.name in rule["expr"]]
-    assert {record for record, _, _ in reads} >= {f"{c.JOB_LABEL}:{c.INPUT_BOUND_RATIO.name}:avg"}
+    assert {record for record, _, _ in reads} >= {f"{c.JOB_LABEL}:{c.INPUT_BOUND_RATIO.name}:rate5m"}
     for record, name, expr in reads:
         bare = rf"(?<![\w:]){name}(?![\w:])"  # the metric, not a record named after it
         lagged = re.findall(rf"{bare}(?:{{[^}}]*}})?(?:\[\w+\])? offset {lag}\b", expr)

@@ -75,7 +75,8 @@ def training_alerts(t: Thresholds) -> tuple[AlertRule, ...]:
             summary="Training spends a large share of its step time waiting for input.",
             description=f"Job {JOB_NAME} waits for input {{{{ $value | humanizePercentage }}}} of its step "
                         "time (highly input-bound).",
-            runbook="The ranks' loader wait divided by wait plus compute is above the threshold: the input "
+            runbook="The job's stall seconds divided by its stall plus compute seconds, over its ranks and the "
+                    "rate window, is above the threshold: the input "
                     "pipeline, not the model, sets the pace (TensorFlow's input-pipeline analyzer calls 20 % or "
                     "more 'highly input-bound').\n\n"
                     f"Check: *Training input stalls*: which cause dominates the stall seconds. {_CAUSES_POINT_AT}"

@@ -17,7 +17,7 @@ from __future__ import annotations
 from stallwatch import catalogue as c
 from stallwatch.mixin.config import Thresholds
 from stallwatch.mixin.prometheus import RecordingRule, RuleGroup, render_rules
-from stallwatch.mixin.promql import back, by, rate
+from stallwatch.mixin.promql import by, rate
 
 J = c.JOB_LABEL
 
@@ -34,8 +34,13 @@ def gpu_stall_idle_rule(t: Thresholds) -> RecordingRule:
 
 
 def input_bound_rule(t: Thresholds) -> RecordingRule:
-    return RecordingRule(f"{J}:{c.INPUT_BOUND_RATIO.name}:avg",
-                         by(J, "avg", back(c.INPUT_BOUND_RATIO, t.correlator_lag)))
+    """The job's stall seconds over its stall plus compute seconds, summed over its ranks, over the rate window:
+    the ratio the report's headline and the demo's lines give. (The per-rank gauge covers one window only:
+    averaged, it swung between 0 and 1 with each burst of stalls, and the alert's `for` kept starting over.)"""
+    stalled = by(J, "sum", rate(c.STALL_SECONDS, t.rate_window, offset=t.correlator_lag))
+    computed = by(J, "sum", rate(c.COMPUTE_SECONDS, t.rate_window, offset=t.correlator_lag))
+    return RecordingRule(f"{J}:{c.INPUT_BOUND_RATIO.name}:rate{t.rate_window}",
+                         f"{stalled} / ({stalled} + {computed})")
 
 
 def hit_ratio_rule(t: Thresholds) -> RecordingRule:
