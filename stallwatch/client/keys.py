@@ -22,3 +22,11 @@ def resource_of(location: str) -> str:
 def read_key(location: str, offset: int = 0) -> int:
     digest = hashlib.blake2b(f"{resource_of(location)}@{offset}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little")
+
+
+def range_start(text: str) -> int:
+    """`bytes=1048576-2097151` -> 1048576, the offset a ranged read is keyed by; anything else (no Range, a
+    suffix range) -> 0."""
+    unit, _, spec = text.partition("=")
+    first = spec.split(",", 1)[0].split("-", 1)[0].strip()
+    return int(first) if unit.strip() == "bytes" and first.isdigit() else 0

@@ -51,6 +51,21 @@ def verdict_from_cache_status(value: str | None) -> int:
     return wire.VERDICT_UNKNOWN
 
 
+# Reply headers that carry a cache's verdict: nginx's as the project's spokes send it, Varnish's and CDNs'.
+CACHE_STATUS_HEADERS = ("X-Cache-Status", "X-Cache", "CF-Cache-Status")
+
+
+def verdict_from_headers(headers: Any) -> int | None:
+    """The verdict of the first cache header in a reply's `headers` (a case-insensitive `get`) that names one,
+    read from its first word (`Hit from cloudfront`, `HIT, MISS`); None when none does."""
+    for name in CACHE_STATUS_HEADERS:
+        words = str(headers.get(name) or "").replace(",", " ").split()
+        verdict = verdict_from_cache_status(words[0]) if words else wire.VERDICT_UNKNOWN
+        if verdict != wire.VERDICT_UNKNOWN:
+            return verdict
+    return None
+
+
 class _ReadContext:
     """Where this process's reads go, which batch they serve, and what it has in flight."""
 
@@ -152,6 +167,25 @@ def record_read(
         return
 
 
+def timed_read(location: str, offset: int, verdict: int, start_ns: int, count: Callable[[T], int],
+               read: Callable[..., T], *args: Any, **kwargs: Any) -> tuple[T, int]:
+    """`read(*args, **kwargs)` recorded as one read of `location` at `offset`, started at `start_ns` (0: now):
+    its result and the bytes `count` finds in it; -1 bytes when it ran inside another recorded read of this
+    thread (a `ReadSpan`, a wrapper of the same file), which is the event. A read that raises is not recorded."""
+    thread, reading = get_ident(), _context.reading
+    if thread in reading:
+        return read(*args, **kwargs), -1
+    start = start_ns or time.monotonic_ns()
+    reading[thread] = (location, offset, start)
+    try:
+        result = read(*args, **kwargs)
+    finally:
+        reading.pop(thread, None)  # a ReadSpan inside it may have ended it already
+    nbytes = count(result)
+    record_read(location, offset, nbytes, start, time.monotonic_ns(), verdict)
+    return result, nbytes
+
+
 class ReadSpan:
     """Time one read of your own reader: `with ReadSpan(url, offset) as span: ...; span.bytes = n`.
 
@@ -212,18 +246,9 @@ class RecordedFile:
         self._position = position if position is not None else raw.tell() if raw.seekable() else 0
 
     def _recorded(self, read: Callable[[Any], T], argument: Any, count: Callable[[T], int]) -> T:
-        thread, reading = get_ident(), _context.reading
-        if thread in reading:  # inside another recorded read of this thread: the outer one is the event
-            return read(argument)
-        start, offset = time.monotonic_ns(), self._position
-        reading[thread] = (self._path, offset, start)
-        try:
-            result = read(argument)
-        finally:
-            reading.pop(thread, None)  # a ReadSpan inside it may have ended it already
-        nbytes = count(result)
-        self._position += nbytes
-        record_read(self._path, offset, nbytes, start, time.monotonic_ns(), self._verdict)
+        result, nbytes = timed_read(self._path, self._position, self._verdict, 0, count, read, argument)
+        if nbytes > 0:  # -1: inside another recorded read, which keeps its own position
+            self._position += nbytes
         return result
 
     def read(self, size: int | None = -1) -> bytes:
@@ -292,13 +317,14 @@ def open_recorded(path: str | os.PathLike[str], buffering: int = -1) -> Recorded
 
 def http_get(url: str, offset: int = 0, length: int | None = None, timeout: float = 60.0) -> bytes:
     """GET a URL (a byte range when offset/length are given), recording the read and its
-    `X-Cache-Status` verdict. HTTP errors raise as urllib raises them, after being recorded."""
+    cache's verdict (`verdict_from_headers`). HTTP errors raise as urllib raises them, after being recorded."""
     request = urllib.request.Request(url)
     if offset or length is not None:
         end = "" if length is None else str(offset + length - 1)
         request.add_header("Range", f"bytes={offset}-{end}")
     with ReadSpan(url, offset) as span, urllib.request.urlopen(request, timeout=timeout) as response:
-        span.verdict = verdict_from_cache_status(response.headers.get("X-Cache-Status"))
+        verdict = verdict_from_headers(response.headers)
+        span.verdict = wire.VERDICT_UNKNOWN if verdict is None else verdict
         data: bytes = response.read()
         span.bytes = len(data)
     return data

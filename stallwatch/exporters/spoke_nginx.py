@@ -28,7 +28,7 @@ import numpy as np
 from prometheus_client.core import Metric
 
 from stallwatch import catalogue
-from stallwatch.client.keys import read_key
+from stallwatch.client.keys import range_start, read_key
 from stallwatch.client.reads import verdict_from_cache_status
 from stallwatch.correlator.wallclock import wall_offset_ns
 from stallwatch.eventbatch import EventBatch, EventSink, Verdict, discard
@@ -98,13 +98,6 @@ def upstream_seconds_ns(text: str) -> int:
 def upstream_error_count(text: str) -> int:
     """Servers that failed in `$upstream_status` ("502, 200" is one failure, then a success)."""
     return sum(1 for item in text.replace(":", ",").split(",") if item.strip().isdigit() and int(item) >= 500)
-
-
-def range_start(text: str) -> int:
-    """`bytes=1048576-2097151` -> 1048576; anything else (no Range, a suffix range) -> 0."""
-    unit, _, spec = text.partition("=")
-    first = spec.split(",", 1)[0].split("-", 1)[0].strip()
-    return int(first) if unit.strip() == "bytes" and first.isdigit() else 0
 
 
 def parse_entry(line: str) -> LogEntry:
