@@ -6,19 +6,48 @@ from __future__ import annotations
 import importlib.resources
 import threading
 import time
+import tracemalloc
+import urllib.request
 from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any, ClassVar
 
 import pytest
+from prometheus_client.openmetrics.parser import text_string_to_metric_families as strict_openmetrics
 
 from stallwatch.exporters.collector import collected
-from stallwatch.exporters.openmetrics_mapping import BUILTIN_MAPPINGS, MappingError, load_mapping, mapping_text
+from stallwatch.exporters.openmetrics_mapping import (
+    BUILTIN_MAPPINGS,
+    MAX_LINES,
+    MappingError,
+    load_mapping,
+    mapping_text,
+)
 from stallwatch.exporters.spoke_openmetrics import OpenMetricsSpokeCollector
 from stallwatch.harness import AgentProcess, scrape, total
 
 DATA = Path(__file__).parent / "data"
+JUICEFS = (DATA / "juicefs-1.4.2-gateway.prom").read_bytes()
+HISTOGRAM = b"# TYPE juicefs_object_request_durations_histogram_seconds histogram\n"
+BUCKET = b'juicefs_object_request_durations_histogram_seconds_bucket{method="GET",le="%s"} %s\n'
+SUM = b'juicefs_object_request_durations_histogram_seconds_sum{method="GET"} 0.5\n'
+COUNTER = b"# TYPE juicefs_blockcache_hits counter\njuicefs_blockcache_hits %s\n"
+# What a hostile (or broken) endpoint can serve that our own exposition cannot carry, and its reason.
+HOSTILE = {
+    "nan-bound-no-inf": (HISTOGRAM + BUCKET % (b"NaN", b"3") + SUM, "invalid_histogram"),
+    "no-inf": (HISTOGRAM + BUCKET % (b"0.1", b"3") + SUM, "invalid_histogram"),
+    "negative-bound": (HISTOGRAM + BUCKET % (b"-1", b"1") + BUCKET % (b"+Inf", b"3") + SUM, "invalid_histogram"),
+    "decreasing-buckets": (HISTOGRAM + BUCKET % (b"0.1", b"5") + BUCKET % (b"+Inf", b"3") + SUM, "invalid_histogram"),
+    "fractional-bucket": (HISTOGRAM + BUCKET % (b"+Inf", b"2.5") + SUM, "invalid_value"),
+    "negative-counter": (COUNTER % b"-5", "invalid_value"),
+    "nan-counter": (COUNTER % b"NaN", "invalid_value"),
+    "inf-counter": (COUNTER % b"+Inf", "invalid_value"),
+    "nan-gauge": (b"# TYPE juicefs_blockcache_bytes gauge\njuicefs_blockcache_bytes NaN\n", "invalid_value"),
+    "duplicated-family": (COUNTER % b"5" + COUNTER % b"5", "duplicate_family"),
+    "duplicated-series": (COUNTER % b"5" + b"juicefs_blockcache_hits 5\n", "duplicate_family"),
+    "flood": (b"".join(b'juicefs_blockcache_hits{i="%d"} 1\n' % i for i in range(MAX_LINES + 1)), "too_many_series"),
+}
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -42,8 +71,12 @@ class _Handler(BaseHTTPRequestHandler):
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[str]:
+    # 1M series of another family after JuiceFS's own, 16 MB (under the 16 MiB limit): parsed whole, 587 MiB traced.
+    million = JUICEFS + b"".join(b'm{i="%06d"} 1\n' % i for i in range(1_000_000))
     _Handler.routes = {
-        "/juicefs": (200, (DATA / "juicefs-1.4.2-gateway.prom").read_bytes(), 0.0),
+        "/juicefs": (200, JUICEFS, 0.0),
+        "/million": (200, million, 0.0),
+        **{f"/hostile/{case}": (200, body, 0.0) for case, (body, _) in HOSTILE.items()},
         "/alluxio": (200, (DATA / "alluxio-client-cache.prom").read_bytes(), 0.0),
         "/qumulo": (200, (DATA / "qumulo-metrics.prom").read_bytes(), 0.0),
         "/slow": (200, (DATA / "juicefs-1.4.2-gateway.prom").read_bytes(), 2.0),
@@ -112,6 +145,51 @@ def test_refused_connection() -> None:
     assert not succeeded and [f.name for f in families] == ["stallwatch_spoke_collector_errors"]
 
 
+def test_a_million_other_series_are_skipped_not_parsed(server: str) -> None:
+    """Only the families the mapping reads are parsed: the other 1M series cost no object each."""
+    c = collector(server + "/million", "juicefs")
+    tracemalloc.start()
+    started = time.process_time()
+    try:
+        seen = samples(c)
+        cpu = time.process_time() - started
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert seen[("stallwatch_spoke_requests_total", "result=hit", "spoke=spoke-a")] == 13
+    assert seen[("stallwatch_spoke_hub_fetch_duration_seconds_count", "spoke=spoke-a")] == 3
+    assert peak < 48 << 20, f"{peak / 2**20:.1f} MiB"  # the body and its decoded text, 16 MB each, and little else
+    assert cpu < 2.0, f"{cpu:.2f} s"
+
+
+@pytest.mark.parametrize("case", HOSTILE)
+def test_a_hostile_body_is_refused_whole_and_counted(server: str, case: str) -> None:
+    reason = HOSTILE[case][1]
+    c = collector(server + f"/hostile/{case}", "juicefs")
+    assert samples(c) == {("stallwatch_spoke_collector_errors_total", f"reason={reason}", "spoke=spoke-a"): 1}
+
+
+def test_the_agent_stays_valid_openmetrics_whatever_its_spoke_serves(
+        server: str, agent_factory: Callable[..., AgentProcess]) -> None:
+    """Prometheus drops the agent's whole scrape if one sample is invalid: a hostile spoke's values must
+    never reach it. The agent's page is read with prometheus_client's strict OpenMetrics parser."""
+    agent = agent_factory("--no-collector.gpu", "--no-collector.host", "--no-collector.events",
+                          "--collector.spoke_openmetrics", "--spoke_openmetrics.url", server + "/switch",
+                          "--spoke_openmetrics.timeout", "1")
+    request = urllib.request.Request(agent.url, headers={"Accept": "application/openmetrics-text; version=1.0.0"})
+    for case, (body, reason) in HOSTILE.items():
+        _Handler.routes["/switch"] = (200, body, 0.0)
+        with urllib.request.urlopen(request, timeout=10) as reply:
+            page = reply.read().decode()
+        families = {f.name: f for f in strict_openmetrics(page)}  # raises on an invalid page
+        errors = {s.labels["reason"]: s.value for s in families["stallwatch_spoke_collector_errors"].samples
+                  if s.name.endswith("_total")}
+        assert errors.get(reason, 0) >= 1, case
+        assert not [s for name, f in families.items() for s in f.samples
+                    if name.startswith("stallwatch_spoke_") and name != "stallwatch_spoke_collector_errors"], case
+    assert "Traceback" not in agent.stderr()
+
+
 @pytest.mark.parametrize(("text", "message"), [
     ("metrics: {}", "list under 'metrics'"),
     ("metrics: [{source: x, target: nope}]", "target must be one of"),
@@ -119,6 +197,10 @@ def test_refused_connection() -> None:
     ("metrics: [{source: '(', target: spoke_evictions_total}]", "regular expression"),
     ("metrics: [{source: x, target: spoke_evictions_total, colour: red}]", "unknown keys colour"),
     ("metrics: [", "not valid YAML"),
+    ("metrics: [{source: x, target: spoke_evictions_total, scale: -1}]", "scale must be a positive number"),
+    ("metrics: [{source: x, target: spoke_evictions_total, scale: .nan}]", "scale must be a positive number"),
+    ("metrics: [{source: '(?P<a>x)', target: spoke_evictions_total},"
+     " {source: '(?P<a>y)', target: spoke_evictions_total}]", "cannot be matched together"),
 ])
 def test_bad_mappings_say_what_is_wrong(text: str, message: str) -> None:
     with pytest.raises(MappingError, match=message.replace("[", r"\[").replace("(", r"\(")):

@@ -5,9 +5,12 @@ JuiceFS, Alluxio and Qumulo publish their own metrics; a small YAML mapping
 spoke metrics. `--spoke_openmetrics.mapping` takes a built-in mapping's name (juicefs, alluxio, qumulo)
 or a path to a file of the same shape; `spoke` is set from `--spoke_openmetrics.name`.
 
-The endpoint is scraped on each of the agent's scrapes, with a timeout and a size limit. A failed
-scrape (timeout, refused, HTTP error, unparsable text) yields no spoke values that time and counts the
-reason in `stallwatch_spoke_collector_errors_total`.
+The endpoint is scraped on each of the agent's scrapes, with a timeout and a size limit; only the
+families the mapping reads are parsed, at most 10,000 lines of them. A failed scrape yields no spoke
+values that time (none of the body, not even its valid part) and counts the reason in
+`stallwatch_spoke_collector_errors_total`: the fetch's (`openmetrics_scrape.http_get`) or the body's,
+parse_error, too_many_series, duplicate_family (a family or series written twice), invalid_value (NaN,
+infinite, a negative count) or invalid_histogram (a NaN or negative bound, no +Inf, decreasing counts).
 """
 
 from __future__ import annotations
@@ -20,8 +23,16 @@ from collections.abc import Iterable, Iterator, Mapping
 from prometheus_client.core import Metric
 
 from stallwatch.exporters.collector import CollectorContext, SourceUnavailableError, register_collector
-from stallwatch.exporters.openmetrics_mapping import BUILTIN_MAPPINGS, Rule, apply_mapping, load_mapping, mapping_text
-from stallwatch.exporters.openmetrics_scrape import HttpGet, ScrapeError, http_get, parse_exposition
+from stallwatch.exporters.openmetrics_mapping import (
+    BUILTIN_MAPPINGS,
+    Rule,
+    apply_mapping,
+    load_mapping,
+    mapping_text,
+    parse_sources,
+    source_lines,
+)
+from stallwatch.exporters.openmetrics_scrape import HttpGet, ScrapeError, http_get
 from stallwatch.exporters.spokes import collector_errors
 from stallwatch.flags import positive_float
 
@@ -40,12 +51,13 @@ class OpenMetricsSpokeCollector:
         get: HttpGet = http_get,
     ) -> None:
         self._url, self._rules, self._spoke = url, tuple(rules), spoke
+        self._lines = source_lines(self._rules)
         self._timeout, self._headers, self._get = timeout, dict(headers or {}), get
         self._errors: Counter[str] = Counter()
 
     def collect(self) -> Iterator[Metric]:
         try:
-            families = parse_exposition(self._get(self._url, self._headers, self._timeout))
+            families = parse_sources(self._get(self._url, self._headers, self._timeout), self._lines)
             mapped = apply_mapping(self._rules, families, self._spoke)
         except ScrapeError as error:
             if not self._errors[error.reason]:

@@ -27,8 +27,15 @@ from prometheus_client.core import Metric
 
 from stallwatch.exporters.collector import CollectorContext, SourceUnavailableError, register_collector
 from stallwatch.exporters.config import ConfigError
-from stallwatch.exporters.openmetrics_mapping import Rule, apply_mapping, load_mapping, mapping_text
-from stallwatch.exporters.openmetrics_scrape import HttpGet, ScrapeError, http_get, parse_exposition
+from stallwatch.exporters.openmetrics_mapping import (
+    Rule,
+    apply_mapping,
+    load_mapping,
+    mapping_text,
+    parse_sources,
+    source_lines,
+)
+from stallwatch.exporters.openmetrics_scrape import HttpGet, ScrapeError, http_get
 from stallwatch.exporters.spokes import collector_errors
 from stallwatch.flags import positive_float
 
@@ -70,6 +77,7 @@ class QumuloSpokeCollector:
     ) -> None:
         self._url = base_url.rstrip("/") + METRICS_PATH
         self._token, self._spoke, self._rules = token, spoke, tuple(rules)
+        self._lines = source_lines(self._rules)
         self._timeout, self._max_backoff, self._get, self._clock = timeout, max_backoff, get, clock
         self._errors: Counter[str] = Counter()
         self._failures = 0
@@ -79,12 +87,13 @@ class QumuloSpokeCollector:
         if self._clock() >= self._next_attempt:
             try:
                 headers = {"Authorization": f"Bearer {self._token()}", "Accept": "text/plain"}
-                families = parse_exposition(self._get(self._url, headers, self._timeout))
+                mapped = apply_mapping(
+                    self._rules, parse_sources(self._get(self._url, headers, self._timeout), self._lines), self._spoke)
             except ScrapeError as error:
                 self._failed(error)
             else:
                 self._failures, self._next_attempt = 0, 0.0
-                yield from apply_mapping(self._rules, families, self._spoke)
+                yield from mapped
         yield collector_errors(self._spoke, self._errors)
         if self._failures:  # the last attempt failed, now or before a backoff that has not run out
             raise SourceUnavailableError(self._spoke)
