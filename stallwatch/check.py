@@ -260,7 +260,7 @@ def gpus(samples: Samples, source: wire.Source) -> list[Finding]:
 
 
 # Spoke collectors whose spoke reports each request, so a read is matched to the request of its key.
-PER_REQUEST = {"spoke_nginx"}
+PER_REQUEST = {"spoke_nginx", "spoke_juicefs"}
 SPOKE_SERIES = (catalogue.SPOKE_REQUESTS, catalogue.SPOKE_BYTES, catalogue.SPOKE_NFS_READ_OPERATIONS,
                 catalogue.SPOKE_CACHE_SIZE)
 
@@ -273,7 +273,7 @@ def spokes(samples: Samples, job: str) -> list[Finding]:
     if not success:
         return [Finding("no spoke collector is on: reads without a verdict of their own are booked direct_read "
                         "(through no spoke). Right for local disks; reads that go through a cache need its "
-                        "collector (--collector.spoke_nginx, spoke_varnish, spoke_nfs, spoke_qumulo, "
+                        "collector (--collector.spoke_nginx, spoke_juicefs, spoke_varnish, spoke_nfs, spoke_qumulo, "
                         "spoke_openmetrics: docs/spokes.md).", note=True)]
     names = sorted({name for metric in SPOKE_SERIES for name in _label_values(samples, metric.name, "spoke")})
     findings = [Finding(f"spoke collectors on: {', '.join(sorted(success))}"

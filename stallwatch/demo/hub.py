@@ -16,8 +16,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from io import BufferedIOBase
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 from urllib.parse import parse_qs, urlsplit
 
 CHUNK = 64 * 1024
@@ -121,6 +122,18 @@ class Hub:
         with self._lock:
             self.bytes_sent += sent
 
+    def send(self, out: BufferedIOBase, handle: BinaryIO, size: int) -> None:
+        """Stream `size` bytes of `handle` to `out` at the hub's bandwidth, and count them."""
+        started = time.monotonic()
+        sent = 0
+        while sent < size and (chunk := handle.read(min(CHUNK, size - sent))):
+            out.write(chunk)
+            sent += len(chunk)
+            ahead = sent / self.bandwidth - (time.monotonic() - started)
+            if ahead > 0:
+                time.sleep(ahead)
+        self.account(sent)
+
 
 class _HubHandler(BaseHTTPRequestHandler):
     hub: Hub
@@ -147,16 +160,8 @@ class _HubHandler(BaseHTTPRequestHandler):
         self.send_header("Content-Length", str(size))
         self.send_header("Cache-Control", "public, max-age=86400")
         self.end_headers()
-        started = time.monotonic()
-        sent = 0
         with path.open("rb") as handle:
-            while chunk := handle.read(CHUNK):
-                self.wfile.write(chunk)
-                sent += len(chunk)
-                ahead = sent / self.hub.bandwidth - (time.monotonic() - started)
-                if ahead > 0:
-                    time.sleep(ahead)
-        self.hub.account(sent)
+            self.hub.send(self.wfile, handle, size)
 
     def do_HEAD(self) -> None:
         # What the agent's hub probe asks: one round trip, no body, not counted as a fetch.

@@ -24,6 +24,7 @@ from stallwatch.exporters import (  # noqa: F401
     host,
     hub_probe,
     pods,
+    spoke_juicefs,
     spoke_nfs,
     spoke_nginx,
     spoke_openmetrics,
