@@ -236,7 +236,8 @@ DATASET_READ_DURATION = histogram(
 )
 RECEIVER_BATCHES = counter(
     "loader", "receiver_batches_total", "", ["result"],
-    "Event batches received from training clients: accepted, or rejected with the reason.",
+    "Event batches received from training clients: accepted, rejected with the reason, or relay_lost (taken from "
+    "the socket by a receive relay that died before handing them on).",
 )
 RECEIVER_EVENTS = counter(
     "loader", "receiver_events_total", "", ["kind"], "Events accepted from training clients, by kind."
@@ -256,8 +257,14 @@ RECEIVER_FOLDED_LABELS = counter(
 )
 RECEIVER_UP = gauge(
     "loader", "receiver_up", "", [],
-    "1 if the agent is bound to the events socket, 0 if it could not bind, another running agent holds the path, "
-    "or the path no longer names its socket (clients count their events as dropped).",
+    "1 if the agent is bound to the events socket and receiving, 0 if it could not bind, another running agent holds "
+    "the path, the path no longer names its socket, or its receive relay lives but has not run for 5 s (stopped): "
+    "clients count their events as dropped.",
+)
+RECEIVER_RELAY_RESTARTS = counter(
+    "loader", "receiver_relay_restarts_total", "", [],
+    "Receive relays (the process that drains the events socket) started after the first: one died, and the agent "
+    "received in its place until another started.",
 )
 
 

@@ -7,7 +7,8 @@ import logging
 import signal
 import sys
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Protocol, runtime_checkable
 
 from prometheus_client.core import Metric
 from prometheus_client.registry import CollectorRegistry
@@ -79,6 +80,22 @@ def _build(specs: Sequence[CollectorSpec], context: CollectorContext) -> dict[st
     return collectors
 
 
+@runtime_checkable
+class _ReportsProblems(Protocol):
+    def problems(self) -> list[str]: ...
+
+
+def _problems(scrape: ScrapeCollector, collectors: Mapping[str, Collector]) -> list[str]:
+    """Why /-/healthy fails: collectors wedged past their deadlines, and what a collector says of its own
+    source (`problems()`: the events receiver's relay that does not run)."""
+    wedged = scrape.wedged()
+    found = [f"wedged collectors: {', '.join(wedged)}"] if wedged else []
+    for name, collector in collectors.items():
+        if isinstance(collector, _ReportsProblems):
+            found += [f"{name}: {problem}" for problem in collector.problems()]
+    return found
+
+
 def main(argv: Sequence[str]) -> int:
     specs = registered()
     try:
@@ -112,7 +129,7 @@ def main(argv: Sequence[str]) -> int:
     for line in ignored_settings(options, specs):
         log.warning("%s", line)
     scrape = ScrapeCollector(collectors, timeout_s=options.collector_timeout)
-    server.report_wedged(scrape.wedged)
+    server.report_problems(lambda: _problems(scrape, collectors))
     registry.register(scrape)
     registry.register(_BuildInfo())
     server.start()

@@ -173,6 +173,7 @@ class EventsCollector:
         batches, events = c.RECEIVER_BATCHES.family(), c.RECEIVER_EVENTS.family()
         dropped = c.RECEIVER_DROPPED_EVENTS.family()
         folded, up = c.RECEIVER_FOLDED_LABELS.family(), c.RECEIVER_UP.family()
+        restarts = c.RECEIVER_RELAY_RESTARTS.family()
         with self._lock:
             self._expire(self._clock_ns())
             for (job, rank), series in sorted(self._series.items()):
@@ -184,7 +185,9 @@ class EventsCollector:
                     reads.add_metric([*labels, label], float(series.reads[verdict + 1]))
                 read_bytes.add_metric(labels, series.read_bytes)
                 client_dropped.add_metric(labels, series.client_dropped)
-            for result, count in sorted(self._batches.items()):
+            # Counter addition keeps only positive counts: relay_lost appears once a relay lost a batch.
+            by_result = self._batches + Counter(relay_lost=self._receiver.relay_lost)
+            for result, count in sorted(by_result.items()):
                 batches.add_metric([result], count)
             for kind, count in sorted(self._events.items()):
                 events.add_metric([kind], count)
@@ -192,9 +195,14 @@ class EventsCollector:
                 dropped.add_metric([reason], count)
             folded.add_metric([catalogue.JOB_LABEL], self._jobs.folded)
             folded.add_metric(["rank"], self._ranks.folded)
-        up.add_metric([], 1.0 if self._receiver.bound else 0.0)
+        up.add_metric([], 1.0 if self._receiver.up else 0.0)
+        restarts.add_metric([], self._receiver.relay_restarts)
         yield from (wait, compute, read_duration, reads, read_bytes, client_dropped, batches, events, dropped,
-                    folded, up)
+                    folded, up, restarts)
+
+    def problems(self) -> list[str]:
+        """What makes the agent unhealthy (/-/healthy): a receive relay that does not run."""
+        return self._receiver.problems()
 
     def close(self) -> None:
         self._receiver.close()

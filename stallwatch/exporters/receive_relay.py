@@ -13,19 +13,29 @@ and the agent refuses it as `truncated`), then those bytes. While the agent read
 clients keep, and at worst drop and count, their batches: nothing is lost without a count. It exits
 when the agent closes the pipe or when its parent process is gone.
 
+Its status is a page of memory it shares with the agent (`STATUS`, in a memfd): when it last ran, for
+the agent to see a relay that stopped (SIGSTOP, a debugger) while it still lives, and how many
+datagrams it has taken from the socket, for the agent to count those a relay that died (SIGKILL, the
+OOM killer) held and never wrote. A store to memory, not a write: it costs the relay no system call,
+and outlives it.
+
 SIGTERM and SIGINT stop it when the agent sends them. Sent to the agent's whole process group
 (`systemctl stop`, Ctrl-C), they reach the relay as well as the agent: the relay goes on relaying and
 leaves the agent to stop it, so the agent stops cleanly instead of finding its relay gone first (and
 saying so as an error). It stops by itself `STOP_GRACE_S` after such a signal if the agent has not
 (the agent may have taken that signal as its own request: a signal sent twice before it is taken is one).
 
-    python -m stallwatch.exporters.receive_relay SOCKET_FD PIPE_FD PARENT_PID
+    python -P -m stallwatch.exporters.receive_relay SOCKET_FD PIPE_FD STATUS_FD PARENT_PID
+
+`-P`: the agent's working directory stays off `sys.path`, so a `stallwatch` package planted there is
+never what the relay imports.
 """
 
 from __future__ import annotations
 
 import contextlib
 import fcntl
+import mmap
 import os
 import select
 import signal
@@ -37,6 +47,8 @@ import time
 from collections import deque
 
 FRAME = struct.Struct("<II")  # the datagram's length, then how many of its bytes follow (fewer if cut)
+# When the relay last ran (CLOCK_MONOTONIC, the agent's clock too), and the datagrams it has taken.
+STATUS = struct.Struct("<qQ")
 RECEIVE_BUFFER = 1 << 18  # larger than any batch a client sends
 MAX_BUFFERED_BYTES = 16 << 20
 PIPE_BYTES = 1 << 20  # the pipe's own buffer, as large as an unprivileged process may ask (fs.pipe-max-size)
@@ -74,7 +86,7 @@ def _stop_on_signal(parent_pid: int) -> tuple[threading.Event, int]:
     return stop, wake_read
 
 
-def relay(sock: socket.socket, pipe_fd: int, parent_pid: int) -> None:
+def relay(sock: socket.socket, pipe_fd: int, status: mmap.mmap, parent_pid: int) -> None:
     os.set_blocking(pipe_fd, False)
     with contextlib.suppress(OSError):
         fcntl.fcntl(pipe_fd, F_SETPIPE_SZ, PIPE_BYTES)
@@ -85,7 +97,9 @@ def relay(sock: socket.socket, pipe_fd: int, parent_pid: int) -> None:
     sock_fd = sock.fileno()
     stop, wake_fd = _stop_on_signal(parent_pid)
     poller.register(wake_fd, select.POLLIN)
+    taken = 0
     while os.getppid() == parent_pid and not stop.is_set():
+        STATUS.pack_into(status, 0, time.monotonic_ns(), taken)  # at least every CHECK_PARENT_MS
         poller.register(sock_fd, select.POLLIN if buffered < MAX_BUFFERED_BYTES else 0)
         poller.register(pipe_fd, select.POLLOUT if out else 0)
         for fd, event in poller.poll(CHECK_PARENT_MS):
@@ -97,6 +111,8 @@ def relay(sock: socket.socket, pipe_fd: int, parent_pid: int) -> None:
                         size = sock.recv_into(buffer, 0, socket.MSG_DONTWAIT | socket.MSG_TRUNC)
                     except (BlockingIOError, InterruptedError):
                         break
+                    taken += 1
+                    STATUS.pack_into(status, 0, time.monotonic_ns(), taken)  # before it can be lost with us
                     kept = min(size, len(buffer))
                     out.append(memoryview(FRAME.pack(size, kept) + buffer[:kept]))
                     buffered += FRAME.size + kept
@@ -115,8 +131,8 @@ def relay(sock: socket.socket, pipe_fd: int, parent_pid: int) -> None:
 
 
 def main(argv: list[str]) -> None:
-    sock_fd, pipe_fd, parent_pid = (int(value) for value in argv)
-    relay(socket.socket(fileno=sock_fd), pipe_fd, parent_pid)
+    sock_fd, pipe_fd, status_fd, parent_pid = (int(value) for value in argv)
+    relay(socket.socket(fileno=sock_fd), pipe_fd, mmap.mmap(status_fd, STATUS.size), parent_pid)
 
 
 if __name__ == "__main__":

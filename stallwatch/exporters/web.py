@@ -51,7 +51,7 @@ class _Server(ThreadingHTTPServer):
     metrics_app: Callable[[dict[str, Any], Callable[..., Any]], Iterable[bytes]]
     telemetry_path: str
     web_config: WebConfig
-    wedged: Callable[[], list[str]]  # collectors stuck past their deadlines: /-/healthy fails while any are
+    problems: Callable[[], list[str]]  # why the agent is unhealthy, a line each: /-/healthy fails while any are
     dual_stack = False
     connections: dict[str, int]  # open connections by client address
     connections_lock: threading.Lock
@@ -135,8 +135,8 @@ class _Handler(BaseHTTPRequestHandler):
         elif path == "/":
             page = LANDING_PAGE.format(path=self.server.telemetry_path)
             self._reply(200, "text/html; charset=utf-8", page.encode())
-        elif path == "/-/healthy" and (wedged := self.server.wedged()):
-            self._reply(503, "text/plain; charset=utf-8", f"wedged collectors: {', '.join(wedged)}\n".encode())
+        elif path == "/-/healthy" and (problems := self.server.problems()):
+            self._reply(503, "text/plain; charset=utf-8", "".join(f"{line}\n" for line in problems).encode())
         elif path in ("/-/healthy", "/-/ready"):
             self._reply(200, "text/plain; charset=utf-8", b"OK\n")
         else:
@@ -204,7 +204,7 @@ class MetricsServer:
         self._server.metrics_app = make_wsgi_app(registry)
         self._server.telemetry_path = telemetry_path
         self._server.web_config = web_config or WebConfig()
-        self._server.wedged = list
+        self._server.problems = list
         self._server.connections, self._server.connections_lock = {}, threading.Lock()
         self._thread = threading.Thread(target=self._server.serve_forever, name="stallwatch-http", daemon=True)
 
@@ -216,9 +216,9 @@ class MetricsServer:
         scheme = "https" if self._server.web_config.tls is not None else "http"
         return f"{scheme}://{shown}:{port}{self._server.telemetry_path}"
 
-    def report_wedged(self, wedged: Callable[[], list[str]]) -> None:
-        """Where /-/healthy learns which collectors are wedged (by default: none ever are)."""
-        self._server.wedged = wedged
+    def report_problems(self, problems: Callable[[], list[str]]) -> None:
+        """Where /-/healthy learns why the agent is unhealthy (by default it never is)."""
+        self._server.problems = problems
 
     def start(self) -> None:
         self._thread.start()
