@@ -40,13 +40,16 @@ def start(env: Mapping[str, str] = os.environ) -> None:
         print(f"stallwatch: this process runs uninstrumented: {error!r}", file=sys.stderr)
 
 
-def after_import(name: str, then: Callable[[ModuleType], None]) -> None:
-    """Call `then(module)` once the top-level module `name` is imported (now, if it already is)."""
+def after_import(name: str, then: Callable[[ModuleType], None]) -> importlib.abc.MetaPathFinder | None:
+    """Call `then(module)` once the top-level module `name` is imported (now, if it already is); the finder
+    that waits for it, which leaves `sys.meta_path` once it has found it (None: called now)."""
     module = sys.modules.get(name)
     if module is not None:
         then(module)
-    else:
-        sys.meta_path.insert(0, _AfterImport(name, then))
+        return None
+    finder = _AfterImport(name, then)
+    sys.meta_path.insert(0, finder)
+    return finder
 
 
 class _AfterImport(importlib.abc.MetaPathFinder):

@@ -25,7 +25,7 @@ import sysconfig
 from collections.abc import Callable, Iterable, Mapping
 from typing import IO, Any
 
-from stallwatch.client import wire
+from stallwatch.client import remote, wire
 from stallwatch.client.reads import RecordedFile, bound
 
 # "0" turns read capture off, for `instrument` and `stallwatch run` alike.
@@ -110,14 +110,17 @@ def installed() -> bool:
 
 
 def start(env: Mapping[str, str] = os.environ) -> bool:
-    """Capture reads in this process from now on, unless `CAPTURE_ENV` says not to; whether it captures."""
+    """Capture reads in this process from now on, unless `CAPTURE_ENV` says not to; whether it captures.
+    Remote reads (HTTP, object stores) too: `remote`."""
     if not enabled(env):
         return False
     _settings.skipped, _settings.mounts = skipped_prefixes(), spoke_mounts(env)
     builtins.open = io.open = capturing_open  # type: ignore[assignment]
+    remote.start(env)
     return True
 
 
 def stop() -> None:
-    """Open files as before `start()`; files already captured keep recording."""
+    """Open files as before `start()`, files already captured recording on; remote reads as `remote.stop()`."""
     builtins.open = io.open = original_open  # type: ignore[assignment]
+    remote.stop()

@@ -1,0 +1,280 @@
+"""Remote read capture (`stallwatch.client.remote`), tested with the libraries a user has against real servers:
+requests through a real nginx spoke, boto3 and s3fs against moto's S3 server on loopback whose bodies come a
+hub's distance after their headers, webdataset shards over HTTP in a DataLoader with workers. Each read is an
+event with its key, bytes, start and end (the body's time in it) and verdict, read as it was without capture."""
+
+from __future__ import annotations
+
+import io
+import tarfile
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+import boto3
+import pytest
+import requests
+import s3fs
+import webdataset as wds
+from moto.moto_server.werkzeug_app import DomainDispatcherApplication, MotoRequestHandler, create_backend_app
+from torch.utils.data import DataLoader
+from werkzeug.serving import make_server
+
+from stallwatch.client import capture, reads, remote, transport, wire
+from stallwatch.client.keys import read_key
+from stallwatch.client.torch import instrument
+from stallwatch.demo.spoke import spoke_server_block
+from stallwatch.harness import wait_for
+from tests.realspoke import Hub, Nginx
+from tests.test_client_open import Datagrams
+
+SOURCE = wire.Source("remote", rank=0, worker=3)
+BODY_DELAY = 0.25  # seconds between an object's headers and its body: the hub's distance, as moto is on loopback
+OBJECT = bytes(range(256)) * 300  # 75 KiB: several of requests' 10 KiB body reads
+
+
+@pytest.fixture
+def datagrams(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Datagrams]:
+    path = str(tmp_path_factory.mktemp("events") / "events.sock")  # short: a socket's path has 107 bytes at most
+    received = Datagrams(path)
+    transport.configure(path)
+    yield received
+    transport.sender().close()
+    received.close()
+
+
+@pytest.fixture
+def spoke(tmp_path: Path) -> Iterator[tuple[str, str]]:
+    """A real nginx caching a hub of three shards: (spoke URL, hub URL)."""
+    hub_root = tmp_path / "hub"
+    hub_root.mkdir()
+    (hub_root / "object.bin").write_bytes(OBJECT)
+    for index in range(2):
+        (hub_root / f"shard-{index}.tar").write_bytes(shard(index))
+    hub = Hub(hub_root)
+    nginx = Nginx(tmp_path / "nginx", spoke_server_block(f"http://127.0.0.1:{hub.port}"))
+    try:
+        yield nginx.url(), f"http://127.0.0.1:{hub.port}"
+    finally:
+        nginx.close()
+        hub.close()
+
+
+class _BodyAfterHeaders:
+    """WSGI middleware: a GET's body `BODY_DELAY` after its headers, as from a bucket far away."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    def __call__(self, environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
+        body = self.app(environ, start_response)
+        if environ["REQUEST_METHOD"] != "GET" or "/slow" not in environ["PATH_INFO"]:
+            return body
+        chunks = list(body)
+        return self._late(chunks)
+
+    @staticmethod
+    def _late(chunks: list[bytes]) -> Iterator[bytes]:
+        yield b""  # werkzeug sends the headers with the first chunk
+        time.sleep(BODY_DELAY)
+        yield from chunks
+
+
+@pytest.fixture(scope="module")
+def s3() -> Iterator[str]:
+    """moto's S3 server on loopback, holding bucket `data` with `slow/object.bin`: its endpoint URL."""
+    server = make_server("127.0.0.1", 0, _BodyAfterHeaders(DomainDispatcherApplication(create_backend_app)),
+                         threaded=True, request_handler=MotoRequestHandler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    endpoint = f"http://127.0.0.1:{server.server_port}"
+    client(endpoint).create_bucket(Bucket="data")
+    client(endpoint).put_object(Bucket="data", Key="slow/object.bin", Body=OBJECT)
+    yield endpoint
+    server.shutdown()
+
+
+def client(endpoint: str) -> Any:
+    return boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1", aws_access_key_id="test",
+                        aws_secret_access_key="test")
+
+
+def events(datagrams: Datagrams, count: int) -> list[dict[str, int]]:
+    transport.sender().flush_all()
+    wait_for(f"{count} reads", lambda: len(datagrams.rows("reads")) >= count, 10)
+    return datagrams.rows("reads")
+
+
+def shard(index: int) -> bytes:
+    """A webdataset tar shard of four samples, each a `.txt` naming it."""
+    data = io.BytesIO()
+    with tarfile.open(fileobj=data, mode="w") as tar:
+        for sample in range(4):
+            text = f"shard {index} sample {sample}".encode()
+            member = tarfile.TarInfo(f"{index:02d}{sample:02d}.txt")
+            member.size = len(text)
+            tar.addfile(member, io.BytesIO(text))
+    return data.getvalue()
+
+
+def started(spokes: str = "") -> None:
+    assert capture.start({remote.SPOKE_URLS_ENV: spokes})
+
+
+def test_requests_through_the_spoke_reads_with_its_verdict_others_direct(spoke: tuple[str, str],
+                                                                         datagrams: Datagrams) -> None:
+    spoke_url, hub_url = spoke
+    started(spoke_url)
+    try:
+        with reads.reads_as(SOURCE):
+            reads.set_batch(4)
+            fetched = [requests.get(url, timeout=10).content for url in
+                       (f"{spoke_url}/object.bin", f"{spoke_url}/object.bin", f"{hub_url}/object.bin")]
+    finally:
+        capture.stop()
+    assert fetched == [OBJECT] * 3
+    body_reads = {read_key("/object.bin", offset) for offset in range(0, len(OBJECT), 10240)}
+    # The hub in this process reads its file through open(), captured too: only the replies' reads here.
+    rows = [row for row in events(datagrams, 3) if row["key"] in body_reads]
+    assert {(row["batch"], row["end_ns"] >= row["start_ns"]) for row in rows} == {(4, True)}
+    replies: list[list[dict[str, int]]] = []  # each reply's body reads, the first at offset 0
+    for row in rows:
+        if row["key"] == read_key("/object.bin", 0):
+            replies.append([])
+        replies[-1].append(row)
+    assert [{row["verdict"] for row in reply} for reply in replies] == [
+        {wire.VERDICT_MISS}, {wire.VERDICT_HIT}, {wire.VERDICT_DIRECT}]
+    for reply in replies:  # requests reads a body 10 KiB at a time: one event each, at its offset
+        offsets = [sum(row["bytes"] for row in reply[:index]) for index in range(len(reply))]
+        assert [row["key"] for row in reply] == [read_key("/object.bin", offset) for offset in offsets]
+        assert sum(row["bytes"] for row in reply) == len(OBJECT)
+
+
+def test_boto3_reads_the_body_of_get_object_in_one_event_that_includes_it(s3: str, datagrams: Datagrams) -> None:
+    s3_client = client(s3)
+    started()
+    try:
+        with reads.reads_as(SOURCE):
+            sent = time.monotonic_ns()
+            body = s3_client.get_object(Bucket="data", Key="slow/object.bin")["Body"]
+            headers = time.monotonic_ns()
+            data = body.read()
+            ranged = s3_client.get_object(Bucket="data", Key="slow/object.bin", Range="bytes=1000-1999")["Body"]
+            part = ranged.read()
+    finally:
+        capture.stop()
+    assert (data, part) == (OBJECT, OBJECT[1000:2000])
+    assert headers - sent < BODY_DELAY * 1e9  # what a span ending at the headers would see
+    row, ranged_row = events(datagrams, 2)
+    assert [(r["key"], r["bytes"], r["verdict"]) for r in (row, ranged_row)] == [
+        (read_key("/data/slow/object.bin", 0), len(OBJECT), wire.VERDICT_DIRECT),  # path-style on an IP endpoint
+        (read_key("/data/slow/object.bin", 1000), 1000, wire.VERDICT_DIRECT)]
+    assert sent <= row["start_ns"] < headers and row["end_ns"] - row["start_ns"] >= BODY_DELAY * 1e9
+
+
+def test_s3fs_reads_through_the_spoke_include_the_body(s3: str, datagrams: Datagrams) -> None:
+    fs = s3fs.S3FileSystem(endpoint_url=s3, key="test", secret="test", skip_instance_cache=True,
+                           client_kwargs={"region_name": "us-east-1"})
+    started(s3)  # the endpoint as a spoke: a read through it with no verdict of its own is the agent's to judge
+    try:
+        with reads.reads_as(SOURCE), fs.open("data/slow/object.bin", "rb") as file:
+            head = file.read(1000)
+            rest = file.read()
+    finally:
+        capture.stop()
+    assert head + rest == OBJECT
+    rows = events(datagrams, 2)
+    assert [(row["key"], row["bytes"], row["verdict"]) for row in rows] == [
+        (read_key("s3://data/slow/object.bin", offset), size, wire.VERDICT_UNKNOWN)
+        for offset, size in ((0, 1000), (1000, len(OBJECT) - 1000))]
+    assert rows[0]["end_ns"] - rows[0]["start_ns"] >= BODY_DELAY * 1e9  # the first read fetched the object
+
+
+def test_webdataset_shards_over_http_are_read_in_the_workers_for_their_batches(spoke: tuple[str, str],
+                                                                               datagrams: Datagrams) -> None:
+    spoke_url, _ = spoke
+    urls = [f"{spoke_url}/shard-{index}.tar" for index in range(2)]
+    dataset = wds.WebDataset(urls, shardshuffle=False, empty_check=False).to_tuple("txt")
+    loader = instrument(DataLoader(dataset, batch_size=2, num_workers=2), job="remote", rank=0)
+    started(spoke_url)
+    try:
+        served = [text for batch in loader for text in batch[0]]
+    finally:
+        capture.stop()
+    assert sorted(served) == sorted(f"shard {i} sample {s}".encode() for i in range(2) for s in range(4))
+    rows = events(datagrams, 2)
+    sizes = {read_key(f"/shard-{index}.tar"): len(shard(index)) for index in range(2)}
+    firsts = [row for row in rows if row["key"] in sizes]
+    assert len(firsts) == 2 and {row["verdict"] for row in rows} == {wire.VERDICT_UNKNOWN}
+    assert {row["batch"] for row in firsts} <= {0, 1, 2, 3} and all(row["batch"] >= 0 for row in rows)
+    assert sum(row["bytes"] for row in rows) == sum(sizes.values())
+
+
+def test_bytes_read_are_the_same_with_and_without_capture(spoke: tuple[str, str], s3: str,
+                                                          datagrams: Datagrams) -> None:
+    spoke_url, _ = spoke
+    fs = s3fs.S3FileSystem(endpoint_url=s3, key="test", secret="test", skip_instance_cache=True)
+
+    def read_all() -> list[bytes]:
+        stream = requests.get(f"{spoke_url}/object.bin", stream=True, timeout=10)
+        with fs.open("data/slow/object.bin", "rb", block_size=5000) as file:
+            return [b"".join(stream.iter_content(3000)), client(s3).get_object(Bucket="data",
+                    Key="slow/object.bin", Range="bytes=10-99")["Body"].read(), file.read(7000), file.read(),
+                    bytes(stream.raw.read(10))]
+
+    plain = read_all()
+    started(spoke_url)
+    try:
+        with reads.reads_as(SOURCE):
+            captured = read_all()
+    finally:
+        capture.stop()
+    assert captured == plain == [OBJECT, OBJECT[10:100], OBJECT[:7000], OBJECT[7000:], b""]
+    expected = {read_key("/object.bin", 0), read_key("/data/slow/object.bin", 10),
+                read_key("s3://data/slow/object.bin", 0), read_key("s3://data/slow/object.bin", 7000)}
+    transport.sender().flush_all()
+    wait_for("a read of each library", lambda: expected <= {row["key"] for row in datagrams.rows("reads")}, 10)
+
+
+def test_recording_that_fails_never_reaches_the_reader(spoke: tuple[str, str], s3: str, tmp_path: Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    spoke_url, _ = spoke
+
+    calls: list[object] = []
+
+    def broken(*args: Any, **kwargs: Any) -> None:
+        calls.append(args)
+        raise RuntimeError("recording broke")
+
+    started(spoke_url)
+    transport.configure(str(tmp_path / "no-agent" / "events.sock"))  # nowhere to send
+    monkeypatch.setattr(remote, "range_start", broken)
+    monkeypatch.setattr(remote, "normal_url", broken)
+    try:
+        with reads.reads_as(SOURCE):
+            fs = s3fs.S3FileSystem(endpoint_url=s3, key="test", secret="test", skip_instance_cache=True)
+            assert requests.get(f"{spoke_url}/object.bin", timeout=10).content == OBJECT
+            assert client(s3).get_object(Bucket="data", Key="slow/object.bin")["Body"].read() == OBJECT
+            with fs.open("data/slow/object.bin", "rb") as file:
+                assert file.read() == OBJECT
+            with pytest.raises(requests.ConnectionError):  # the library's own errors still reach the caller
+                requests.get("http://127.0.0.1:1/nothing", timeout=10)
+    finally:
+        capture.stop()
+        transport.sender().close()
+    assert len(calls) >= 3  # each library's reply or file was being followed when recording broke
+
+
+def test_libraries_imported_later_are_captured_once_imported_and_put_back_by_stop() -> None:
+    import urllib3
+
+    read = urllib3.response.HTTPResponse.read
+    started()
+    try:
+        assert urllib3.response.HTTPResponse.read is not read
+    finally:
+        capture.stop()
+    assert urllib3.response.HTTPResponse.read is read
+    assert not any(type(finder).__name__ == "_AfterImport" for finder in __import__("sys").meta_path)
