@@ -278,3 +278,22 @@ def test_libraries_imported_later_are_captured_once_imported_and_put_back_by_sto
         capture.stop()
     assert urllib3.response.HTTPResponse.read is read
     assert not any(type(finder).__name__ == "_AfterImport" for finder in __import__("sys").meta_path)
+
+
+def test_a_reply_urllib3_reads_on_arrival_is_one_read(spoke: tuple[str, str], datagrams: Datagrams) -> None:
+    import urllib3
+
+    spoke_url, _ = spoke
+    started(spoke_url)
+    try:
+        with reads.reads_as(SOURCE):
+            data = urllib3.request("GET", f"{spoke_url}/object.bin").data  # preload_content: read in getresponse
+    finally:
+        capture.stop()
+    assert data == OBJECT
+    transport.sender().flush_all()
+    wait_for("the reply's read", lambda: any(row["key"] == read_key("/object.bin") for row in datagrams.rows("reads")),
+             10)
+    rows = [row for row in datagrams.rows("reads") if row["verdict"] != wire.VERDICT_DIRECT]  # not the hub's file
+    assert [(row["key"], row["bytes"], row["verdict"]) for row in rows] == [
+        (read_key("/object.bin"), len(OBJECT), wire.VERDICT_MISS)]
