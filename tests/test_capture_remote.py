@@ -10,6 +10,7 @@ import tarfile
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -192,24 +193,29 @@ def test_s3fs_reads_through_the_spoke_include_the_body(s3: str, datagrams: Datag
     assert rows[0]["end_ns"] - rows[0]["start_ns"] >= BODY_DELAY * 1e9  # the first read fetched the object
 
 
-def test_webdataset_shards_over_http_are_read_in_the_workers_for_their_batches(spoke: tuple[str, str],
-                                                                               datagrams: Datagrams) -> None:
+def test_webdataset_shards_over_http_are_read_in_the_workers_for_their_batches(
+        spoke: tuple[str, str], datagrams: Datagrams, monkeypatch: pytest.MonkeyPatch) -> None:
     spoke_url, _ = spoke
+    monkeypatch.setenv(remote.SPOKE_URLS_ENV, spoke_url)  # as `stallwatch run --spoke-url` sets it
     urls = [f"{spoke_url}/shard-{index}.tar" for index in range(2)]
     dataset = wds.WebDataset(urls, shardshuffle=False, empty_check=False).to_tuple("txt")
     loader = instrument(DataLoader(dataset, batch_size=2, num_workers=2), job="remote", rank=0)
-    started(spoke_url)
-    try:
-        served = [text for batch in loader for text in batch[0]]
-    finally:
-        capture.stop()
+    served = [text for batch in loader for text in batch[0]]  # each worker starts capture itself
     assert sorted(served) == sorted(f"shard {i} sample {s}".encode() for i in range(2) for s in range(4))
-    rows = events(datagrams, 2)
-    sizes = {read_key(f"/shard-{index}.tar"): len(shard(index)) for index in range(2)}
-    firsts = [row for row in rows if row["key"] in sizes]
-    assert len(firsts) == 2 and {row["verdict"] for row in rows} == {wire.VERDICT_UNKNOWN}
-    assert {row["batch"] for row in firsts} <= {0, 1, 2, 3} and all(row["batch"] >= 0 for row in rows)
-    assert sum(row["bytes"] for row in rows) == sum(sizes.values())
+    assert not capture.installed()  # the trainer's own reads stay as they were
+
+    def of(worker: int) -> list[dict[str, int]]:
+        return [{name: int(row[name]) for name in ("key", "bytes", "batch", "verdict")}
+                for d in datagrams.decoded if d.source.worker == worker for row in d.reads]
+
+    wait_for("each shard's bytes", lambda: [sum(row["bytes"] for row in of(w)) for w in range(2)] ==
+             [len(shard(w)) for w in range(2)], 10)
+    # webdataset gives worker w the shard w; the worker builds batch w, then w + 2, from it.
+    for worker in range(2):
+        rows = of(worker)
+        assert rows[0]["key"] == read_key(f"/shard-{worker}.tar", 0) and rows[0]["batch"] == worker
+        assert {row["verdict"] for row in rows} == {wire.VERDICT_UNKNOWN}
+        assert {row["batch"] for row in rows} <= {worker, worker + 2}
 
 
 def test_bytes_read_are_the_same_with_and_without_capture(spoke: tuple[str, str], s3: str,
@@ -297,3 +303,45 @@ def test_a_reply_urllib3_reads_on_arrival_is_one_read(spoke: tuple[str, str], da
     rows = [row for row in datagrams.rows("reads") if row["verdict"] != wire.VERDICT_DIRECT]  # not the hub's file
     assert [(row["key"], row["bytes"], row["verdict"]) for row in rows] == [
         (read_key("/object.bin"), len(OBJECT), wire.VERDICT_MISS)]
+
+
+class _ChunkedCDN(BaseHTTPRequestHandler):
+    """Three chunks of `OBJECT`, `BODY_DELAY` apart after the headers, as a CDN's edge (`X-Cache`) streams them."""
+
+    protocol_version = "HTTP/1.1"
+
+    def do_GET(self) -> None:
+        self.send_response(200)
+        self.send_header("Transfer-Encoding", "chunked")
+        self.send_header("X-Cache", "Hit from cloudfront")
+        self.end_headers()
+        for part in (OBJECT[:25600], OBJECT[25600:51200], OBJECT[51200:]):
+            time.sleep(BODY_DELAY / 3)
+            self.wfile.write(b"%x\r\n%s\r\n" % (len(part), part))
+            self.wfile.flush()
+        self.wfile.write(b"0\r\n\r\n")
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+
+def test_a_chunked_reply_is_read_chunk_by_chunk_with_the_verdict_of_its_x_cache(datagrams: Datagrams) -> None:
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _ChunkedCDN)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    started()
+    try:
+        with reads.reads_as(SOURCE):
+            sent = time.monotonic_ns()
+            data = requests.get(f"http://127.0.0.1:{server.server_port}/edge/object.bin", timeout=10).content
+    finally:
+        capture.stop()
+        server.shutdown()
+    assert data == OBJECT
+    transport.sender().flush_all()
+    wait_for("the chunks", lambda: sum(row["bytes"] for row in datagrams.rows("reads")) == len(OBJECT), 10)
+    rows = datagrams.rows("reads")
+    offsets = [sum(row["bytes"] for row in rows[:index]) for index in range(len(rows))]
+    assert [row["key"] for row in rows] == [read_key("/edge/object.bin", offset) for offset in offsets]
+    assert {row["verdict"] for row in rows} == {wire.VERDICT_HIT}
+    # The first read waited for the headers and the first chunk; together the reads span the whole body.
+    assert rows[0]["start_ns"] - sent < BODY_DELAY / 3 * 1e9 and rows[-1]["end_ns"] - sent >= BODY_DELAY * 1e9
