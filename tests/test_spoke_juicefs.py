@@ -32,7 +32,9 @@ from stallwatch.correlator.eventfile import read_events
 from stallwatch.demo.davhub import DavHub
 from stallwatch.demo.hub import Hub
 from stallwatch.demo.juicefs import JuiceFS, usable
+from stallwatch.demo.run import Demo, Settings
 from stallwatch.eventbatch import Verdict
+from stallwatch.exporters import spoke_juicefs
 from stallwatch.exporters.spoke_juicefs import JuiceFSSpokeCollector, local_stamp_ns
 from stallwatch.harness import AgentProcess, scrape, stop_agent, total, wait_for
 from tests.test_attribution_loader import attributed, collate, received, train
@@ -145,6 +147,17 @@ def test_every_cause_of_a_loader_reading_a_juicefs_mount_is_within_five_percent_
         assert abs(have - want) <= max(0.05 * want, 0.5), f"{cause}: {have:.2f} s attributed, truth {want:.2f} s"
 
 
+def test_the_demo_runs_with_a_juicefs_spoke(tmp_path: Path) -> None:
+    """`stallwatch demo --spoke juicefs`: the cold epoch misses in the block cache and stalls on remote fetches,
+    later ones hit (or never reach JuiceFS: the page cache answers them)."""
+    settings = Settings(duration=20, shards=32, shard_mib=1, workdir=tmp_path / "demo", quiet=True, spoke="juicefs")
+    outcome = Demo(settings).run()
+    cold, *warm = outcome.epochs
+    assert cold.hit_ratio == 0 and warm and all(e.hit_ratio is None or e.hit_ratio > 0.9 for e in warm)
+    stalls = {cause: total(outcome.metrics, catalogue.STALL_SECONDS.name, cause=cause) for cause in CAUSES}
+    assert max(stalls, key=lambda cause: stalls[cause]) == "remote_fetch", stalls
+
+
 LOG = """\
 2026.12.05 10:40:42.245509 [uid:0,gid:0,pid:7] lookup (1,data): (2,[drwxr-xr-x:0040755,2,0,0,1,1,1,0]) - OK <0.0003>
 2026.12.05 10:40:42.245766 [uid:0,gid:0,pid:7] create (2,a,b.bin,-rw-r--r--:0100644): \
@@ -178,5 +191,19 @@ def test_reads_are_keyed_by_path_and_timed_from_the_log_in_the_mounts_time_zone(
                    for family in collector.collect() for s in family.samples}
         assert samples[("stallwatch_spoke_requests_total", "hit")] == 5
         assert samples[("stallwatch_spoke_collector_errors_total", "unknown_inode")] == 1
+    finally:
+        collector.close()
+
+
+def test_the_names_of_the_inodes_looked_up_longest_ago_are_forgotten_first(tmp_path: Path,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(spoke_juicefs, "MAX_INODES", 2)
+    stamp = "2026.12.05 10:40:42.245509 [uid:0,gid:0,pid:7]"
+    lookups = "".join(f"{stamp} lookup (1,{name}): ({inode},[-rw-r--r--:0100644,1,0,0,1,1,1,9]) - OK <0.0003>\n"
+                      for name, inode in (("a", 2), ("b", 3), ("a", 2), ("c", 4)))
+    reads = "".join(f"{stamp} read ({inode},4096,0,7): (9) - OK <0.000065>\n" for inode in (2, 3, 4))
+    collector = JuiceFSSpokeCollector(str(tmp_path), "jfs", retry_s=60)
+    try:
+        assert collector.accept((lookups + reads).encode()) == 2  # b, looked up before a's second lookup, is gone
     finally:
         collector.close()

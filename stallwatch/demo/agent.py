@@ -11,16 +11,18 @@ from stallwatch.harness import AgentProcess, start_agent, stop_agent
 
 @dataclass(frozen=True)
 class AgentSetup:
-    """What one node's agent watches: its fake GPUs, its events socket, its nginx spoke and that spoke's hub."""
+    """What one node's agent watches: its fake GPUs, its events socket, its spoke (nginx, or a JuiceFS mount) and
+    that spoke's hub."""
 
     workdir: Path
-    spoke_log: Path
+    spoke_log: Path | None  # the nginx spoke's access log; None when the spoke is `juicefs_mount`
     spoke_name: str
     hub_url: str
     cache_bytes: int
     window_seconds: float
     gpus: int = 1
     lateness_seconds: float | None = None  # None: the agent's default
+    juicefs_mount: Path | None = None
 
     @property
     def socket(self) -> Path:
@@ -36,10 +38,13 @@ class AgentSetup:
 
     def flags(self) -> list[str]:
         lateness = [] if self.lateness_seconds is None else ["--correlator.lateness", str(self.lateness_seconds)]
+        spoke = (["--collector.spoke_juicefs", "--spoke_juicefs.mount", str(self.juicefs_mount),
+                  "--spoke_juicefs.name", self.spoke_name] if self.juicefs_mount is not None else
+                 ["--collector.spoke_nginx", "--spoke_nginx.log", str(self.spoke_log), "--spoke_nginx.name",
+                  self.spoke_name])
         return [
             "--gpu.fake-devices", str(self.gpus), "--gpu.fake-trace", str(self.trace), "--gpu.interval", "0.5",
-            "--events.socket", str(self.socket),
-            "--collector.spoke_nginx", "--spoke_nginx.log", str(self.spoke_log), "--spoke_nginx.name", self.spoke_name,
+            "--events.socket", str(self.socket), *spoke,
             "--collector.hub_probe", "--hub_probe.target", f"{self.spoke_name}={self.hub_url}/",
             "--hub_probe.interval", "2",
             "--correlator.cache-capacity", str(self.cache_bytes),

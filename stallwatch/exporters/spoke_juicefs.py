@@ -60,6 +60,9 @@ READ_BYTES = 256 << 10
 GET_COUNT = "juicefs_object_request_durations_histogram_seconds_GET_total"
 GET_SUM = "juicefs_object_request_durations_histogram_seconds_GET_sum"
 ZONE_STEP_S = 900  # time zones are whole quarter hours from UTC
+# Inodes whose names are kept, the least recently looked up forgotten first (about 250 bytes each): the kernel
+# looks a path up again once its entry times out (JuiceFS's --entry-cache, 1 s), so a forgotten one comes back.
+MAX_INODES = 200_000
 
 _STAMP = r"(?P<stamp>\d{4}\.\d\d\.\d\d \d\d:\d\d:\d\d\.\d{6}) \[[^\]]*\] "
 # read (inode,size,offset,fh): (bytes) - OK <seconds>
@@ -175,7 +178,11 @@ class JuiceFSSpokeCollector:
             return FuseRead(inode, int(match["offset"]), int(match["bytes"]), local_stamp_ns(match["stamp"]),
                             round(float(match["seconds"]) * 1e9))
         if (entry := ENTRY.match(line)) is not None:
-            self._entries[int(entry["inode"])] = (int(entry["parent"]), entry["name"])
+            inode = int(entry["inode"])
+            self._entries.pop(inode, None)  # to the end: the most recently looked up
+            self._entries[inode] = (int(entry["parent"]), entry["name"])
+            if len(self._entries) > MAX_INODES:
+                del self._entries[next(iter(self._entries))]
         return None
 
     def _path(self, inode: int) -> str | None:
