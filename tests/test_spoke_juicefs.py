@@ -20,6 +20,8 @@ from typing import Any
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch.utils.data import DataLoader, Dataset
 
 from stallwatch import catalogue
@@ -205,5 +207,16 @@ def test_the_names_of_the_inodes_looked_up_longest_ago_are_forgotten_first(tmp_p
     collector = JuiceFSSpokeCollector(str(tmp_path), "jfs", retry_s=60)
     try:
         assert collector.accept((lookups + reads).encode()) == 2  # b, looked up before a's second lookup, is gone
+    finally:
+        collector.close()
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.one_of(st.sampled_from(LOG.splitlines()), st.text(max_size=120),
+                          st.from_regex(spoke_juicefs.READ, fullmatch=True)), max_size=8))
+def test_any_lines_are_taken_or_counted_never_raised(lines: list[str]) -> None:
+    collector = JuiceFSSpokeCollector("/nonexistent", "jfs", retry_s=60)
+    try:
+        collector.accept(("\n".join(lines) + "\n").encode())
     finally:
         collector.close()

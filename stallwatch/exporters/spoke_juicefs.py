@@ -172,11 +172,13 @@ class JuiceFSSpokeCollector:
             if match is None:
                 self._problem("malformed_line", line)
                 return None
-            inode = int(match["inode"])
+            inode, size, seconds = int(match["inode"]), int(match["bytes"]), float(match["seconds"])
             if inode >= INTERNAL_INODES or match["status"] != "OK":
                 return None
-            return FuseRead(inode, int(match["offset"]), int(match["bytes"]), local_stamp_ns(match["stamp"]),
-                            round(float(match["seconds"]) * 1e9))
+            if not (size < 2**63 and seconds < 2**33):  # the batch's columns are int64 (ns)
+                self._problem("malformed_line", line)
+                return None
+            return FuseRead(inode, int(match["offset"]), size, local_stamp_ns(match["stamp"]), round(seconds * 1e9))
         if (entry := ENTRY.match(line)) is not None:
             inode = int(entry["inode"])
             self._entries.pop(inode, None)  # to the end: the most recently looked up
