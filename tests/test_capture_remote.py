@@ -1,12 +1,15 @@
 """Remote read capture (`stallwatch.client.remote`), tested with the libraries a user has against real servers:
 requests through a real nginx spoke, boto3 and s3fs against moto's S3 server on loopback whose bodies come a
-hub's distance after their headers, webdataset shards over HTTP in a DataLoader with workers. Each read is an
-event with its key, bytes, start and end (the body's time in it) and verdict, read as it was without capture."""
+hub's distance after their headers, webdataset shards over HTTP in a DataLoader with workers, and an unchanged
+script under `stallwatch run --spoke-url` whose reads a real agent counts and books. Each read is an event with
+its key, bytes, start and end (the body's time in it) and verdict, read as it was without capture."""
 
 from __future__ import annotations
 
 import io
+import os
 import tarfile
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -23,13 +26,17 @@ from moto.moto_server.werkzeug_app import DomainDispatcherApplication, MotoReque
 from torch.utils.data import DataLoader
 from werkzeug.serving import make_server
 
+from stallwatch import catalogue as c
 from stallwatch.client import capture, reads, remote, transport, wire
 from stallwatch.client.keys import read_key
 from stallwatch.client.torch import instrument
+from stallwatch.demo import hub as demo_hub
 from stallwatch.demo.spoke import spoke_server_block
-from stallwatch.harness import wait_for
+from stallwatch.harness import AgentProcess, scrape, total, wait_for
 from tests.realspoke import Hub, Nginx
 from tests.test_client_open import Datagrams
+from tests.test_live_stalls import stalls
+from tests.test_run import Settled, finished, run
 
 SOURCE = wire.Source("remote", rank=0, worker=3)
 BODY_DELAY = 0.25  # seconds between an object's headers and its body: the hub's distance, as moto is on loopback
@@ -345,3 +352,59 @@ def test_a_chunked_reply_is_read_chunk_by_chunk_with_the_verdict_of_its_x_cache(
     assert {row["verdict"] for row in rows} == {wire.VERDICT_HIT}
     # The first read waited for the headers and the first chunk; together the reads span the whole body.
     assert rows[0]["start_ns"] - sent < BODY_DELAY / 3 * 1e9 and rows[-1]["end_ns"] - sent >= BODY_DELAY * 1e9
+
+
+# What a user writes: no stallwatch anywhere; each sample is fetched with requests.
+TRAIN = """
+import json, sys
+import requests
+from torch.utils.data import DataLoader, Dataset
+
+
+class Remote(Dataset):
+    def __init__(self, base, items):
+        self.base, self.items = base, items
+
+    def __len__(self):
+        return self.items
+
+    def __getitem__(self, index):
+        return len(requests.get(f"{self.base}/sample-{index % 8}.bin", timeout=30).content)
+
+
+if __name__ == "__main__":
+    loader = DataLoader(Remote(sys.argv[1], int(sys.argv[2])), batch_size=4, num_workers=2)
+    print(json.dumps({"batches": sum(1 for _ in loader)}))
+"""
+
+
+def test_a_real_agent_books_an_unchanged_scripts_http_reads_by_the_spokes_verdicts(
+        agent_factory: Callable[..., AgentProcess], tmp_path: Path) -> None:
+    """`stallwatch run --spoke-url` over a script whose Dataset fetches its samples with requests, through a real
+    nginx in front of the demo's hub (a round trip of 100 ms): the agent counts a miss for each of the eight
+    samples' first fetch and a hit for every other, and books stall to remote_fetch."""
+    root = tmp_path / "hub"
+    root.mkdir()
+    for index in range(8):
+        (root / f"sample-{index}.bin").write_bytes(os.urandom(8192))
+    far = demo_hub.Hub(root, rtt_seconds=0.1).start()
+    nginx = Nginx(tmp_path / "nginx", spoke_server_block(far.url))
+    socket = os.path.join(tempfile.mkdtemp(prefix="sw-"), "events.sock")  # short: sun_path holds 108 bytes
+    script = tmp_path / "train.py"
+    script.write_text(TRAIN)
+    try:
+        agent = agent_factory("--events.socket", socket, "--no-collector.gpu", "--no-collector.host")
+        reply = finished(run(socket, script, nginx.url(), "32", job="http", options=("--spoke-url", nginx.url())))
+        settled = Settled(lambda: sum(stalls(scrape(agent.url), "http").values()))
+        wait_for("the job's stall on /metrics, settled", settled.check, 30)
+        metrics = scrape(agent.url)
+    finally:
+        nginx.close()
+        far.close()
+    assert reply["batches"] == 8
+    counted = {verdict: total(metrics, c.DATASET_READS.name, training_job="http", verdict=verdict)
+               for verdict in ("hit", "miss", "unknown", "direct")}
+    booked = stalls(metrics, "http")
+    print(f"reads counted {counted}; stall seconds by cause {booked}")
+    assert counted == {"hit": 24, "miss": 8, "unknown": 0, "direct": 0}
+    assert booked[c.REMOTE_FETCH.name] > 0, booked
