@@ -41,7 +41,8 @@ from stallwatch.exporters.spoke_juicefs import JuiceFSSpokeCollector, local_stam
 from stallwatch.harness import AgentProcess, scrape, stop_agent, total, wait_for
 from tests.test_attribution_loader import attributed, collate, received, train
 
-pytestmark = [pytest.mark.slow, pytest.mark.skipif(usable() is not None, reason=str(usable()))]
+# The tests with a real mount (the rest feed the collector lines).
+needs_mount = pytest.mark.skipif(usable() is not None, reason=str(usable()))
 
 ITEMS, ITEM_BYTES = 96, 256 << 10
 RTT_S, BANDWIDTH = 0.06, 400e6 / 8
@@ -92,6 +93,8 @@ def evict_page_cache(folder: Path) -> None:
             os.close(descriptor)
 
 
+@pytest.mark.slow
+@needs_mount
 def test_every_cause_of_a_loader_reading_a_juicefs_mount_is_within_five_percent_of_its_truth(
         juicefs: tuple[JuiceFS, DavHub], agent_factory: Callable[..., AgentProcess], tmp_path: Path,
         monkeypatch: pytest.MonkeyPatch) -> None:
@@ -149,6 +152,8 @@ def test_every_cause_of_a_loader_reading_a_juicefs_mount_is_within_five_percent_
         assert abs(have - want) <= max(0.05 * want, 0.5), f"{cause}: {have:.2f} s attributed, truth {want:.2f} s"
 
 
+@pytest.mark.slow
+@needs_mount
 def test_the_demo_runs_with_a_juicefs_spoke(tmp_path: Path) -> None:
     """`stallwatch demo --spoke juicefs`: the cold epoch misses in the block cache and stalls on remote fetches,
     later ones hit (or never reach JuiceFS: the page cache answers them)."""
