@@ -304,8 +304,9 @@ SPOKE_HUB_PROBE_SUCCESS = gauge(
 )
 SPOKE_HUB_PROBE_FAILURES = counter(
     "spoke", "spoke_hub_probe_failures_total", "", ["spoke", "reason"],
-    "Probes of the spoke's hub that failed, by reason: connect (refused, unreachable, DNS), timeout, tls "
-    "(handshake or certificate), protocol (not an HTTP answer), status (an HTTP status of 400 or more).",
+    "Probes of the spoke's hub that failed, by reason: connect (refused, unreachable, DNS), timeout (no complete "
+    "answer within the timeout), tls (handshake or certificate), protocol (not an HTTP answer), status (not 2xx: an "
+    "error, or a redirect, which is not followed).",
 )
 SPOKE_COLLECTOR_ERRORS = counter(
     "spoke", "spoke_collector_errors_total", "", ["spoke", "reason"],

@@ -2,15 +2,17 @@
 shows hub latency even while nothing misses (a cache that hits never asks the hub).
 
 Each target is `SPOKE=URL` (http or https). Once per `--hub_probe.interval` a background thread probes
-the targets one after another: it resolves the host (not timed), opens a TCP connection (phase
-`connect`: the handshake, one network round trip) and sends one small request on it (phase `http`: the
-TLS handshake if any, then request sent to response headers): `HEAD`, or with `--hub_probe.method
-range` a `GET` of the first byte (`Range: bytes=0-0`) for hubs that refuse HEAD. Any HTTP answer
-measures the latency; one of 400 or more also counts as a failure (`status`).
+the targets side by side, one thread each, so a slow hub delays no other: each probe resolves the host
+(not timed), opens a TCP connection (phase `connect`: the handshake, one network round trip) and sends
+one small request on it (phase `http`: the TLS handshake if any, then request sent to response
+headers): `HEAD`, or with `--hub_probe.method range` a `GET` of the first byte (`Range: bytes=0-0`) for
+hubs that refuse HEAD. `--hub_probe.timeout` is one deadline over the whole probe, so a hub that
+trickles its answer fails by then (`timeout`). Any HTTP answer measures the latency; one that is not
+2xx also counts as a failure (`status`): a redirect is not followed, and the hub did not answer.
 
 Scrapes read the last results and never wait on the network. The rate is bounded: the interval is at
-least 1 s, one probe is in flight at a time, a round that overruns the interval delays the next one
-instead of overlapping it, and at most 64 bytes of a body are read.
+least 1 s, one probe per hub is in flight at a time, a round that overruns the interval delays the next
+one instead of overlapping it, and at most 64 bytes of a body are read.
 """
 
 from __future__ import annotations
@@ -18,19 +20,18 @@ from __future__ import annotations
 import argparse
 import http.client
 import logging
-import socket
 import ssl
 import threading
 import time
 import urllib.parse
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
 
 from prometheus_client.core import Metric
 
-from stallwatch import catalogue
+from stallwatch import catalogue, outbound
 from stallwatch.exporters.collector import CollectorContext, register_collector
 from stallwatch.exporters.config import ConfigError
 from stallwatch.flags import positive_float
@@ -86,66 +87,32 @@ class ProbeResult:
 
 def probe(target: Target, method: str, timeout: float, tls: ssl.SSLContext,
           clock: Callable[[], float] = time.perf_counter) -> ProbeResult:
-    """One probe of one hub: the connect and http phases' durations, and what failed, if anything."""
+    """One probe of one hub, within one deadline of `timeout`: the connect and http phases' durations, and what
+    failed, if anything."""
     parts = target.parts
-    host = parts.hostname or ""
-    port = parts.port or (443 if parts.scheme == "https" else 80)
+    deadline = outbound.Deadline(timeout)
     durations: dict[str, float] = {}
     try:
-        try:
-            addresses = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-        except OSError as error:
-            raise ProbeError("connect", f"cannot resolve {host}: {error}") from error
-        sock = _connect(addresses, timeout, durations, clock)
-        try:
-            start = clock()
-            if parts.scheme == "https":
-                sock = tls.wrap_socket(sock, server_hostname=host)
-            connection = http.client.HTTPConnection(host, port, timeout=timeout)
-            connection.sock = sock
-            headers = {"User-Agent": USER_AGENT, "Connection": "close"}
-            if method == "range":
-                headers["Range"] = "bytes=0-0"
-            path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
-            connection.request("GET" if method == "range" else "HEAD", path, headers=headers)
-            response = connection.getresponse()
+        sock, durations["connect"] = outbound.connect(parts.hostname or "",
+                                                      parts.port or (443 if parts.scheme == "https" else 80),
+                                                      deadline, clock)
+        start = clock()
+        headers = {"User-Agent": USER_AGENT} | ({"Range": "bytes=0-0"} if method == "range" else {})
+        with outbound.send(sock, parts, "GET" if method == "range" else "HEAD", headers, deadline, tls) as response:
             durations["http"] = clock() - start
             response.read(MAX_BODY_BYTES)
-        finally:
-            sock.close()
-    except ProbeError as failure:
-        return ProbeResult(durations, failure)
-    except TimeoutError as error:
-        return ProbeResult(durations, ProbeError("timeout", f"no answer within {timeout:g} s: {error}"))
+    except TimeoutError:
+        return ProbeResult(durations, ProbeError("timeout", f"no complete answer within {timeout:g} s"))
     except ssl.SSLError as error:  # before OSError: an unverified certificate, a failed handshake
         return ProbeResult(durations, ProbeError("tls", f"TLS failed: {error}"))
     except http.client.HTTPException as error:
         return ProbeResult(durations, ProbeError("protocol", f"not an HTTP answer: {error!r}"))
-    except OSError as error:  # refused or unreachable; after connecting, the hub broke off the exchange
+    except OSError as error:  # no such host, refused or unreachable; after connecting, the hub broke off
         reason = "protocol" if "connect" in durations else "connect"
         return ProbeResult(durations, ProbeError(reason, f"{reason} failed: {error}"))
-    if response.status >= 400:
+    if not 200 <= response.status < 300:  # a redirect too: it is not followed, the hub did not answer the probe
         return ProbeResult(durations, ProbeError("status", f"HTTP {response.status} {response.reason}"))
     return ProbeResult(durations)
-
-
-def _connect(addresses: list[tuple[Any, ...]], timeout: float, durations: dict[str, float],
-             clock: Callable[[], float]) -> socket.socket:
-    """A connection to the first address that answers (IPv6 and IPv4 alike); its handshake's time is `connect`."""
-    error: OSError = OSError("no address")
-    for family, kind, proto, _, address in addresses:
-        sock = socket.socket(family, kind, proto)
-        sock.settimeout(timeout)
-        start = clock()
-        try:
-            sock.connect(address)
-        except OSError as failed:
-            sock.close()
-            error = failed
-            continue
-        durations["connect"] = clock() - start
-        return sock
-    raise error
 
 
 class HubProbeCollector:
@@ -155,6 +122,7 @@ class HubProbeCollector:
         """`clock` times the rounds; `pause(seconds)` waits between them and says whether to stop (by
         default until `close()`): a test drives the schedule with both."""
         self._targets = tuple(targets)
+        self._pool = ThreadPoolExecutor(max(1, len(self._targets)), thread_name_prefix="hub-probe")
         self._interval, self._timeout, self._method = max(interval, MIN_INTERVAL_SECONDS), timeout, method
         self._tls = tls or ssl.create_default_context()
         self._lock = threading.Lock()
@@ -168,19 +136,21 @@ class HubProbeCollector:
             self._thread.start()
 
     def probe_all(self) -> None:
-        """One round: every target once, one after another."""
-        for target in self._targets:
-            result = probe(target, self._method, self._timeout, self._tls)
-            failure = result.failure
-            with self._lock:
-                for phase, seconds in result.durations.items():
-                    self._durations[(target.spoke, phase)] = seconds
-                self._success[target.spoke] = 0.0 if failure else 1.0
-                first = failure is not None and not self._failures[(target.spoke, failure.reason)]
-                if failure is not None:
-                    self._failures[(target.spoke, failure.reason)] += 1
-            if first:
-                log.warning("hub probe of spoke %s (%s): %s (counted from now on)", target.spoke, target.url, failure)
+        """One round: every target once, side by side (a slow hub delays no other), until the last is done."""
+        list(self._pool.map(self._probe, self._targets))
+
+    def _probe(self, target: Target) -> None:
+        result = probe(target, self._method, self._timeout, self._tls)
+        failure = result.failure
+        with self._lock:
+            for phase, seconds in result.durations.items():
+                self._durations[(target.spoke, phase)] = seconds
+            self._success[target.spoke] = 0.0 if failure else 1.0
+            first = failure is not None and not self._failures[(target.spoke, failure.reason)]
+            if failure is not None:
+                self._failures[(target.spoke, failure.reason)] += 1
+        if first:
+            log.warning("hub probe of spoke %s (%s): %s (counted from now on)", target.spoke, target.url, failure)
 
     def _run(self) -> None:
         while not self._stop.is_set():
@@ -205,7 +175,8 @@ class HubProbeCollector:
     def close(self) -> None:
         self._stop.set()
         if self._thread.is_alive():
-            self._thread.join(timeout=2 * self._timeout * max(1, len(self._targets)))
+            self._thread.join(timeout=2 * self._timeout)
+        self._pool.shutdown(wait=False)
 
 
 def _add_arguments(group: argparse._ArgumentGroup) -> None:

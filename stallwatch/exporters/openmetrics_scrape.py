@@ -3,13 +3,14 @@
 
 from __future__ import annotations
 
+import http.client
 import ssl
-import urllib.error
-import urllib.request
 from collections.abc import Callable, Mapping
 
 from prometheus_client.core import Metric
 from prometheus_client.parser import text_string_to_metric_families
+
+from stallwatch import outbound
 
 MAX_BODY_BYTES = 16 << 20
 
@@ -24,27 +25,27 @@ HttpGet = Callable[[str, Mapping[str, str], float], bytes]
 
 
 def http_get(url: str, headers: Mapping[str, str], timeout: float, context: ssl.SSLContext | None = None) -> bytes:
-    """GET with a timeout and a size limit; every failure is a ScrapeError with a short reason.
-    TLS is verified against the system's CAs unless the caller passes another context."""
-    request = urllib.request.Request(url, headers=dict(headers))
+    """GET within one deadline of `timeout` seconds, a trickled answer included, and a size limit; every failure
+    is a ScrapeError with a short reason. A redirect is one (`redirect`): it is not followed, so a token never
+    reaches another host. TLS is verified against the system's CAs unless the caller passes another context."""
     try:
-        with urllib.request.urlopen(request, timeout=timeout, context=context) as response:
-            body: bytes = response.read(MAX_BODY_BYTES + 1)
-    except urllib.error.HTTPError as error:
-        raise ScrapeError("http_error", f"HTTP {error.code} from {url}") from error
+        reply = outbound.fetch(url, headers, outbound.Deadline(timeout), limit=MAX_BODY_BYTES, tls=context)
     except TimeoutError as error:
-        raise ScrapeError("timeout", f"no answer from {url} within {timeout} s") from error
-    except urllib.error.URLError as error:
-        if isinstance(error.reason, TimeoutError):
-            raise ScrapeError("timeout", f"no answer from {url} within {timeout} s") from error
-        if isinstance(error.reason, ssl.SSLError):
-            raise ScrapeError("tls_error", f"{url}: {error.reason}") from error
-        raise ScrapeError("unreachable", f"{url}: {error.reason}") from error
+        raise ScrapeError("timeout", f"no complete answer from {url} within {timeout:g} s") from error
+    except ssl.SSLError as error:
+        raise ScrapeError("tls_error", f"{url}: {error}") from error
     except OSError as error:
         raise ScrapeError("unreachable", f"{url}: {error}") from error
-    if len(body) > MAX_BODY_BYTES:
-        raise ScrapeError("too_large", f"{url}: more than {MAX_BODY_BYTES} bytes")
-    return body
+    except http.client.HTTPException as error:
+        raise ScrapeError("protocol", f"{url}: not an HTTP answer: {error!r}") from error
+    except outbound.TooLargeError as error:
+        raise ScrapeError("too_large", f"{url}: {error}") from error
+    if 300 <= reply.status < 400:
+        raise ScrapeError("redirect", f"HTTP {reply.status} from {url} to {reply.headers.get('Location')}, "
+                                      "not followed: give the URL it names")
+    if not 200 <= reply.status < 300:
+        raise ScrapeError("http_error", f"HTTP {reply.status} from {url}")
+    return reply.body
 
 
 def parse_exposition(body: bytes) -> list[Metric]:

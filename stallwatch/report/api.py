@@ -1,26 +1,30 @@
 """Prometheus's HTTP API as the report asks it, through basic auth or a bearer token and TLS.
 
 Secrets come from files only (a password on the command line is in every `ps` listing and shell history).
-Every failure is a `PrometheusError` with one line that says what to change.
+Every failure is a `PrometheusError` with one line that says what to change. Each query has one deadline
+(`timeout`) over connect, answer and body, and its answer a size limit (`MAX_ANSWER_BYTES`); a redirect is
+not followed, so the credentials never reach another host (or the same over plain http): the error names
+the URL to give instead.
 """
 
 from __future__ import annotations
 
 import base64
+import http.client
 import json
 import ssl
-import urllib.error
 import urllib.parse
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from stallwatch import outbound
 from stallwatch.report.run import Series
 
 Labels = dict[str, str]
+MAX_ANSWER_BYTES = 256 << 20  # the report's answers are a few MiB; more is a mistaken scope, not data to hold
 
 
 class PrometheusError(RuntimeError):
@@ -89,50 +93,77 @@ class Prometheus:
         self._tls = access.tls_context() if self._url.startswith("https://") else None
         self._timeout = timeout
 
-    def _get(self, path: str, params: dict[str, str]) -> Any:
-        request = urllib.request.Request(f"{self._url}{path}?{urllib.parse.urlencode(params)}", headers=self._headers)
+    def _get(self, path: str, params: dict[str, str]) -> list[Any]:
+        """The answer's `data.result`, within one deadline of the timeout."""
         try:
-            with urllib.request.urlopen(request, timeout=self._timeout, context=self._tls) as reply:
-                body = json.loads(reply.read())
-        except urllib.error.HTTPError as error:
-            raise PrometheusError(self._refusal(error)) from None
-        except urllib.error.URLError as error:
-            raise PrometheusError(self._unreachable(error.reason)) from None
-        except (OSError, ValueError) as error:  # a reset connection, a reply that is not JSON
-            raise PrometheusError(f"Prometheus at {self._url}: {error}") from None
-        if body.get("status") != "success":
-            raise PrometheusError(f"Prometheus: {body.get('error', body)}")
-        return body["data"]["result"]
+            reply = outbound.fetch(f"{self._url}{path}?{urllib.parse.urlencode(params)}", self._headers,
+                                   outbound.Deadline(self._timeout), limit=MAX_ANSWER_BYTES, tls=self._tls)
+        except ssl.SSLCertVerificationError as error:
+            raise PrometheusError(f"cannot verify the certificate of {self._url} ({error.verify_message}): give "
+                                  "--ca-file with the CA that signed it, or --insecure-skip-tls-verify") from None
+        except TimeoutError:
+            raise PrometheusError(f"Prometheus at {self._url} did not answer within {self._timeout:g} s") from None
+        except OSError as error:
+            raise PrometheusError(f"cannot reach Prometheus at {self._url}: {error}") from None
+        except http.client.HTTPException as error:  # a head that is not HTTP, a body cut short
+            raise PrometheusError(f"Prometheus at {self._url}: a broken answer: {error!r}") from None
+        except outbound.TooLargeError:
+            raise PrometheusError(f"Prometheus at {self._url} answered more than {MAX_ANSWER_BYTES >> 20} MiB: "
+                                  "narrow the report (--job, --node, a shorter span)") from None
+        if 300 <= reply.status < 400:
+            raise PrometheusError(f"Prometheus at {self._url} redirected to {reply.headers.get('Location')} "
+                                  f"(HTTP {reply.status}): give that URL, redirects are not followed")
+        if not 200 <= reply.status < 300:
+            raise PrometheusError(self._refusal(reply))
+        try:
+            body = json.loads(reply.body)
+        except ValueError as error:
+            raise PrometheusError(f"Prometheus at {self._url}: an answer that is not JSON ({error})") from None
+        if isinstance(body, dict) and body.get("status") == "error":
+            raise PrometheusError(f"Prometheus: {str(body.get('error'))[:300]}")
+        data = body.get("data") if isinstance(body, dict) and body.get("status") == "success" else None
+        result = data.get("result") if isinstance(data, dict) else None
+        if not isinstance(result, list):
+            raise PrometheusError(f"Prometheus at {self._url}: not an API answer (no status success with a "
+                                  f"data.result list): {reply.body[:200]!r}")
+        return result
 
-    def _refusal(self, error: urllib.error.HTTPError) -> str:
-        status = f"HTTP {error.code} {error.reason}"
-        if error.code in (401, 403):
+    def _refusal(self, reply: outbound.Reply) -> str:
+        status = f"HTTP {reply.status} {reply.reason}"
+        if reply.status in (401, 403):
             if self._access.has_credentials:
                 return f"Prometheus at {self._url} refused the credentials ({status})"
             return (f"Prometheus at {self._url} asks for credentials ({status}): give --basic-auth-user with "
                     "--basic-auth-password-file, or --bearer-token-file")
-        text = error.read().decode(errors="replace")
+        text = reply.body.decode(errors="replace")  # its first few KiB
         try:
-            detail = json.loads(text).get("error", text)
+            answer = json.loads(text)
+            detail = str(answer.get("error", text) if isinstance(answer, dict) else text)
         except ValueError:
-            detail = text.strip().splitlines()[0] if text.strip() else ""
-        return f"Prometheus at {self._url}: {status}" + (f": {detail}" if detail else "")
+            detail = text
+        lines = detail.strip().splitlines()
+        return f"Prometheus at {self._url}: {status}" + (f": {lines[0][:300]}" if lines else "")
 
-    def _unreachable(self, reason: object) -> str:
-        if isinstance(reason, ssl.SSLCertVerificationError):
-            return (f"cannot verify the certificate of {self._url} ({reason.verify_message}): give --ca-file "
-                    "with the CA that signed it, or --insecure-skip-tls-verify")
-        return f"cannot reach Prometheus at {self._url}: {reason}"
+    def _malformed(self, error: Exception) -> PrometheusError:
+        return PrometheusError(f"Prometheus at {self._url}: a result of another shape than the API's ({error!r})")
 
     def range(self, expr: str, start: float, end: float, step: float) -> list[tuple[Labels, Series]]:
         result = self._get("/api/v1/query_range",
                            {"query": expr, "start": str(start), "end": str(end), "step": f"{step:.3f}"})
         out = []
         for item in result:
-            values = np.array(item["values"], dtype=np.float64).reshape(-1, 2)
-            out.append((item["metric"], Series(values[:, 0], values[:, 1])))
+            try:
+                values = np.array(item["values"], dtype=np.float64)
+                if values.ndim != 2 or values.shape[1] != 2 or not len(values):  # Prometheus sends no empty series
+                    raise ValueError(f"values of shape {values.shape}, not (points, 2)")
+                out.append((dict(item["metric"]), Series(values[:, 0], values[:, 1])))
+            except (TypeError, KeyError, ValueError) as error:
+                raise self._malformed(error) from None
         return out
 
     def instant(self, expr: str, at: float) -> list[tuple[Labels, float]]:
-        return [(item["metric"], float(item["value"][1]))
-                for item in self._get("/api/v1/query", {"query": expr, "time": str(at)})]
+        try:
+            return [(dict(item["metric"]), float(item["value"][1]))
+                    for item in self._get("/api/v1/query", {"query": expr, "time": str(at)})]
+        except (TypeError, KeyError, ValueError, IndexError) as error:
+            raise self._malformed(error) from None
