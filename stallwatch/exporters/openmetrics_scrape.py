@@ -1,14 +1,11 @@
-"""Fetching and parsing a Prometheus/OpenMetrics endpoint, every failure a ScrapeError with a short reason
-(the `reason` label of `stallwatch_spoke_collector_errors_total`)."""
+"""Fetching a Prometheus/OpenMetrics endpoint, every failure a ScrapeError with a short reason (the `reason`
+label of `stallwatch_spoke_collector_errors_total`); `openmetrics_mapping` parses what it needs of the body."""
 
 from __future__ import annotations
 
 import http.client
 import ssl
 from collections.abc import Callable, Mapping
-
-from prometheus_client.core import Metric
-from prometheus_client.parser import text_string_to_metric_families
 
 from stallwatch import outbound
 
@@ -47,9 +44,3 @@ def http_get(url: str, headers: Mapping[str, str], timeout: float, context: ssl.
         raise ScrapeError("http_error", f"HTTP {reply.status} from {url}")
     return reply.body
 
-
-def parse_exposition(body: bytes) -> list[Metric]:
-    try:
-        return list(text_string_to_metric_families(body.decode("utf-8")))
-    except (ValueError, UnicodeDecodeError, IndexError, TypeError) as error:
-        raise ScrapeError("parse_error", f"not Prometheus text: {error}") from error
