@@ -168,17 +168,18 @@ def record_read(
 
 
 def timed_read(location: str, offset: int, verdict: int, start_ns: int, count: Callable[[T], int],
-               read: Callable[..., T], *args: Any, **kwargs: Any) -> tuple[T, int]:
-    """`read(*args, **kwargs)` recorded as one read of `location` at `offset`, started at `start_ns` (0: now):
-    its result and the bytes `count` finds in it; -1 bytes when it ran inside another recorded read of this
-    thread (a `ReadSpan`, a wrapper of the same file), which is the event. A read that raises is not recorded."""
+               read: Callable[[Any], T], argument: Any) -> tuple[T, int]:
+    """`read(argument)` recorded as one read of `location` at `offset`, started at `start_ns` (0: now): its
+    result and the bytes `count` finds in it; -1 bytes when it ran inside another recorded read of this
+    thread (a `ReadSpan`, a wrapper of the same file), which is the event. A read that raises is not recorded.
+    One argument, not *args: a captured file's every read passes here (benchmarks/capture_overhead.py)."""
     thread, reading = get_ident(), _context.reading
     if thread in reading:
-        return read(*args, **kwargs), -1
+        return read(argument), -1
     start = start_ns or time.monotonic_ns()
     reading[thread] = (location, offset, start)
     try:
-        result = read(*args, **kwargs)
+        result = read(argument)
     finally:
         reading.pop(thread, None)  # a ReadSpan inside it may have ended it already
     nbytes = count(result)

@@ -25,6 +25,7 @@ read through a spoke (`SPOKE_URLS_ENV`, URL prefixes) is left to the agent, any 
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import sys
 import time
@@ -99,15 +100,15 @@ class _Body:
     def __init__(self, location: str, position: int, verdict: int, sent: int) -> None:
         self.location, self.position, self.verdict, self.sent = location, position, verdict, sent
 
-    def read(self, count: Callable[[Any], int], read: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    def read(self, count: Callable[[Any], int], read: Callable[[Any], Any], argument: Any) -> Any:
         start, self.sent = self.sent, 0  # the first read waited for the headers too
-        result, nbytes = timed_read(self.location, self.position, self.verdict, start, count, read, *args, **kwargs)
+        result, nbytes = timed_read(self.location, self.position, self.verdict, start, count, read, argument)
         self.position += max(nbytes, 0)
         return result
 
     def chunks(self, chunks: Generator[bytes]) -> Generator[bytes]:
         with contextlib.closing(chunks):  # closed with this one, as the chunks would be
-            while (chunk := self.read(_size, next, chunks, None)) is not None:
+            while (chunk := self.read(_size, functools.partial(next, chunks), None)) is not None:
                 yield chunk
 
 
@@ -158,7 +159,7 @@ def _body_read(original: Callable[..., Any]) -> Callable[..., Any]:
         body = self.__dict__.get(_BODY)
         if body is None:
             return original(self, *args, **kwargs)
-        return body.read(len, original, self, *args, **kwargs)
+        return body.read(len, lambda response: original(response, *args, **kwargs), self)
     return read
 
 
@@ -202,7 +203,7 @@ def _file_read(original: Callable[..., Any]) -> Callable[..., Any]:
             (location, verdict), offset = _where(self), self.loc
         except Exception:  # never into the reader: this read is uncaptured
             return original(self, *args, **kwargs)
-        return timed_read(location, offset, verdict, 0, len, original, self, *args, **kwargs)[0]
+        return timed_read(location, offset, verdict, 0, len, lambda file: original(file, *args, **kwargs), self)[0]
     return read
 
 
