@@ -102,6 +102,7 @@ def s3() -> Iterator[str]:
     client(endpoint).put_object(Bucket="data", Key="slow/object.bin", Body=OBJECT)
     yield endpoint
     server.shutdown()
+    server.server_close()
 
 
 def client(endpoint: str) -> Any:
@@ -343,6 +344,7 @@ def test_a_chunked_reply_is_read_chunk_by_chunk_with_the_verdict_of_its_x_cache(
     finally:
         capture.stop()
         server.shutdown()
+        server.server_close()
     assert data == OBJECT
     transport.sender().flush_all()
     wait_for("the chunks", lambda: sum(row["bytes"] for row in datagrams.rows("reads")) == len(OBJECT), 10)
