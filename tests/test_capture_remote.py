@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import boto3
+import fsspec
 import pytest
 import requests
 import s3fs
@@ -92,14 +93,15 @@ class _BodyAfterHeaders:
 
 @pytest.fixture(scope="module")
 def s3() -> Iterator[str]:
-    """moto's S3 server on loopback, holding bucket `data` with `slow/object.bin`: its endpoint URL."""
+    """moto's S3 server on loopback, holding bucket `data` with `slow/object.bin` (readable by anyone, so over
+    plain HTTP too): its endpoint URL."""
     server = make_server("127.0.0.1", 0, _BodyAfterHeaders(DomainDispatcherApplication(create_backend_app)),
                          threaded=True, request_handler=MotoRequestHandler)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     endpoint = f"http://127.0.0.1:{server.server_port}"
     client(endpoint).create_bucket(Bucket="data")
-    client(endpoint).put_object(Bucket="data", Key="slow/object.bin", Body=OBJECT)
+    client(endpoint).put_object(Bucket="data", Key="slow/object.bin", Body=OBJECT, ACL="public-read")  # for plain HTTP
     yield endpoint
     server.shutdown()
     server.server_close()
@@ -410,3 +412,24 @@ def test_a_real_agent_books_an_unchanged_scripts_http_reads_by_the_spokes_verdic
     print(f"reads counted {counted}; stall seconds by cause {booked}")
     assert counted == {"hit": 24, "miss": 8, "unknown": 0, "direct": 0}
     assert booked[c.REMOTE_FETCH.name] > 0, booked
+
+
+def test_fsspec_http_files_read_with_a_read_of_their_own_are_captured(s3: str, datagrams: Datagrams) -> None:
+    """fsspec's HTTPFile fetches a whole file in its own `read`, before its base's: that read is the event."""
+    url = f"{s3}/data/slow/object.bin"  # moto serves ranges, as fsspec's HTTP files need
+    fs = fsspec.filesystem("http", skip_instance_cache=True)
+    started(s3)
+    try:
+        with reads.reads_as(SOURCE):
+            with fs.open(url, "rb", block_size=4096) as file:
+                parts = [file.read(100), file.read()]
+            with fs.open(url, "rb", block_size=4096) as whole:
+                parts.append(whole.read())  # larger than a block: fetched whole by HTTPFile.read itself
+    finally:
+        capture.stop()
+    assert parts == [OBJECT[:100], OBJECT[100:], OBJECT]
+    rows = events(datagrams, 3)
+    assert [(row["key"], row["bytes"], row["verdict"]) for row in rows] == [
+        (read_key("/data/slow/object.bin", offset), size, wire.VERDICT_UNKNOWN)
+        for offset, size in ((0, 100), (100, len(OBJECT) - 100), (0, len(OBJECT)))]
+    assert rows[2]["end_ns"] - rows[2]["start_ns"] >= BODY_DELAY * 1e9
