@@ -1,13 +1,23 @@
 """A run read from the correlator's recorded windows (`--correlator.record-windows FILE`, JSON lines).
 
 A window file is one node's record and does not name its node, so it takes a job filter only.
+
+The file is read a line at a time and each line folded into its window's sums at once, so memory grows
+with the windows of the run (a few hundred bytes each: an hour of 0.5 s windows is ~2 MB), not with the
+file; a line longer than `MAX_LINE_BYTES` (far above a node's 64 jobs of 64 ranks) is refused before
+it is held. Every value is checked as it is read: a file that is not what the agent writes gets one line
+naming the file, the line and what is wrong.
 """
 
 from __future__ import annotations
 
 import json
+import math
+from array import array
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import numpy as np
 
@@ -15,46 +25,202 @@ from stallwatch import catalogue as c
 from stallwatch.report.run import FloatArray, Run, Series
 
 WINDOW_KEYS = {"start_s", "end_s", "ranks", "gpus", "jobs", "whatif_hit_ratio"}
+MAX_LINE_BYTES = 4 << 20
+MAX_NAMES = 100_000  # distinct jobs, or (job, rank) pairs, a file may name
+SUMS = ("steps", "compute_s", "reads", "hits", "hub_bytes", *(f"stall_{k}" for k in c.CAUSES),
+        *(f"idle_{k}" for k in c.CAUSES))
 
 
-def _parse(path: Path) -> list[dict[str, Any]]:
+class WindowFileError(ValueError):
+    """The window file cannot be read as one: the message is the one line to print."""
+
+
+def _lines(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
     try:
-        lines = path.read_text().splitlines()
+        file: BinaryIO = path.open("rb")
     except OSError as error:
-        raise ValueError(f"cannot read {path}: {error.strerror}") from None
-    rows = []
-    for number, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
+        raise WindowFileError(f"cannot read {path}: {error.strerror}") from None
+    with file:
+        for number in range(1, 2**63):
+            try:
+                line = file.readline(MAX_LINE_BYTES + 1)
+            except OSError as error:
+                raise WindowFileError(f"cannot read {path}: {error.strerror}") from None
+            if not line:
+                return
+            if len(line) > MAX_LINE_BYTES:
+                raise WindowFileError(f"{path}:{number}: not a window row (longer than {MAX_LINE_BYTES >> 20} MiB)")
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except ValueError:
+                raise WindowFileError(f"{path}:{number}: not a window row (not JSON)") from None
+            if not isinstance(row, dict) or not row.keys() >= WINDOW_KEYS:
+                raise WindowFileError(f"{path}:{number}: not a window row (a row has "
+                                      f"{', '.join(sorted(WINDOW_KEYS))})")
+            yield number, row
+
+
+def _number(value: Any, what: str, *, at_most: float = math.inf, none: bool = False) -> float:
+    """A finite number from 0 to `at_most` (None where `none` allows it, as 0)."""
+    if value is None and none:
+        return 0.0
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= at_most:
+        raise ValueError(f"{what} is {json.dumps(value)[:40]}, not a number from 0 to {at_most:g}")
+    return float(value)
+
+
+def _items(row: dict[str, Any], key: str) -> list[dict[str, Any]]:
+    items = row[key]
+    if not isinstance(items, list) or not all(isinstance(item, dict) for item in items):
+        raise ValueError(f"{key} is not a list of rows")
+    return items
+
+
+def _name(item: dict[str, Any], key: str) -> str:
+    name = item.get("job")
+    if not isinstance(name, str):
+        raise ValueError(f"a row of {key} has no job name")
+    return name
+
+
+def _by_cause(item: dict[str, Any], key: str) -> list[float]:
+    seconds = item.get(key)
+    if not isinstance(seconds, dict):
+        raise ValueError(f"{key} is not an object of seconds by cause")
+    return [_number(seconds.get(cause, 0.0), f"{key}.{cause}") for cause in c.CAUSES]
+
+
+@dataclass
+class _Windows:
+    """Each window's sums of the run's job(s), in the order first seen; merged by start (a job held for a
+    stall is published in a line of its own, the same `start_s` as its window's first line)."""
+
+    job: str | None
+    since: float | None  # the run's span: the per-run figures below are of the windows that overlap it
+    until: float | None
+    at: dict[float, int] = field(default_factory=dict)
+    starts: array[float] = field(default_factory=lambda: array("d"))
+    ends: array[float] = field(default_factory=lambda: array("d"))
+    active: array[float] = field(default_factory=lambda: array("d"))  # rows of the run's jobs in the window
+    sums: dict[str, array[float]] = field(default_factory=lambda: {key: array("d") for key in SUMS})
+    # Per job of the run: the windows it has a row in and its phase there (an index into PHASES), and its
+    # warm-up figures as the latest window of the span that gave them published them (start, figures).
+    phases: dict[str, tuple[array[int], array[int]]] = field(default_factory=dict)
+    steady: dict[str, tuple[float, float, float, float]] = field(default_factory=dict)
+    jobs: set[str] = field(default_factory=set)  # every job named, in or out of the run
+    ranks: set[tuple[str, int]] = field(default_factory=set)  # of the run's windows
+    job_started: float | None = None  # the first window of the run's job(s), in the span or not
+    gpu_devices: int | None = None
+    whatif: tuple[float, dict[str, float]] | None = None  # (window start, curve) of the latest window with one
+    whatif_keys: tuple[float, float] | None = None
+
+    def ours(self, name: str) -> bool:
+        return self.job is None or name == self.job
+
+    def add(self, row: dict[str, Any]) -> None:
+        start, end = (_number(row[key], key, at_most=2**40) for key in ("start_s", "end_s"))
+        if end <= start:
+            raise ValueError(f"end_s {end} is not after start_s {start}")
+        ranks, gpus, jobs = _items(row, "ranks"), _items(row, "gpus"), _items(row, "jobs")
+        index = self._window(round(start, 3), start, end)
+        spanned = (self.since is None or end > self.since) and (self.until is None or start < self.until)
+        sums = {key: 0.0 for key in SUMS}
+        active = 0
+        for item in ranks:
+            name = _name(item, "ranks")
+            self._named(name)
+            if not self.ours(name):
+                continue
+            rank = int(_number(item.get("rank"), "rank", at_most=2**31))
+            if spanned and (name, rank) not in self.ranks:
+                if len(self.ranks) >= MAX_NAMES:
+                    raise ValueError(f"more than {MAX_NAMES:,} ranks")
+                self.ranks.add((name, rank))
+            active += 1
+            sums["steps"] += _number(item.get("steps"), "steps", at_most=2**53)
+            sums["compute_s"] += _number(item.get("compute_s"), "compute_s", at_most=2**40)
+            for cause, seconds in zip(c.CAUSES, _by_cause(item, "stall_s"), strict=True):
+                sums[f"stall_{cause}"] += seconds
+        for item in gpus:
+            if self.ours(_name(item, "gpus")):
+                for cause, seconds in zip(c.CAUSES, _by_cause(item, "idle_s"), strict=True):
+                    sums[f"idle_{cause}"] += seconds
+        for item in jobs:
+            name = _name(item, "jobs")
+            self._named(name)
+            if not self.ours(name):
+                continue
+            active += 1
+            reads = _number(item.get("reads"), "reads", at_most=2**53)  # those that crossed a spoke
+            sums["reads"] += reads
+            sums["hits"] += reads * _number(item.get("hit_ratio"), "hit_ratio", at_most=1, none=True)
+            sums["hub_bytes"] += _number(item.get("hub_bytes"), "hub_bytes", at_most=2**63)
+            self._phase(index, name, item, start if spanned else None)
+            self.job_started = start if self.job_started is None else min(self.job_started, start)
+        for key, value in sums.items():
+            self.sums[key][index] += value
+        self.active[index] += active
+        if "gpu_devices" in row:
+            devices = int(_number(row["gpu_devices"], "gpu_devices", at_most=2**16))
+            if spanned:
+                self.gpu_devices = max(devices, self.gpu_devices or 0)
+        self._whatif(start, row, spanned)
+
+    def _window(self, key: float, start: float, end: float) -> int:
+        index = self.at.get(key)
+        if index is None:
+            index = self.at[key] = len(self.starts)
+            self.starts.append(start)
+            self.ends.append(end)
+            self.active.append(0.0)
+            for column in self.sums.values():
+                column.append(0.0)
+        return index
+
+    def _named(self, name: str) -> None:
+        if name not in self.jobs:
+            if len(self.jobs) >= MAX_NAMES:
+                raise ValueError(f"more than {MAX_NAMES:,} jobs")
+            self.jobs.add(name)
+
+    def _phase(self, index: int, name: str, item: dict[str, Any], spanned_start: float | None) -> None:
+        phase = item.get("phase")
+        if phase not in c.PHASES:
+            raise ValueError(f"phase is {json.dumps(phase)[:40]}, not one of {', '.join(c.PHASES)}")
+        windows, phases = self.phases.setdefault(name, (array("q"), array("b")))
+        windows.append(index)
+        phases.append(c.PHASES.index(phase))
+        steady = item.get("time_to_steady_s")
+        idle = _number(item.get("warmup_idle_gpu_s"), "warmup_idle_gpu_s", none=True)
+        hub = _number(item.get("warmup_hub_bytes"), "warmup_hub_bytes", none=True)
+        if steady is not None:
+            figures = (_number(steady, "time_to_steady_s", at_most=2**40), idle, hub)
+            had = self.steady.get(name)
+            if spanned_start is not None and (had is None or spanned_start >= had[0]):
+                self.steady[name] = (spanned_start, *figures)
+
+    def _whatif(self, start: float, row: dict[str, Any], spanned: bool) -> None:
+        curve, keys = row["whatif_hit_ratio"], row.get("whatif_keys")
+        if curve is not None and not isinstance(curve, dict):
+            raise ValueError("whatif_hit_ratio is not an object of hit ratios by capacity")
+        ratios = {str(k): _number(v, f"whatif_hit_ratio[{k}]", at_most=1) for k, v in (curve or {}).items()}
+        tracked = _number(keys, "whatif_keys", none=True)
+        if spanned and ratios and (self.whatif is None or start >= self.whatif[0]):
+            self.whatif = (start, ratios)
+        if spanned and tracked and (self.whatif_keys is None or start >= self.whatif_keys[0]):
+            self.whatif_keys = (start, tracked)
+
+
+def _read(path: Path, job: str | None, since: float | None, until: float | None) -> _Windows:
+    windows = _Windows(job, since, until)
+    for number, row in _lines(path):
         try:
-            row = json.loads(line)
-        except ValueError:
-            raise ValueError(f"{path}:{number}: not a window row (not JSON)") from None
-        if not isinstance(row, dict) or not row.keys() >= WINDOW_KEYS:
-            raise ValueError(f"{path}:{number}: not a window row (a row has {', '.join(sorted(WINDOW_KEYS))})")
-        rows.append(row)
-    return rows
-
-
-def _by_window(lines: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """One row per window, in time order: a job held for a stall is published in a line of its own."""
-    merged: dict[float, dict[str, Any]] = {}
-    for line in lines:
-        # The wall-clock offset is read at each publication: one window's lines may differ by microseconds.
-        row = merged.setdefault(round(line["start_s"], 3), {**line, "ranks": [], "gpus": [], "jobs": []})
-        for key in ("ranks", "gpus", "jobs"):
-            row[key] += line[key]
-        row["whatif_hit_ratio"] = line["whatif_hit_ratio"] or row["whatif_hit_ratio"]
-    return [merged[start] for start in sorted(merged)]
-
-
-def _within(rows: list[dict[str, Any]], path: Path, start: float | None, end: float | None) -> list[dict[str, Any]]:
-    kept = [row for row in rows
-            if (start is None or row["end_s"] > start) and (end is None or row["start_s"] < end)]
-    if not kept:
-        raise ValueError(f"{path}: no window between --start and --end (the file covers "
-                         f"{rows[0]['start_s']:.0f} to {rows[-1]['end_s']:.0f} s)")
-    return kept
+            windows.add(row)
+        except ValueError as error:
+            raise WindowFileError(f"{path}:{number}: not a window row ({error})") from None
+    return windows
 
 
 def run_from_windows(path: Path, job: str | None = None, start: float | None = None,
@@ -63,66 +229,73 @@ def run_from_windows(path: Path, job: str | None = None, start: float | None = N
     the windows that overlap [start, end] if given. Each figure is the sum of the windows' rows of the metric
     it is published as; a window holds its values over its own span, and where no window holds a rank of the
     run (between jobs, before and after), nothing is drawn."""
-    recorded = _by_window(_parse(path))
-    if not recorded:
-        raise ValueError(f"{path}: no windows recorded")
-    rows = _within(recorded, path, start, end)
-    jobs = sorted({item["job"] for row in rows for item in row["jobs"]})
+    windows = _read(path, job, start, end)
+    if not windows.starts:
+        raise WindowFileError(f"{path}: no windows recorded")
+    starts, ends = np.frombuffer(windows.starts), np.frombuffer(windows.ends)
+    order = np.argsort(starts, kind="stable")
+    kept = order[((start is None) | (ends[order] > (start or 0))) & ((end is None) | (starts[order] < (end or 0)))]
+    if not kept.size:
+        raise WindowFileError(f"{path}: no window between --start and --end (the file covers "
+                              f"{starts.min():.0f} to {ends.max():.0f} s)")
+    jobs = sorted(name for name, (indices, _) in windows.phases.items() if np.isin(indices, kept).any())
     if job is not None and job not in jobs:
-        raise ValueError(f"{path}: no windows of job {job!r} (jobs: {', '.join(jobs) or 'none'})")
+        named = sorted(windows.jobs)
+        raise WindowFileError(f"{path}: no windows of job {job!r} (jobs: {', '.join(named[:20]) or 'none'}"
+                              f"{', ...' if len(named) > 20 else ''})")
 
-    def ours(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        return [item for item in items if job is None or item["job"] == job]
+    def total(key: str) -> FloatArray:
+        return np.frombuffer(windows.sums[key])[kept]
 
-    def total(key: str, pick: Any) -> FloatArray:
-        return np.array([sum(pick(item) for item in ours(row[key])) for row in rows], dtype=np.float64)
-
-    run = Run(start=float(rows[0]["start_s"]), end=float(rows[-1]["end_s"]), job=job)
-    starts = np.array([row["start_s"] for row in rows], dtype=np.float64)
-    ends = np.array([row["end_s"] for row in rows], dtype=np.float64)
+    run = Run(start=float(starts[kept[0]]), end=float(ends[kept[-1]]), job=job)
+    starts, ends = starts[kept], ends[kept]
     length = ends - starts
     # A window with no row of the run's jobs tells nothing about them (as a job's series stop in Prometheus).
-    active = total("ranks", lambda r: 1) + total("jobs", lambda j: 1) > 0
+    active = np.frombuffer(windows.active)[kept] > 0
 
     def series(values: FloatArray, known: Any = active) -> Series:
         return Series(starts, np.where(known, values, np.nan), ends)
 
-    run.ranks = len({(r["job"], r["rank"]) for row in rows for r in ours(row["ranks"])})
-    run.compute_seconds = float(total("ranks", lambda r: r["compute_s"]).sum())
-    run.steps_per_second = series(total("ranks", lambda r: r["steps"]) / length)
+    run.ranks = len(windows.ranks)
+    run.compute_seconds = float(total("compute_s").sum())
+    run.steps_per_second = series(total("steps") / length)
     for cause in c.CAUSES:
-        stalled = total("ranks", lambda r, k=cause: r["stall_s"][k])
+        stalled = total(f"stall_{cause}")
         run.stall_seconds[cause] = float(stalled.sum())
         run.stall_by_cause[cause] = series(stalled / length / max(run.ranks, 1))
-        run.gpu_stall_idle_seconds[cause] = float(total("gpus", lambda g, k=cause: g["idle_s"][k]).sum())
-    devices = [row["gpu_devices"] for row in rows if "gpu_devices" in row]
-    run.gpu_devices = max(devices) if devices else None
-    reads = total("jobs", lambda j: j["reads"])  # those that crossed a spoke: a job's hit ratio is theirs
-    hits = total("jobs", lambda j: j["reads"] * (j["hit_ratio"] or 0.0))
+        run.gpu_stall_idle_seconds[cause] = float(total(f"idle_{cause}").sum())
+    run.gpu_devices = windows.gpu_devices
+    reads, hits = total("reads"), total("hits")
     run.spoke_reads = float(reads.sum())
     run.hit_ratio = series(np.divide(hits, reads, out=np.zeros_like(hits), where=reads > 0), reads > 0)
-    run.hub_bytes_per_second = series(total("jobs", lambda j: j["hub_bytes"]) / length)
+    run.hub_bytes_per_second = series(total("hub_bytes") / length)
     if job is None and len(jobs) > 1:
         run.several_jobs = tuple(jobs)  # one job's phases after another's would read as one run's
-    else:
-        _warmup(run, rows, ours)
-        run.job_started = next(row["start_s"] for row in recorded if ours(row["jobs"]))
-    for row in rows:
-        if row["whatif_hit_ratio"]:
-            run.whatif = {k: float(v) for k, v in row["whatif_hit_ratio"].items()}
-        run.whatif_keys = row.get("whatif_keys") or run.whatif_keys
+    elif jobs:
+        _warmup(run, windows, order, kept, jobs[0])
+        run.job_started = windows.job_started
+    if windows.whatif is not None:
+        run.whatif = windows.whatif[1]
+    if windows.whatif_keys is not None:
+        run.whatif_keys = windows.whatif_keys[1]
     return run
 
 
-def _warmup(run: Run, rows: list[dict[str, Any]], ours: Any) -> None:
+def _warmup(run: Run, windows: _Windows, order: np.ndarray, kept: np.ndarray, name: str) -> None:
     """The job's phases, each from the window that recognised it, and its warm-up figures as last published."""
-    for row in rows:
-        for item in ours(row["jobs"]):
-            if run.phases and run.phases[-1][2] == item["phase"]:
-                run.phases[-1] = (run.phases[-1][0], row["end_s"], item["phase"])
-            else:
-                run.phases.append((row["start_s"], row["end_s"], item["phase"]))
-            if item["time_to_steady_s"] is not None:
-                run.time_to_steady_seconds = item["time_to_steady_s"]
-                run.warmup_idle_gpu_seconds = item["warmup_idle_gpu_s"]
-                run.warmup_hub_bytes = item["warmup_hub_bytes"]
+    indices, codes = windows.phases[name]
+    place = np.empty(order.size, dtype=np.int64)
+    place[order] = np.arange(order.size)  # each window's place in time order
+    at = place[np.frombuffer(indices, dtype=np.int64)]
+    spanned = np.isin(np.frombuffer(indices, dtype=np.int64), kept)
+    by_time = np.argsort(at[spanned], kind="stable")  # a window's lines in the order they were written
+    starts, ends = np.frombuffer(windows.starts), np.frombuffer(windows.ends)
+    for index, code in zip(np.frombuffer(indices, dtype=np.int64)[spanned][by_time],
+                           np.frombuffer(codes, dtype=np.int8)[spanned][by_time], strict=True):
+        phase = c.PHASES[code]
+        if run.phases and run.phases[-1][2] == phase:
+            run.phases[-1] = (run.phases[-1][0], float(ends[index]), phase)
+        else:
+            run.phases.append((float(starts[index]), float(ends[index]), phase))
+    if name in windows.steady:
+        _, run.time_to_steady_seconds, run.warmup_idle_gpu_seconds, run.warmup_hub_bytes = windows.steady[name]
