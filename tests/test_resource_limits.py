@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -22,8 +23,11 @@ from stallwatch.catalogue import WARMUP_PHASE
 from stallwatch.client import wire
 from stallwatch.correlator.eventfile import read_events
 from stallwatch.eventbatch import OVERFLOW, Interner
+from stallwatch.exporters.openmetrics_mapping import mapping_text
 from stallwatch.harness import AgentProcess, Samples, scrape, timed_scrape, wait_for
 from stallwatch.harness import total as of
+
+DATA = Path(__file__).parent / "data"
 
 
 def label_values(samples: Samples, name: str, label: str) -> set[str]:
@@ -105,21 +109,30 @@ def test_a_full_disk_under_the_recorders_never_stops_attribution(
                 assert line.startswith("{") and line.endswith("}")
 
 
-# --- item 3: a collector wedged on a FIFO ---------------------------------------------------------
+# --- item 3: a collector wedged on a file that blocks ----------------------------------------------
 def threads_of(agent: AgentProcess) -> int:
     status = Path(f"/proc/{agent.process.pid}/status").read_text()
     return int(next(line.split()[1] for line in status.splitlines() if line.startswith("Threads:")))
 
 
+def wedging_nfs(tmp_path: Path) -> tuple[list[str], Path]:
+    """spoke_nfs reading its mountstats from a FIFO: each read waits for a writer, as a hung file system's
+    would (a hung mount cannot be made here; the nginx tailer no longer opens what is not a regular file)."""
+    proc = tmp_path / "proc"
+    (proc / "self").mkdir(parents=True)
+    return (["--collector.spoke_nfs", "--spoke_nfs.mount", "a=/mnt/a", "--spoke_nfs.proc", str(proc)],
+            proc / "self" / "mountstats")
+
+
 def test_a_collector_wedged_on_a_fifo_fails_alone_and_makes_the_agent_unhealthy(
     agent_factory: Callable[..., AgentProcess], tmp_path: Path,
 ) -> None:
-    log_path = tmp_path / "nginx.log"  # absent at start: the tailer opens it when it appears
-    agent = agent_factory("--no-collector.gpu", "--collector.spoke_nginx", "--spoke_nginx.log", str(log_path),
-                          "--spoke_nginx.interval", "0.2", "--collector.timeout", "1")
-    assert scrape(agent.url)[("stallwatch_scrape_collector_success", (("collector", "spoke_nginx"),))] == 1
-    os.mkfifo(log_path)  # opening it for reading blocks until a writer comes: the tailer wedges, lock held
-    time.sleep(0.5)
+    flags, mountstats = wedging_nfs(tmp_path)
+    mountstats.write_text("")
+    agent = agent_factory("--no-collector.gpu", *flags, "--collector.timeout", "1")
+    assert scrape(agent.url)[("stallwatch_scrape_collector_success", (("collector", "spoke_nfs"),))] == 1
+    mountstats.unlink()
+    os.mkfifo(mountstats)  # reading it blocks until a writer comes: the collector's call wedges
     durations, threads = [], []
     for _ in range(6):
         started = time.monotonic()
@@ -133,23 +146,79 @@ def test_a_collector_wedged_on_a_fifo_fails_alone_and_makes_the_agent_unhealthy(
     print(f"wedged: scrapes took {', '.join(f'{d:.2f}' for d in durations)} s; agent threads {threads}; "
           f"/-/healthy {unhealthy.value.code} {answer!r}")
     success = {dict(ls)["collector"]: v for (n, ls), v in samples.items() if n == "stallwatch_scrape_collector_success"}
-    assert success.pop("spoke_nginx") == 0 and set(success.values()) == {1.0}, success
+    assert success.pop("spoke_nfs") == 0 and set(success.values()) == {1.0}, success
     assert of(samples, "stallwatch_receiver_up") == 1  # the rest are served
     assert max(durations) < 5  # the deadline is 1 s: never the blocked call's time
     assert max(threads) - min(threads) <= 1  # one call outstanding, however many scrapes
-    assert unhealthy.value.code == 503 and answer == "wedged collectors: spoke_nginx"
-    unblock = os.open(log_path, os.O_RDWR)  # a writer: the tailer's open returns
-    try:
-        def recovered() -> bool:
-            served = scrape(agent.url)
-            return served[("stallwatch_scrape_collector_success", (("collector", "spoke_nginx"),))] == 1
+    assert unhealthy.value.code == 503 and answer == "wedged collectors: spoke_nfs"
+    writer = os.open(mountstats, os.O_WRONLY | os.O_NONBLOCK)  # the blocked reader is there: it opens at once
+    regular = tmp_path / "mountstats"
+    regular.write_text("")
+    os.replace(regular, mountstats)  # later reads find a file again
+    os.close(writer)  # the blocked read ends
 
-        wait_for("spoke_nginx to answer again", recovered, 20, agent.process, agent.log)
-        with urllib.request.urlopen(healthy, timeout=10) as reply:
-            assert reply.status == 200
-    finally:
-        os.close(unblock)
-    assert agent.stderr().count("collector spoke_nginx overran its deadline") == 1
+    def recovered() -> bool:
+        served = scrape(agent.url)
+        return served[("stallwatch_scrape_collector_success", (("collector", "spoke_nfs"),))] == 1
+
+    wait_for("spoke_nfs to answer again", recovered, 20, agent.process, agent.log)
+    with urllib.request.urlopen(healthy, timeout=10) as reply:
+        assert reply.status == 200
+    assert agent.stderr().count("collector spoke_nfs overran its deadline") == 1
+
+
+def test_a_fifo_at_the_nginx_log_path_when_the_agent_starts_neither_holds_it_nor_the_other_collectors(
+    agent_factory: Callable[..., AgentProcess], tmp_path: Path,
+) -> None:
+    """The tailer opened the path at start-up and waited there for a writer: the agent never served. Now it
+    is refused as no log, said once, the collector reported failed; a log put there later is read."""
+    log_path = tmp_path / "nginx.log"
+    os.mkfifo(log_path)
+    started = time.monotonic()
+    agent = agent_factory("--no-collector.gpu", "--collector.spoke_nginx", "--spoke_nginx.log", str(log_path),
+                          "--spoke_nginx.interval", "0.2")
+    samples = scrape(agent.url, timeout=10)
+    with urllib.request.urlopen(agent.base + "/-/healthy", timeout=10) as reply:
+        assert reply.status == 200
+    print(f"served {time.monotonic() - started:.2f} s after the start")
+    success = {dict(ls)["collector"]: v for (n, ls), v in samples.items() if n == "stallwatch_scrape_collector_success"}
+    assert success.pop("spoke_nginx") == 0 and set(success.values()) == {1.0}, success
+    assert of(samples, "stallwatch_spoke_collector_errors_total", reason="read_error") >= 1
+    assert agent.stderr().count(f"{log_path} is a FIFO, not a log file") == 1
+    line = next(line for line in (DATA / "nginx-stallwatch.log").read_text().splitlines() if line[0] != "#") + "\n"
+    regular = tmp_path / "written.log"
+    regular.write_text(line * 3)
+    os.replace(regular, log_path)
+    wait_for("the log's lines", lambda: of(scrape(agent.url), "stallwatch_spoke_requests_total") == 3, 10,
+             agent.process, agent.log)
+
+
+def test_a_collector_whose_set_up_blocks_is_reported_failed_and_the_agent_serves(
+    agent_factory: Callable[..., AgentProcess], tmp_path: Path,
+) -> None:
+    """A mapping file that blocks on open (a FIFO; a hung mount alike): the agent serves after the set-up
+    deadline, the collector reported failed and named by the health check until its set-up ends."""
+    mapping = tmp_path / "mapping.yaml"
+    os.mkfifo(mapping)
+    started = time.monotonic()
+    agent = agent_factory("--no-collector.gpu", "--collector.spoke_openmetrics", "--spoke_openmetrics.url",
+                          "http://127.0.0.1:9/metrics", "--spoke_openmetrics.mapping", str(mapping))
+    served = time.monotonic() - started
+    samples = scrape(agent.url, timeout=10)
+    healthy = urllib.request.Request(agent.base + "/-/healthy")
+    with pytest.raises(urllib.error.HTTPError) as unhealthy:
+        urllib.request.urlopen(healthy, timeout=10)
+    answer = unhealthy.value.read().decode().strip()
+    print(f"served {served:.2f} s after the start; /-/healthy {unhealthy.value.code} {answer!r}")
+    assert served < 15
+    assert of(samples, "stallwatch_scrape_collector_success", collector="spoke_openmetrics") == 0
+    assert of(samples, "stallwatch_scrape_collector_success", collector="host") == 1
+    assert re.fullmatch(r"spoke_openmetrics: still setting up after \d+ s", answer), answer
+    with open(mapping, "w") as writer:  # the set-up's open returns; it reads the built-in mapping's text
+        writer.write(mapping_text("juicefs")[0])
+    wait_for("the set-up to end", lambda: urllib.request.urlopen(healthy, timeout=10).status == 200, 10,
+             agent.process, agent.log)
+    assert of(scrape(agent.url), "stallwatch_spoke_collector_errors_total", reason="unreachable") >= 1
 
 
 # --- item 1: caps that forget finished jobs -------------------------------------------------------
@@ -285,14 +354,11 @@ def test_the_job_cap_counts_live_jobs_and_a_released_id_still_names_its_job() ->
 def test_an_agent_with_a_wedged_collector_still_exits_on_sigterm(
     agent_factory: Callable[..., AgentProcess], tmp_path: Path,
 ) -> None:
-    log_path = tmp_path / "nginx.log"
-    agent = agent_factory("--no-collector.gpu", "--collector.spoke_nginx", "--spoke_nginx.log", str(log_path),
-                          "--spoke_nginx.interval", "0.2", "--collector.timeout", "1")
-    os.mkfifo(log_path)
-    time.sleep(0.5)
+    flags, mountstats = wedging_nfs(tmp_path)
+    os.mkfifo(mountstats)
+    agent = agent_factory("--no-collector.gpu", *flags, "--collector.timeout", "1")
     scrape(agent.url)
     started = time.monotonic()
     agent.process.send_signal(signal.SIGTERM)
     assert agent.process.wait(timeout=20) == 0
-    print(f"exited {time.monotonic() - started:.1f} s after SIGTERM with spoke_nginx wedged")
-    assert "collector spoke_nginx did not close within 1 s" in agent.stderr()
+    print(f"exited {time.monotonic() - started:.1f} s after SIGTERM with spoke_nfs wedged")

@@ -7,6 +7,7 @@ import logging
 import signal
 import sys
 import threading
+import time
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Protocol, runtime_checkable
 
@@ -37,6 +38,7 @@ from stallwatch.exporters.collector import (
     CollectorContext,
     CollectorSpec,
     ScrapeCollector,
+    SourceUnavailableError,
     fan_out,
     registered,
 )
@@ -48,6 +50,7 @@ from stallwatch.exporters.web_config import WebConfig, load_web_config
 log = logging.getLogger("stallwatch.agent")
 
 GIL_SWITCH_INTERVAL_S = 0.0005
+SETUP_DEADLINE_S = 3.0  # a collector's set-up reads its files and flags: well under this when none blocks
 
 
 class _BuildInfo:
@@ -55,6 +58,63 @@ class _BuildInfo:
         family = catalogue.BUILD_INFO.family()
         family.add_metric([__version__, revision()], 1)
         yield family
+
+
+class _SettingUp:
+    """A collector whose set-up outlasted `SETUP_DEADLINE_S` (a file of its that blocks: a FIFO, a hung mount):
+    reported failed, and named by the health check, until the set-up ends; the collector it made from then on.
+    Start-up and the web server never wait on it."""
+
+    def __init__(self, name: str, started: float) -> None:
+        self.name, self._started = name, started
+        self.made: list[Collector | Exception] = []  # appended by the set-up's thread when it ends
+        self._said = False
+
+    def _collector(self) -> Collector | None:
+        made = self.made[0] if self.made else None
+        if isinstance(made, Exception) and not self._said:
+            log.error("collector %s: set-up failed: %s", self.name, made)
+            self._said = True
+        return made if made is not None and not isinstance(made, Exception) else None
+
+    def collect(self) -> Iterator[Metric]:
+        collector = self._collector()
+        if collector is None:
+            raise SourceUnavailableError(self.name)
+        yield from collector.collect()
+
+    def problems(self) -> list[str]:
+        if self.made:
+            return [] if self._collector() is not None else ["its set-up failed"]
+        return [f"still setting up after {time.monotonic() - self._started:.0f} s"]
+
+    def close(self) -> None:
+        collector = self._collector()
+        if collector is not None:
+            collector.close()
+
+
+def _made(spec: CollectorSpec, context: CollectorContext) -> Collector:
+    """The spec's collector, or a `_SettingUp` one when it is not made within `SETUP_DEADLINE_S`."""
+    waiting = _SettingUp(spec.name, time.monotonic())
+
+    def make() -> None:
+        try:
+            waiting.made.append(spec.factory(context))
+        except Exception as error:  # raised below, or logged by `_SettingUp`
+            waiting.made.append(error)
+
+    thread = threading.Thread(target=make, name=f"setup-{spec.name}", daemon=True)
+    thread.start()
+    thread.join(SETUP_DEADLINE_S)
+    if not waiting.made:
+        log.warning("collector %s: still setting up after %g s (a file of its that blocks?): reported failed "
+                    "until it is done", spec.name, SETUP_DEADLINE_S)
+        return waiting
+    made = waiting.made[0]
+    if isinstance(made, Exception):
+        raise made
+    return made
 
 
 def _build(specs: Sequence[CollectorSpec], context: CollectorContext) -> dict[str, Collector]:
@@ -73,7 +133,7 @@ def _build(specs: Sequence[CollectorSpec], context: CollectorContext) -> dict[st
         context = dataclasses.replace(context, sink=fan_out(sinks))
         for spec in specs:
             if spec.consumer is None:
-                collectors[spec.name] = spec.factory(context)
+                collectors[spec.name] = _made(spec, context)
     except (ConfigError, OSError, ValueError) as error:
         ScrapeCollector(collectors).close()
         raise ConfigError(f"collector {spec.name}: {error}") from error

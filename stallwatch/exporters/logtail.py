@@ -23,6 +23,7 @@ off for ever), `oversize_line`, `rotation_gap`.
 from __future__ import annotations
 
 import os
+import stat
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -33,6 +34,18 @@ _FINGERPRINT_BYTES = 256
 _NUMBERED_COPIES = 9
 # An nginx log line is a few hundred bytes plus the URI, itself bounded by nginx's header buffers (8 KiB).
 DEFAULT_MAX_LINE_BYTES = 64 << 10
+
+
+def _open_log(path: str) -> int:
+    """A descriptor of the regular file at `path`. Opened without blocking: a FIFO put at the path (or a
+    socket, a device) would hold its open until a writer comes, and the agent with it; it is no log."""
+    descriptor = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    kind = os.fstat(descriptor).st_mode
+    if not stat.S_ISREG(kind):
+        os.close(descriptor)
+        what = "a FIFO" if stat.S_ISFIFO(kind) else "a directory" if stat.S_ISDIR(kind) else "no regular file"
+        raise OSError(f"{path} is {what}, not a log file")
+    return descriptor
 
 
 @dataclass
@@ -75,7 +88,11 @@ class LogTailer:
         self._clock = clock
         self._draining: list[tuple[_Followed, float]] = []
         # Opened now, so "the lines already there" means those written before the agent started.
-        self._current: _Followed | None = self._open_path()
+        self._current: _Followed | None = None
+        try:
+            self._current = self._open_path()
+        except OSError:  # not a log yet (a FIFO, no permission): each read tries again and says why
+            self._skip_existing = False
 
     def read_lines(self) -> list[bytes]:
         """Every complete line appended since the last call, oldest first, without the newline."""
@@ -110,7 +127,7 @@ class LogTailer:
 
     def _open_path(self) -> _Followed | None:
         try:
-            descriptor = os.open(self.path, os.O_RDONLY)
+            descriptor = _open_log(self.path)
         except FileNotFoundError:
             self._skip_existing = False  # a file that appears later is new: read all of it
             return None
@@ -189,7 +206,7 @@ class LogTailer:
         found = False
         for path in self._numbered_copies():
             try:
-                descriptor = os.open(path, os.O_RDONLY)
+                descriptor = _open_log(path)
             except FileNotFoundError:
                 break
             info = os.fstat(descriptor)
@@ -224,7 +241,7 @@ class LogTailer:
         before = followed.fingerprint
         for index, path in enumerate(copies):
             try:
-                descriptor = os.open(path, os.O_RDONLY)
+                descriptor = _open_log(path)
             except FileNotFoundError:
                 break
             try:
@@ -235,7 +252,7 @@ class LogTailer:
             finally:
                 os.close(descriptor)
             for newer in reversed(copies[:index]):
-                copy = _Followed(os.open(newer, os.O_RDONLY), 0, 0, 0, copy.partial, b"", copy.oversize)
+                copy = _Followed(_open_log(newer), 0, 0, 0, copy.partial, b"", copy.oversize)
                 try:
                     self._read_available(copy, lines, budget=1 << 62)
                 finally:

@@ -32,7 +32,7 @@ from stallwatch.client.keys import range_start, read_key
 from stallwatch.client.reads import verdict_from_cache_status
 from stallwatch.correlator.wallclock import wall_offset_ns
 from stallwatch.eventbatch import EventBatch, EventSink, Verdict, discard
-from stallwatch.exporters.collector import CollectorContext, register_collector
+from stallwatch.exporters.collector import CollectorContext, SourceUnavailableError, register_collector
 from stallwatch.exporters.histogram import DurationHistogram
 from stallwatch.exporters.logtail import DEFAULT_MAX_LINE_BYTES, LogTailer
 from stallwatch.exporters.spokes import collector_errors
@@ -160,6 +160,7 @@ class NginxSpokeCollector:
         self._errors: Counter[str] = Counter()
         self._tailer = LogTailer(path, from_start=from_start, rotate_wait=rotate_wait, max_line_bytes=max_line_bytes,
                                  on_problem=self._problem, clock=clock)
+        self._unreadable = ""  # why the log could not be read at the last poll
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         if interval > 0:
@@ -173,8 +174,11 @@ class NginxSpokeCollector:
                 lines = self._tailer.read_lines()
             except OSError as error:
                 self._problem("read_error")
-                log.warning("spoke %s: cannot read %s: %s", self._spoke, self._tailer.path, error)
+                if str(error) != self._unreadable:  # once, not at every poll
+                    log.warning("spoke %s: cannot read %s: %s", self._spoke, self._tailer.path, error)
+                self._unreadable = str(error)
                 return 0
+            self._unreadable = ""
             entries: list[LogEntry] = []
             for raw in lines:
                 try:
@@ -203,6 +207,8 @@ class NginxSpokeCollector:
             hub_errors.add_metric(labels, self._hub_errors)
             errors = collector_errors(self._spoke, self._errors)
         yield from (requests, volume, hub_fetch, hub_errors, errors)
+        if self._unreadable:
+            raise SourceUnavailableError(self._unreadable)
 
     def close(self) -> None:
         self._stop.set()
