@@ -210,6 +210,7 @@ def test_webdataset_shards_over_http_are_read_in_the_workers_for_their_batches(
     urls = [f"{spoke_url}/shard-{index}.tar" for index in range(2)]
     dataset = wds.WebDataset(urls, shardshuffle=False, empty_check=False).to_tuple("txt")
     loader = instrument(DataLoader(dataset, batch_size=2, num_workers=2), job="remote", rank=0)
+    capture.stop()  # as a trainer that has run no loader without workers (which captures in this process)
     served = [text for batch in loader for text in batch[0]]  # each worker starts capture itself
     assert sorted(served) == sorted(f"shard {i} sample {s}".encode() for i in range(2) for s in range(4))
     assert not capture.installed()  # the trainer's own reads stay as they were
@@ -220,12 +221,14 @@ def test_webdataset_shards_over_http_are_read_in_the_workers_for_their_batches(
 
     wait_for("each shard's bytes", lambda: [sum(row["bytes"] for row in of(w)) for w in range(2)] ==
              [len(shard(w)) for w in range(2)], 10)
-    # webdataset gives worker w the shard w; the worker builds batch w, then w + 2, from it.
+    # webdataset gives worker w the shard w; the worker builds the epoch's batch w, then w + 2, from it. Batch
+    # numbers count on over the process's whole run, whichever loader served it: this one's start at `first`.
+    first = min(row["batch"] for worker in range(2) for row in of(worker))
     for worker in range(2):
         rows = of(worker)
-        assert rows[0]["key"] == read_key(f"/shard-{worker}.tar", 0) and rows[0]["batch"] == worker
+        assert rows[0]["key"] == read_key(f"/shard-{worker}.tar", 0) and rows[0]["batch"] == first + worker
         assert {row["verdict"] for row in rows} == {wire.VERDICT_UNKNOWN}
-        assert {row["batch"] for row in rows} <= {worker, worker + 2}
+        assert {row["batch"] for row in rows} <= {first + worker, first + worker + 2}
 
 
 def test_bytes_read_are_the_same_with_and_without_capture(spoke: tuple[str, str], s3: str,
