@@ -266,9 +266,9 @@ def _patched_safely(patch: Callable[[ModuleType], None]) -> Callable[[ModuleType
 
 def start(env: Mapping[str, str] = os.environ) -> None:
     """Capture the remote reads of this process: its libraries' seams patched, now or once imported."""
+    _settings.spokes = spoke_urls(env)
     if _settings.patched or _settings.finders:
         return
-    _settings.spokes = spoke_urls(env)
     for name, patch in SEAMS.items():
         finder = after_import(name, _patched_safely(patch))
         if finder is not None:

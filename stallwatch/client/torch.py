@@ -242,8 +242,8 @@ class _BindWorker:
 
     def __call__(self, worker_id: int) -> None:
         reads.bind_worker(dataclasses.replace(self._source, worker=worker_id))
-        if self._capture_reads and not capture.installed():  # here, not in the trainer: its opens stay untouched
-            capture.start()
+        if self._capture_reads:  # here, not in the trainer: its opens stay untouched
+            capture.start()  # its settings from this worker's environment, if the trainer's capture came along
         if self._init is not None:
             self._init(worker_id)
 
