@@ -192,6 +192,18 @@ def apply_mapping(rules: Iterable[Rule], families: Iterable[Metric], spoke: str)
     return out
 
 
+class SourceMapping:
+    """A mapping's rules with the pattern of the lines they read: a scrape's body in, our families out."""
+
+    def __init__(self, rules: Iterable[Rule]) -> None:
+        self._rules = tuple(rules)
+        self._lines = source_lines(self._rules)
+
+    def families(self, body: bytes, spoke: str) -> list[Metric]:
+        return apply_mapping(self._rules, parse_sources(body, self._lines), spoke)
+
+
+
 def _names_match(source: re.Pattern[str], name: str) -> bool:
     """The parser writes counter samples as NAME_total even where the source wrote NAME; OpenMetrics'
     NAME_created timestamps are never values."""

@@ -40,13 +40,7 @@ from stallwatch.client.keys import read_key
 from stallwatch.correlator.wallclock import wall_offset_ns
 from stallwatch.eventbatch import EventBatch, EventSink, Verdict, discard
 from stallwatch.exporters.collector import CollectorContext, SourceUnavailableError, register_collector
-from stallwatch.exporters.openmetrics_mapping import (
-    apply_mapping,
-    load_mapping,
-    mapping_text,
-    parse_sources,
-    source_lines,
-)
+from stallwatch.exporters.openmetrics_mapping import SourceMapping, load_mapping, mapping_text
 from stallwatch.exporters.openmetrics_scrape import ScrapeError
 from stallwatch.exporters.spokes import collector_errors
 from stallwatch.flags import positive_float
@@ -119,8 +113,7 @@ class JuiceFSSpokeCollector:
         self._miss_fraction, self._retry_s = miss_fraction, retry_s
         self._wall_ns, self._monotonic_ns = wall_ns, monotonic_ns
         text, origin = mapping_text("juicefs")
-        self._rules = load_mapping(text, origin)
-        self._lines = source_lines(self._rules)
+        self._mapping = SourceMapping(load_mapping(text, origin))
         self._lock = threading.Lock()  # the error counts, shared with scrapes; the rest is the follower thread's
         self._errors: Counter[str] = Counter()
         self._entries: dict[int, tuple[int, str]] = {}  # inode -> (parent inode, name)
@@ -133,8 +126,7 @@ class JuiceFSSpokeCollector:
 
     def collect(self) -> Iterator[Metric]:
         try:
-            families = parse_sources(self._read_special(".stats"), self._lines)
-            mapped = apply_mapping(self._rules, families, self._spoke)
+            mapped = self._mapping.families(self._read_special(".stats"), self._spoke)
         except (OSError, ScrapeError) as error:
             self._problem(error.reason if isinstance(error, ScrapeError) else "stats_error", str(error))
             yield self._error_family()

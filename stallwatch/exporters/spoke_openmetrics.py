@@ -26,11 +26,9 @@ from stallwatch.exporters.collector import CollectorContext, SourceUnavailableEr
 from stallwatch.exporters.openmetrics_mapping import (
     BUILTIN_MAPPINGS,
     Rule,
-    apply_mapping,
+    SourceMapping,
     load_mapping,
     mapping_text,
-    parse_sources,
-    source_lines,
 )
 from stallwatch.exporters.openmetrics_scrape import HttpGet, ScrapeError, http_get
 from stallwatch.exporters.spokes import collector_errors
@@ -50,15 +48,13 @@ class OpenMetricsSpokeCollector:
         headers: Mapping[str, str] | None = None,
         get: HttpGet = http_get,
     ) -> None:
-        self._url, self._rules, self._spoke = url, tuple(rules), spoke
-        self._lines = source_lines(self._rules)
+        self._url, self._mapping, self._spoke = url, SourceMapping(rules), spoke
         self._timeout, self._headers, self._get = timeout, dict(headers or {}), get
         self._errors: Counter[str] = Counter()
 
     def collect(self) -> Iterator[Metric]:
         try:
-            families = parse_sources(self._get(self._url, self._headers, self._timeout), self._lines)
-            mapped = apply_mapping(self._rules, families, self._spoke)
+            mapped = self._mapping.families(self._get(self._url, self._headers, self._timeout), self._spoke)
         except ScrapeError as error:
             if not self._errors[error.reason]:
                 log.warning("spoke %s: %s (counted from now on)", self._spoke, error)

@@ -27,14 +27,7 @@ from prometheus_client.core import Metric
 
 from stallwatch.exporters.collector import CollectorContext, SourceUnavailableError, register_collector
 from stallwatch.exporters.config import ConfigError
-from stallwatch.exporters.openmetrics_mapping import (
-    Rule,
-    apply_mapping,
-    load_mapping,
-    mapping_text,
-    parse_sources,
-    source_lines,
-)
+from stallwatch.exporters.openmetrics_mapping import Rule, SourceMapping, load_mapping, mapping_text
 from stallwatch.exporters.openmetrics_scrape import HttpGet, ScrapeError, http_get
 from stallwatch.exporters.spokes import collector_errors
 from stallwatch.flags import positive_float
@@ -76,8 +69,7 @@ class QumuloSpokeCollector:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._url = base_url.rstrip("/") + METRICS_PATH
-        self._token, self._spoke, self._rules = token, spoke, tuple(rules)
-        self._lines = source_lines(self._rules)
+        self._token, self._spoke, self._mapping = token, spoke, SourceMapping(rules)
         self._timeout, self._max_backoff, self._get, self._clock = timeout, max_backoff, get, clock
         self._errors: Counter[str] = Counter()
         self._failures = 0
@@ -87,8 +79,7 @@ class QumuloSpokeCollector:
         if self._clock() >= self._next_attempt:
             try:
                 headers = {"Authorization": f"Bearer {self._token()}", "Accept": "text/plain"}
-                mapped = apply_mapping(
-                    self._rules, parse_sources(self._get(self._url, headers, self._timeout), self._lines), self._spoke)
+                mapped = self._mapping.families(self._get(self._url, headers, self._timeout), self._spoke)
             except ScrapeError as error:
                 self._failed(error)
             else:
