@@ -406,6 +406,23 @@ WARMUP_REGRESSIONS = counter(
     "correlator", "warmup_regressions_total", "", [JOB_LABEL],
     "Times the job fell out of steady state (eviction, thrash, hub trouble).",
 )
+STALL_GPU_COST = counter(
+    "correlator", "stall_gpu_cost_dollars_total", "dollars", [JOB_LABEL, "cause"],
+    "GPU idle seconds during the job's stalls, by cause, priced at the GPU-hour list price (--prices.*).",
+)
+EGRESS_COST = counter(
+    "correlator", "egress_cost_dollars_total", "dollars", [JOB_LABEL],
+    "Bytes of the job's reads that missed the spoke (fetched from the hub), priced at the egress list price "
+    "(--prices.*).",
+)
+GPU_PRICE = gauge(
+    "correlator", "gpu_price_dollars_per_second", "", ["gpu_type"],
+    "The price of an idle GPU-second the cost series use: the GPU-hour price (--prices.*) over 3600.",
+)
+EGRESS_PRICE = gauge(
+    "correlator", "egress_price_dollars_per_byte", "", ["region_pair"],
+    "The price of a byte from the hub the cost series use: the GB price (--prices.*) over 10^9.",
+)
 CACHE_WHATIF_HIT_RATIO = gauge(
     "correlator", "cache_whatif_hit_ratio", "ratio", ["spoke", "capacity_factor"],
     "Estimated hit ratio if the spoke had capacity_factor times its capacity (sampled miss-ratio curve).",

@@ -19,12 +19,13 @@ from tests.conftest import ROOT
 UNIT_SUFFIXES = {
     "seconds": "_seconds", "bytes": "_bytes", "ratio": "_ratio", "watts": "_watts", "joules": "_joules",
     "hertz": "_hertz", "celsius": "_celsius", "bytes_per_second": "_bytes_per_second",
+    "dollars": "_dollars",
 }
 BOUNDED_LABELS = {
     "training_job", "rank", "gpu", "uuid", "name", "spoke", "cause", "phase", "collector", "version", "revision",
     "direction",
     "reason", "xid", "call", "error", "mode", "interface", "device", "verdict", "result", "source", "kind",
-    "label", "capacity_factor", "code", "recording",
+    "label", "capacity_factor", "code", "recording", "gpu_type", "region_pair",
     # pod labels only on stallwatch_gpu_pod_info: one series per allocated GPU device of the node
     "resource", "namespace", "pod", "container",
 }

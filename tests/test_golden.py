@@ -39,7 +39,7 @@ STEPS, READS_PER_STEP = 40, 2
 OPENMETRICS = "application/openmetrics-text; version=1.0.0"
 # Families whose series exist only if the run happened to stall (a preempted step on a busy machine): their
 # samples are left out, their HELP, TYPE and UNIT kept.
-BY_CHANCE = {c.GPU_STALL_IDLE_SECONDS.name.removesuffix("_total")}
+BY_CHANCE = {metric.name.removesuffix("_total") for metric in (c.GPU_STALL_IDLE_SECONDS, c.STALL_GPU_COST)}
 JOB = f"""
 import os, sys
 from stallwatch.client import monitor, open_recorded

@@ -171,7 +171,7 @@ def test_over_several_jobs_the_phases_are_left_to_each_job(two_jobs: Path) -> No
     assert everything.phases == [] and everything.several_jobs == ("0", "1")
     assert everything.time_to_steady_seconds is None
     assert first.phases and first.several_jobs == ()
-    assert "Phases as recognised: one per job (0, 1): pass --job to see one" in render_html(everything, 0.02)
+    assert "Phases as recognised: one per job (0, 1): pass --job to see one" in render_html(everything)
 
 
 def test_start_and_end_keep_the_windows_that_overlap_them(two_jobs: Path) -> None:
@@ -188,10 +188,10 @@ def test_start_and_end_keep_the_windows_that_overlap_them(two_jobs: Path) -> Non
 def test_the_header_prints_wall_clock_times_and_phase_spans() -> None:
     run = Run(EIGHT, EIGHT + 900, job="llama", node="gpu-7")
     run.phases = [(EIGHT + 3, EIGHT + 20, "cold"), (EIGHT + 20, EIGHT + 900, "steady")]
-    page = render_html(run, 0.02)
+    page = render_html(run)
     assert "Run from 2026-12-03 08:00:00 to 08:15:00 UTC (900 s), job llama, node gpu-7." in page
     assert "Phases as recognised: cold 08:00:03&ndash;08:00:20, steady 08:00:20&ndash;08:15:00" in page
-    overnight = render_html(Run(EIGHT - 9 * 3600, EIGHT), 0.02)
+    overnight = render_html(Run(EIGHT - 9 * 3600, EIGHT))
     assert "Run from 2026-12-02 23:00:00 to 2026-12-03 08:00:00 UTC (32,400 s)." in overnight
 
 

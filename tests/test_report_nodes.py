@@ -124,7 +124,7 @@ def test_a_two_node_jobs_warmup_is_combined_over_its_nodes(prometheus: str) -> N
     expected = (NODES["a"]["whatif"] * NODES["a"]["reads"] + NODES["b"]["whatif"] * NODES["b"]["reads"]) / reads
     assert run.whatif == {"1": pytest.approx(expected)}
     assert run.gpu_devices == 4
-    page = render_html(run, 0.02)
+    page = render_html(run)
     assert "2 nodes combined" in page and "the last of 2 nodes to be steady" in page
     assert "weighted by the reads it replayed" in page
 

@@ -59,7 +59,7 @@ def test_a_gpu_less_spoke_less_run_says_what_it_cannot_know(tmp_path: Path) -> N
     scenario = Scenario([JobSpec(0, steps=400, verdicts="latency", preprocess_s=0.08)], cache_bytes=2000 * MB, seed=5)
     path = record(scenario, tmp_path / "windows.jsonl", gpus=False, spoke=False)
     run = run_from_windows(path)
-    page = render_html(run, 0.02)
+    page = render_html(run)
     assert figures(page) == ["Step throughput", "Stall seconds by cause"]
     assert page.count("no read crossed a spoke in this run: no hit ratio, no hub bytes") == 2
     assert "GPU utilization" in page and "not known: the source does not say whether the node has GPUs" in page
@@ -73,7 +73,7 @@ def test_a_gpu_less_spoke_less_run_says_what_it_cannot_know(tmp_path: Path) -> N
     assert run.stall_seconds["direct_read"] > 0 and run.stall_seconds["preprocess"] > 0
     # With the node's GPU count in the file (0), the report says there are none.
     path.write_text("".join(json.dumps({**row, "gpu_devices": 0}) + "\n" for row in rows(path)))
-    assert f"no GPU on this node ({c.GPU_DEVICES.name} 0)" in render_html(run_from_windows(path), 0.02)
+    assert f"no GPU on this node ({c.GPU_DEVICES.name} 0)" in render_html(run_from_windows(path))
 
 
 @pytest.fixture(scope="module")
@@ -93,7 +93,7 @@ def test_stall_rates_are_per_rank_and_add_up_to_the_headline(cold_start: tuple[P
     for cause, series in run.stall_by_cause.items():
         drawn = float(np.nansum(series.v * (series.end - series.t))) * run.ranks
         assert drawn == pytest.approx(run.stall_seconds[cause], abs=1e-6)
-    page = render_html(run, 0.02)
+    page = render_html(run)
     assert "averaged over the 2 ranks" in page and "stall seconds (summed over 2 ranks)" in page
 
 
@@ -109,7 +109,7 @@ def test_the_time_to_steady_is_the_correlators_and_marked_where_it_points(cold_s
     assert run.job_started <= first_event < run.job_started + 0.5
     recognised = next(start for start, _, phase in run.phases if phase == "steady")
     assert run.steady_at <= recognised  # proven warm from there, recognised once enough windows said so
-    page = render_html(run, 0.02)
+    page = render_html(run)
     assert shown(page, "time-to-steady") == f"{run.time_to_steady_seconds:,.1f} s"
     assert "Phases as recognised:" in page
     steady_said = shown(page, "steady")
@@ -130,7 +130,7 @@ def test_the_warmup_idle_is_the_gpu_idle_in_stalls_until_steady(cold_start: tupl
     run_idle = sum(run.gpu_stall_idle_seconds.values())
     assert run.warmup_idle_gpu_seconds is not None and run.warmup_idle_gpu_seconds < run_idle
     assert run.gpu_stall_idle_seconds["remote_fetch"] > 30  # two GPUs idle through the 20 s outage
-    page = render_html(run, 0.02)
+    page = render_html(run)
     assert "GPU idle in stalls until steady was recognised" in page and c.GPU_STALL_IDLE_SECONDS.name in page
 
 
@@ -158,11 +158,11 @@ def test_nothing_is_drawn_across_the_idle_gap_between_jobs(tmp_path: Path) -> No
 def test_the_whatif_says_why_it_has_no_estimate(tmp_path: Path) -> None:
     scenario = Scenario([JobSpec(0, steps=200)], cache_bytes=2000 * MB, seed=4)
     without = run_from_windows(record(scenario, tmp_path / "w.jsonl", cache_capacity_bytes=None))
-    said = shown(render_html(without, 0.02), "whatif-none")
+    said = shown(render_html(without), "whatif-none")
     assert "not given the spoke&#x27;s capacity (--correlator.cache-capacity)" in said
     assert f"tracks {scenario.jobs[0].dataset_items:,} keys" in said  # every item read: the curve saw them
     estimate = run_from_windows(record(scenario, tmp_path / "with.jsonl"))
-    assert estimate.whatif and 'id="whatif-none"' not in render_html(estimate, 0.02)
-    assert 'id="whatif-none">no estimate: no read crossed a spoke' in render_html(Run(0, 1), 0.02)
+    assert estimate.whatif and 'id="whatif-none"' not in render_html(estimate)
+    assert 'id="whatif-none">no estimate: no read crossed a spoke' in render_html(Run(0, 1))
     assert 'id="whatif-none">no estimate: the correlator&#x27;s what-if saw no read' in render_html(
-        Run(0, 1, spoke_reads=10), 0.02)
+        Run(0, 1, spoke_reads=10))

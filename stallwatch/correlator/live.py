@@ -30,6 +30,7 @@ from stallwatch.correlator.results import NameLookup
 from stallwatch.correlator.settings import CorrelatorSettings, seconds_to_ns
 from stallwatch.correlator.windowfile import WindowFileWriter
 from stallwatch.eventbatch import DEFAULT_EXPIRE_AFTER_S, EventBatch, Interner
+from stallwatch.prices import Prices
 
 log = logging.getLogger(__name__)
 
@@ -76,9 +77,10 @@ class LiveCorrelator:
         tick_s: float = 0.1,
         max_backlog_events: int = DEFAULT_BACKLOG_EVENTS,
         start: bool = True,
+        prices: Prices | None = None,
     ) -> None:
         self.settings = settings or CorrelatorSettings()
-        self.metrics = CorrelatorMetrics(job_names, spokes, rank_limit, expire_after_s)
+        self.metrics = CorrelatorMetrics(job_names, spokes, rank_limit, expire_after_s, prices=prices)
         self._window_file = WindowFileWriter(windows_path, job_names) if windows_path else None
         self._events = EventFileWriter(events_path) if events_path else None
         self.hold = WindowHold(self.settings.retention_s, [self.metrics.publish]

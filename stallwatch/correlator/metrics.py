@@ -16,6 +16,7 @@ from stallwatch.correlator.hold import Publication
 from stallwatch.correlator.results import NameLookup, WhatIfCurve, WindowResult, stalled_seconds
 from stallwatch.correlator.wallclock import unix_seconds, wall_offset_ns
 from stallwatch.eventbatch import DEFAULT_EXPIRE_AFTER_S, Interner, SeriesCap
+from stallwatch.prices import GB, Prices
 from stallwatch.scraper import SCRAPER
 
 NO_SPOKE = "default"
@@ -48,12 +49,16 @@ class CorrelatorMetrics:
     last folded rank's), counted per window row in `correlator_folded_label_values_total`. A pair
     with no row for `expire_after_s` loses its series, and a job its per-job series once the warm-up
     tracker retires it (after the same time without a step).
+
+    The cost series price what the job's rows add: its GPUs' idle seconds in stalls by cause, and its hub bytes,
+    at `prices`, themselves published so a dashboard shows what the dollars assume.
     """
 
     def __init__(self, job_names: NameLookup = str, spokes: Interner | None = None, rank_limit: int = 64,
                  expire_after_s: float | None = DEFAULT_EXPIRE_AFTER_S,
-                 wall_offset: Callable[[], int] = wall_offset_ns) -> None:
+                 wall_offset: Callable[[], int] = wall_offset_ns, prices: Prices | None = None) -> None:
         self._job_names = job_names
+        self._prices = prices or Prices()
         self._spokes = spokes if spokes is not None else Interner()
         self._wall_offset = wall_offset
         self._job_labels: dict[int, str] = {}  # ids of the jobs with series, until the warm-up retires them
@@ -67,6 +72,8 @@ class CorrelatorMetrics:
         self._compute: dict[tuple[str, ...], float] = defaultdict(float)
         self._ratio: dict[tuple[str, ...], float] = {}
         self._gpu_idle: dict[tuple[str, ...], float] = defaultdict(float)
+        self._gpu_cost: dict[tuple[str, ...], float] = defaultdict(float)  # (job, cause)
+        self._egress_cost: dict[str, float] = defaultdict(float)
         self._phase: dict[str, str] = {}
         self._time_to_steady: dict[str, float] = {}
         self._warmup_idle: dict[str, float] = {}
@@ -122,8 +129,10 @@ class CorrelatorMetrics:
                 job_gpu = self._labels((name(g.job), str(g.gpu)), self._gpus, self._gpu_labels)
                 for cause, seconds in zip(CAUSES, g.idle_s, strict=True):
                     self._gpu_idle[(*job_gpu, cause)] += seconds
+                    self._gpu_cost[(job_gpu[0], cause)] += self._prices.gpu_cost(seconds)
             for j in result.jobs:
                 job = name(j.job)
+                self._egress_cost[job] += self._prices.egress_cost(j.hub_bytes)
                 self._phase[job] = j.phase
                 if j.time_to_steady_s is not None:
                     self._time_to_steady[job] = j.time_to_steady_s
@@ -173,14 +182,14 @@ class CorrelatorMetrics:
 
     def _forget(self, job: str) -> None:
         """A retired job's series go, so a node's series stay bounded by its live jobs."""
-        for table in (self._stall, self._compute, self._ratio, self._gpu_idle):
+        for table in (self._stall, self._compute, self._ratio, self._gpu_idle, self._gpu_cost):
             for labels in [labels for labels in table if labels[0] == job]:
                 del table[labels]
         for given in (self._rank_labels, self._gpu_labels):
             for pair in [pair for pair in given if pair[0] == job]:
                 del given[pair]
         for per_job in (self._phase, self._time_to_steady, self._warmup_idle, self._warmup_bytes,
-                        self._regressions, self._job_stall, self._stamp, self._published):
+                        self._regressions, self._job_stall, self._egress_cost, self._stamp, self._published):
             per_job.pop(job, None)
         for taken in self._taken.values():
             taken.pop(job, None)
@@ -198,6 +207,8 @@ class CorrelatorMetrics:
             (c.COMPUTE_SECONDS, self._compute),
             (c.INPUT_BOUND_RATIO, self._ratio),
             (c.GPU_STALL_IDLE_SECONDS, self._gpu_idle),
+            (c.STALL_GPU_COST, self._gpu_cost),
+            (c.EGRESS_COST, {(j,): v for j, v in self._egress_cost.items()}),
             (c.WARMUP_TIME_TO_STEADY, {(j,): v for j, v in self._time_to_steady.items()}),
             (c.WARMUP_IDLE_GPU_SECONDS, {(j,): v for j, v in self._warmup_idle.items()}),
             (c.WARMUP_HUB_BYTES, {(j,): v for j, v in self._warmup_bytes.items()}),
@@ -252,7 +263,10 @@ class CorrelatorMetrics:
                 (c.CACHE_WHATIF_SAMPLING.family(), {(spoke,): curve.sample_rate} if curve else {},
                  self._whatif_stamp),
                 (c.CACHE_WHATIF_KEYS.family(), {(spoke,): curve.keys} if curve else {}, self._whatif_stamp),
-                # Operational: stamped by Prometheus at the scrape.
+                # Settings and operational: stamped by Prometheus at the scrape.
+                (c.GPU_PRICE.family(), {(self._prices.gpu_type,): self._prices.gpu_dollars_per_hour / 3600}, None),
+                (c.EGRESS_PRICE.family(), {(self._prices.region_pair,): self._prices.egress_dollars_per_gb / GB},
+                 None),
                 (c.CORRELATOR_WINDOWS.family(), {(): self._windows}, None),
                 (c.CORRELATOR_LATE_EVENTS.family(), {(k,): v for k, v in self._late.items()}, None),
                 (c.CORRELATOR_DROPPED_EVENTS.family(), {k: v for k, v in self._dropped.items()}, None),

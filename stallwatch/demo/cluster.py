@@ -34,7 +34,7 @@ from stallwatch.demo.agent import AgentSetup, start_node_agent
 from stallwatch.demo.alerting import AlertWatch
 from stallwatch.demo.hub import Hub, HubSettings, shard_name, start_hub
 from stallwatch.demo.live import LiveLine
-from stallwatch.demo.outputs import PRICE_PER_GB, files_left, write_report
+from stallwatch.demo.outputs import files_left, write_report
 from stallwatch.demo.spoke import Nginx, spoke_server_block
 from stallwatch.demo.stack import Server, query, start_prometheus
 from stallwatch.harness import find_binary, free_port, stop_process, wait_for
@@ -43,6 +43,7 @@ from stallwatch.mixin.alerts import render_alerting_rules
 from stallwatch.mixin.config import Thresholds, correlator_lag, duration_seconds
 from stallwatch.mixin.prometheus import RuleGroup, render_rules
 from stallwatch.mixin.rules import render_recording_rules
+from stallwatch.prices import Prices
 
 JOB = "demo"
 J = c.JOB_LABEL
@@ -70,7 +71,7 @@ class ClusterSettings(HubSettings):
     window_seconds: float = 2.0
     lateness_seconds: float = 1.0
     job_stall_window_seconds: int = 10  # the job-level rules' sub-window (ten scrapes)
-    price_per_gb: float = PRICE_PER_GB
+    prices: Prices = field(default_factory=Prices)  # the report's
     workdir: Path = field(default_factory=lambda: Path("stallwatch-demo"))
     quiet: bool = False
 
@@ -305,7 +306,7 @@ class ClusterDemo:
                 wait_for("Alertmanager's delivery of the alerts firing", lambda: firing <= set(self.watch.names()),
                          ALERT_DELIVERY_SECONDS)
             outcome = dataclasses.replace(outcome, delivered=self.watch.names(), report=write_report(
-                work / "report.html", job_started, job_ended, s.price_per_gb, prometheus.url))
+                work / "report.html", job_started, job_ended, s.prices, prometheus.url))
             self.say(f"job lost {outcome.estimate_gpu_seconds:.1f} GPU-seconds to input stalls in "
                      f"{outcome.ended - outcome.started:.0f} s of steady training (recording rules); ground truth "
                      f"{outcome.truth_gpu_seconds:.1f} (error {outcome.error:+.1%})")

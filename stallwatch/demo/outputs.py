@@ -4,14 +4,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from stallwatch.prices import Prices
 from stallwatch.report.prometheus import run_from_prometheus
 from stallwatch.report.render import render_html
 from stallwatch.report.windows import run_from_windows
 
-PRICE_PER_GB = 0.02  # the report's cross-region transfer price, $/GB, unless told
 
-
-def write_report(path: Path, started: float, ended: float, price_per_gb: float, prometheus: str | None,
+def write_report(path: Path, started: float, ended: float, prices: Prices, prometheus: str | None,
                  windows: Path | None = None) -> Path:
     """The run's report from Prometheus, else from the agent's window file."""
     if prometheus is not None:
@@ -20,7 +19,7 @@ def write_report(path: Path, started: float, ended: float, price_per_gb: float, 
         run = run_from_windows(windows)
     else:
         raise ValueError("a report needs Prometheus or a window file")
-    path.write_text(render_html(run, price_per_gb))
+    path.write_text(render_html(run, prices))
     return path
 
 

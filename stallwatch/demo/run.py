@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from stallwatch import catalogue as c
+from stallwatch import prices as pricing
 from stallwatch.client.capture import SPOKE_MOUNTS_ENV
 from stallwatch.correlator.settings import CorrelatorSettings
 from stallwatch.demo.agent import AgentSetup, start_node_agent
@@ -38,7 +39,7 @@ from stallwatch.demo.epochs import EpochFigures, WindowFile, epoch_line, spoke_r
 from stallwatch.demo.hub import Hub, HubSettings, make_dataset, start_hub
 from stallwatch.demo.juicefs import JuiceFS, usable
 from stallwatch.demo.live import LiveLine
-from stallwatch.demo.outputs import PRICE_PER_GB, files_left, write_report
+from stallwatch.demo.outputs import files_left, write_report
 from stallwatch.demo.spoke import Nginx, spoke_server_block
 from stallwatch.demo.stack import Server, query, start_prometheus
 from stallwatch.harness import (
@@ -85,7 +86,7 @@ class Settings(HubSettings):
     outage: bool = False
     outage_seconds: float = 30.0
     window_seconds: float = CorrelatorSettings().window_s
-    price_per_gb: float = PRICE_PER_GB
+    prices: pricing.Prices = field(default_factory=pricing.Prices)  # the report's
     workdir: Path = field(default_factory=lambda: Path("stallwatch-demo"))
     quiet: bool = False
     spoke: str = "nginx"  # or "juicefs"
@@ -284,7 +285,7 @@ class Demo:
             self.say(f"final, {status_line([(time.time(), metrics)])}")
             if while_running is not None:
                 while_running(prometheus.url if prometheus else None, agent_url)
-            report = write_report(work / "report.html", started, ended, s.price_per_gb,
+            report = write_report(work / "report.html", started, ended, s.prices,
                                   prometheus.url if prometheus else None, work / "windows.jsonl")
             self.say(f"alerts received: {self.watch.names() or 'none'}")
             self.say(f"report: {report}")
@@ -385,10 +386,10 @@ def main(argv: Sequence[str]) -> int:
         ("--shard-mib", float, d.shard_mib, "size of one shard"),
         ("--step-seconds", float, d.step_seconds, "emulated compute per step"),
         ("--workers", int, d.workers, "loader worker processes"),
-        ("--price-per-gb", float, d.price_per_gb, "cross-region transfer price, $/GB"),
     ]
     for flag, kind, default, text in flags:
         parser.add_argument(flag, type=kind, default=default, help=f"{text} (default: %(default)s)")
+    pricing.add_arguments(parser.add_argument_group("what the report prices idle GPUs and hub bytes at"))
     parser.add_argument("--cache-size", type=_size, default=None,
                         help=f"spoke capacity, e.g. 150MiB (default: {CACHE_OF_DATASET:g} times the dataset's size, "
                              f"{OUTAGE_CACHE_OF_DATASET:.0%} of it with --outage)".replace("%", "%%"))
@@ -408,7 +409,7 @@ def main(argv: Sequence[str]) -> int:
         duration=options.duration, cache_size=options.cache_size, outage=options.outage,
         outage_seconds=options.outage_seconds, rtt_seconds=options.rtt_ms / 1000, bandwidth_mbit=options.bandwidth_mbit,
         shards=options.shards, shard_mib=options.shard_mib, step_seconds=options.step_seconds, workers=options.workers,
-        price_per_gb=options.price_per_gb, spoke=options.spoke,
+        prices=pricing.from_options(options), spoke=options.spoke,
         workdir=workdir,
     )
     return _report_errors(lambda: Demo(settings).run())

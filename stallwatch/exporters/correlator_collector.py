@@ -12,6 +12,7 @@ import argparse
 import dataclasses
 import logging
 
+from stallwatch import prices
 from stallwatch.correlator import settings
 from stallwatch.correlator.live import DEFAULT_BACKLOG_EVENTS, LiveCorrelator
 from stallwatch.exporters.collector import CollectorContext, register_event_consumer
@@ -28,6 +29,7 @@ def _add_arguments(group: argparse._ArgumentGroup) -> None:
                        "(default: %(default)s)")
     group.add_argument("--correlator.record-events", dest="correlator_record_events", default=None, metavar="PATH",
                        help="also write every incoming batch to PATH, for `stallwatch correlate PATH`")
+    prices.add_arguments(group)
 
 
 def _from_context(context: CollectorContext) -> LiveCorrelator:
@@ -49,6 +51,7 @@ def _from_context(context: CollectorContext) -> LiveCorrelator:
         max_backlog_events=options.correlator_backlog_limit,
         rank_limit=options.events_rank_limit,
         expire_after_s=options.events_expire_after,
+        prices=prices.from_options(options),
     )
 
 

@@ -17,9 +17,11 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import NoReturn
 
+from stallwatch import prices
+from stallwatch.flags import ratio
 from stallwatch.report.api import Access
 from stallwatch.report.prometheus import run_from_prometheus
-from stallwatch.report.render import render_html
+from stallwatch.report.render import INPUT_BOUND_TARGET, render_html
 from stallwatch.report.scope import NODE_LABEL, Scope
 from stallwatch.report.times import FORMS, glue_relative_times, parse_time
 from stallwatch.report.windows import run_from_windows
@@ -84,9 +86,11 @@ def build_parser(now: float) -> argparse.ArgumentParser:
     access.add_argument("--ca-file", type=Path, metavar="FILE", help="CA certificate(s) to trust for https")
     access.add_argument("--insecure-skip-tls-verify", action="store_true",
                         help="accept any certificate (a test server's self-signed one)")
+    prices.add_arguments(parser.add_argument_group("what idle GPUs and hub bytes cost"))
     output = parser.add_argument_group("output")
-    output.add_argument("--price-per-gb", type=float, default=0.02, metavar="DOLLARS",
-                        help="cross-region transfer price in $/GB (default: %(default)s)")
+    output.add_argument("--input-bound-target", type=ratio, default=INPUT_BOUND_TARGET, metavar="RATIO",
+                        help="the input-bound share the smallest sufficient spoke keeps the job under (default: "
+                        "%(default)s, the input-bound alert's)")
     output.add_argument("--out", type=Path, default=Path("stallwatch-report.html"), metavar="FILE",
                         help="the HTML page to write (default: %(default)s)")
     return parser
@@ -117,6 +121,6 @@ def main(argv: Sequence[str]) -> int:
     except (OSError, RuntimeError, ValueError) as error:
         print(f"stallwatch report: error: {error}", file=sys.stderr)
         return 1
-    options.out.write_text(render_html(run, options.price_per_gb))
+    options.out.write_text(render_html(run, prices.from_options(options), options.input_bound_target))
     print(f"report: {options.out}")
     return 0

@@ -14,8 +14,12 @@ from typing import Any
 import numpy as np
 
 from stallwatch import catalogue as c
+from stallwatch.mixin.config import Thresholds
+from stallwatch.prices import SET_BY_FLAG, Prices
+from stallwatch.report.cost import hit_ratio_now, sizing, smallest_under
 from stallwatch.report.run import FloatArray, Run, Series
 
+INPUT_BOUND_TARGET = Thresholds().input_bound_ratio  # the share at which the input-bound alert fires
 PHASE_COLOURS = {"cold": "#4a90d9", "transition": "#f5a623", "steady": "#7ed321"}
 CAUSE_COLOURS = {cause.name: cause.colour for cause in c.CAUSE_TABLE}
 # What each timeline is, by source: the metric a user would query for the same figure.
@@ -172,13 +176,13 @@ def _steady(run: Run) -> str:
     return "; ".join(said)
 
 
-def _warmup(run: Run, price_per_gb: float) -> str:
+def _warmup(run: Run, prices: Prices) -> str:
     hub_gb = None if run.warmup_hub_bytes is None else run.warmup_hub_bytes / 1e9
-    cost = None if hub_gb is None else hub_gb * price_per_gb
+    cost = None if run.warmup_hub_bytes is None else prices.egress_cost(run.warmup_hub_bytes)
     summed = f", summed over {run.nodes} nodes" if run.nodes > 1 else ""
     return f"""<h2>Warm-up</h2>
 <table><tr><th>time to steady</th><th>GPU idle in stalls until steady was recognised</th>
-<th>hub bytes until steady was recognised</th><th>cross-region cost at ${price_per_gb:.3f}/GB</th></tr>
+<th>hub bytes until steady was recognised</th><th>cross-region cost at ${prices.egress_dollars_per_gb:.3f}/GB</th></tr>
 <tr><td class="k" id="time-to-steady">{_fmt(run.time_to_steady_seconds, " s")}</td>
 <td class="k" id="warmup-idle">{_fmt(run.warmup_idle_gpu_seconds, " s")}</td>
 <td class="k" id="warmup-hub-bytes">{_fmt(hub_gb, " GB", 3)}</td>
@@ -187,9 +191,63 @@ def _warmup(run: Run, price_per_gb: float) -> str:
 the stalls above, up to the window that recognised steady) and {c.WARMUP_HUB_BYTES.name}{summed}.</p>"""
 
 
-def _whatif(run: Run) -> str:
-    rows = "".join(f"<tr><td>{html.escape(k)}&times;</td><td>{v * 100:.1f} %</td></tr>"
-                   for k, v in sorted(run.whatif.items(), key=lambda kv: float(kv[0])))
+def _dollars(value: float | None) -> str:
+    return "n/a" if value is None else f"${value:,.4f}"
+
+
+def _prices(prices: Prices) -> str:
+    def dated(read_on: str) -> str:
+        return read_on if read_on == SET_BY_FLAG else f"list price read {read_on}"
+
+    return (f"a GPU-hour at ${prices.gpu_dollars_per_hour:,.4g} ({html.escape(prices.gpu_type)}, "
+            f"{dated(prices.gpu_read_on)}), a GB from the hub at ${prices.egress_dollars_per_gb:,.4g} "
+            f"({html.escape(prices.region_pair)}, {dated(prices.egress_read_on)}); --prices.* to change them, "
+            "docs/cost.md for the table")
+
+
+def _cost(run: Run, prices: Prices) -> str:
+    """The run's GPU idle in stalls and hub bytes, priced."""
+    gpu = _gpu_unknown(run)
+    idle = sum(run.gpu_stall_idle_seconds.values())
+    of = f"job {html.escape(run.job)}" if run.job else "the run's jobs together"
+    hub = (f"{run.hub_bytes / 1e9:,.3f} GB" if run.spoke_reads else "none: no read crossed a spoke")
+    rows = (f'<tr><td style="text-align:left">GPU idle in stalls</td><td>{"&ndash;" if gpu else f"{idle:,.1f} s"}</td>'
+            f'<td class="k" id="cost-gpu">{_dollars(None if gpu else prices.gpu_cost(idle))}</td></tr>'
+            f'<tr><td style="text-align:left">bytes from the hub</td><td>{hub}</td>'
+            f'<td class="k" id="cost-egress">{_dollars(prices.egress_cost(run.hub_bytes))}</td></tr>')
+    return (f"<h2>What it cost</h2><p>Of {of}, over the run: {c.GPU_STALL_IDLE_SECONDS.name} at the GPU-second "
+            f"price ({c.STALL_GPU_COST.name} live), and the bytes of its reads that missed the spoke at the hub's "
+            f"({c.EGRESS_COST.name} live){f'; GPU idle {html.escape(gpu)}' if gpu else ''}.</p>"
+            f'<table id="cost"><tr><th>what</th><th>amount</th><th>$</th></tr>{rows}</table>'
+            f'<p id="prices">Prices: {_prices(prices)}.</p>')
+
+
+def _sizing(run: Run, prices: Prices, target: float) -> tuple[str, str]:
+    """Which capacity is enough (empty when none can be estimated), and the what-if's rows with each capacity's
+    stalls and dollars per hour."""
+    rows = sizing(run, prices, _gpu_unknown(run) is None)
+    cells = {row.factor: (f"<td>{row.stall_seconds:,.1f} s</td><td>{_fmt(_percent(row.input_bound_ratio), ' %')}</td>"
+                          f"<td>{_dollars(row.gpu_dollars)}</td><td>{_dollars(row.egress_dollars)}</td>")
+             for row in rows}
+    rows_html = "".join(f"<tr><td>{html.escape(k)}&times;</td><td>{v * 100:.1f} %</td>"
+                        f'{cells.get(k, "<td colspan=4>&ndash;</td>")}</tr>'
+                        for k, v in sorted(run.whatif.items(), key=lambda kv: float(kv[0])))
+    if not rows:
+        return "", rows_html
+    enough = smallest_under(rows, target)
+    said = (f"{enough.factor}&times; the spoke's capacity now" if enough is not None else
+            f"none of these capacities: even at {rows[-1].factor}&times; the job stays "
+            f"{_fmt(_percent(rows[-1].input_bound_ratio), ' %')} input-bound")
+    return (f'<p id="sizing">The smallest spoke that keeps the job under {target * 100:.0f} % input-bound '
+            f"(--input-bound-target): {said}.</p>", rows_html)
+
+
+def _percent(ratio: float | None) -> float | None:
+    return None if ratio is None else ratio * 100
+
+
+def _whatif(run: Run, prices: Prices, target: float) -> str:
+    sized, rows = _sizing(run, prices, target)
     why = None
     if not run.spoke_reads:  # its curve replays only reads that crossed a spoke: none, no spoke to size
         why = "no read crossed a spoke"
@@ -198,11 +256,19 @@ def _whatif(run: Run) -> str:
     elif not rows:
         why = (f"the correlator was not given the spoke's capacity (--correlator.cache-capacity); its curve "
                f"tracks {run.whatif_keys:,.0f} keys")
+    elif hit_ratio_now(run) is None:
+        why = "the what-if has no estimate at the spoke's own capacity (factor 1) to scale from"
     if why is not None:
-        rows = f'<tr><td colspan=2 id="whatif-none">no estimate: {html.escape(why)}</td></tr>'
+        rows = f'<tr><td colspan=6 id="whatif-none">no estimate: {html.escape(why)}</td></tr>'
+        sized = ""
     combined = " (each node's estimate weighted by the reads it replayed)" if run.nodes > 1 and run.whatif else ""
-    return (f"<h2>What a different spoke would buy</h2><p>{c.CACHE_WHATIF_HIT_RATIO.name}{combined}</p>"
-            f'<table id="whatif"><tr><th>capacity</th><th>estimated hit ratio</th></tr>{rows}</table>')
+    return (f"<h2>What a different spoke would buy</h2><p>{c.CACHE_WHATIF_HIT_RATIO.name}{combined}; per hour of "
+            "the run (the report knows no epoch), the remote_fetch stalls, their GPU idle and the hub bytes scaled "
+            "by the miss ratio against the spoke's now, the other causes as they were (docs/cost.md).</p>"
+            f"{sized}"
+            f'<table id="whatif"><tr><th>capacity</th><th>estimated hit ratio</th><th>stall seconds per hour</th>'
+            f"<th>input-bound</th><th>GPU idle in stalls, $ per hour</th><th>hub bytes, $ per hour</th></tr>"
+            f"{rows}</table>")
 
 
 def _figures(run: Run) -> list[tuple[str, str, str]]:
@@ -227,7 +293,9 @@ def _figures(run: Run) -> list[tuple[str, str, str]]:
     ]
 
 
-def render_html(run: Run, price_per_gb: float) -> str:
+def render_html(run: Run, prices: Prices | None = None,
+                input_bound_target: float = INPUT_BOUND_TARGET) -> str:
+    prices = prices or Prices()
     legend = " ".join(f'<span style="background:{colour}33;padding:2px 6px">{phase}</span>'
                       for phase, colour in PHASE_COLOURS.items())
     blocks = "".join(
@@ -243,9 +311,10 @@ img{{width:100%}}.k{{font-size:1.6em;font-weight:bold}}.what{{color:#555;font-si
 <h1>stallwatch warm-up report</h1>
 <p id="run">{_header(run)}</p>
 {_headline(run)}
-{_warmup(run, price_per_gb)}
+{_warmup(run, prices)}
+{_cost(run, prices)}
 <p>Shading: {legend}, each phase from the window that recognised it; dashed line: the time to steady.</p>
 {blocks}
-{_whatif(run)}
+{_whatif(run, prices, input_bound_target)}
 </body></html>
 """

@@ -76,6 +76,12 @@ class Run:
         return self.stall_total / total if total > 0 else None
 
     @property
+    def hub_bytes(self) -> float:
+        """Bytes fetched from the hub over the run: the hub throughput over the spans it holds for."""
+        hub = self.hub_bytes_per_second
+        return float(np.nansum(hub.v * (hub.end - hub.t)))
+
+    @property
     def steady_at(self) -> float | None:
         """The instant the time to steady points at: the cache was warm from there."""
         if self.job_started is None or self.time_to_steady_seconds is None:
