@@ -402,6 +402,19 @@ WARMUP_IDLE_GPU_SECONDS = gauge(
 WARMUP_HUB_BYTES = gauge(
     "correlator", "warmup_hub_bytes", "bytes", [JOB_LABEL], "Bytes fetched from the hub until steady state."
 )
+WARMUP_FORECAST_TIME_TO_STEADY = gauge(
+    "correlator", "warmup_forecast_time_to_steady_seconds", "seconds", [JOB_LABEL],
+    "While the job is cold, the forecast of warmup_time_to_steady_seconds (+Inf: never steady: the working set "
+    "does not fit the spoke, or nothing is read twice); once steady, the actual. Absent until it can be told.",
+)
+WARMUP_FORECAST_IDLE_GPU_SECONDS = gauge(
+    "correlator", "warmup_forecast_idle_gpu_seconds", "seconds", [JOB_LABEL],
+    "GPU idle seconds in stalls the forecast expects before the job is steady, beyond those so far.",
+)
+WARMUP_FORECAST_HUB_BYTES = gauge(
+    "correlator", "warmup_forecast_hub_bytes", "bytes", [JOB_LABEL],
+    "Bytes the forecast expects the job to fetch from the hub before it is steady, beyond those so far.",
+)
 WARMUP_REGRESSIONS = counter(
     "correlator", "warmup_regressions_total", "", [JOB_LABEL],
     "Times the job fell out of steady state (eviction, thrash, hub trouble).",

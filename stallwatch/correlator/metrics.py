@@ -12,6 +12,7 @@ from prometheus_client.core import Metric
 
 from stallwatch import catalogue
 from stallwatch.catalogue import CAUSES, PHASES, AnyMetricDef
+from stallwatch.correlator.forecast import Forecast
 from stallwatch.correlator.hold import Publication
 from stallwatch.correlator.results import NameLookup, WhatIfCurve, WindowResult, stalled_seconds
 from stallwatch.correlator.wallclock import unix_seconds, wall_offset_ns
@@ -78,6 +79,7 @@ class CorrelatorMetrics:
         self._time_to_steady: dict[str, float] = {}
         self._warmup_idle: dict[str, float] = {}
         self._warmup_bytes: dict[str, float] = {}
+        self._forecast: dict[str, Forecast] = {}
         self._regressions: dict[str, float] = {}
         self._job_stall: dict[str, float] = defaultdict(float)
         self._stamp: dict[str, float] = {}  # job -> unix time its series are published at
@@ -138,6 +140,8 @@ class CorrelatorMetrics:
                     self._time_to_steady[job] = j.time_to_steady_s
                 self._warmup_idle[job] = j.warmup_idle_gpu_s
                 self._warmup_bytes[job] = j.warmup_hub_bytes
+                if j.forecast is not None:
+                    self._forecast[job] = j.forecast
                 self._regressions[job] = j.regressions
             for job_id, spans in result.stall_spans.items():
                 self._job_stall[name(job_id)] += stalled_seconds(spans)
@@ -188,7 +192,7 @@ class CorrelatorMetrics:
         for given in (self._rank_labels, self._gpu_labels):
             for pair in [pair for pair in given if pair[0] == job]:
                 del given[pair]
-        for per_job in (self._phase, self._time_to_steady, self._warmup_idle, self._warmup_bytes,
+        for per_job in (self._phase, self._time_to_steady, self._warmup_idle, self._warmup_bytes, self._forecast,
                         self._regressions, self._job_stall, self._egress_cost, self._stamp, self._published):
             per_job.pop(job, None)
         for taken in self._taken.values():
@@ -212,6 +216,9 @@ class CorrelatorMetrics:
             (c.WARMUP_TIME_TO_STEADY, {(j,): v for j, v in self._time_to_steady.items()}),
             (c.WARMUP_IDLE_GPU_SECONDS, {(j,): v for j, v in self._warmup_idle.items()}),
             (c.WARMUP_HUB_BYTES, {(j,): v for j, v in self._warmup_bytes.items()}),
+            (c.WARMUP_FORECAST_TIME_TO_STEADY, {(j,): f.time_to_steady_s for j, f in self._forecast.items()}),
+            (c.WARMUP_FORECAST_IDLE_GPU_SECONDS, {(j,): f.idle_gpu_seconds for j, f in self._forecast.items()}),
+            (c.WARMUP_FORECAST_HUB_BYTES, {(j,): f.hub_bytes for j, f in self._forecast.items()}),
             (c.WARMUP_REGRESSIONS, {(j,): v for j, v in self._regressions.items()}),
             (c.JOB_STALL_SECONDS, {(j,): v for j, v in self._job_stall.items()}),
             (c.WARMUP_PHASE, {(j, p): float(p == phase) for j, phase in self._phase.items() for p in PHASES}),

@@ -9,6 +9,7 @@ which is when the window hold (hold.py) may publish a job's window.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -16,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from stallwatch.catalogue import CAUSES
+from stallwatch.correlator.forecast import Forecast
 from stallwatch.correlator.intervals import I64, union_length
 from stallwatch.correlator.wallclock import unix_seconds
 
@@ -59,6 +61,7 @@ class JobRow:
     # synchronous job the ranks' waits of one step start together, so this is the sum over steps of the
     # longest local wait: what the job loses per GPU to this node's stalls.
     stalled_s: float = 0.0
+    forecast: Forecast | None = None  # while cold; once steady, what happened
 
 
 @dataclass(frozen=True)
@@ -128,7 +131,8 @@ class WindowResult:
                 {"job": job_names(j.job), "phase": j.phase, "hit_ratio": j.hit_ratio, "reads": j.reads,
                  "hub_bytes": j.hub_bytes, "time_to_steady_s": j.time_to_steady_s,
                  "warmup_idle_gpu_s": j.warmup_idle_gpu_s, "warmup_hub_bytes": j.warmup_hub_bytes,
-                 "regressions": j.regressions, "stalled_s": j.stalled_s}
+                 "regressions": j.regressions, "stalled_s": j.stalled_s,
+                 **_forecast_fields(j.forecast)}
                 for j in self.jobs
             ],
             "whatif_hit_ratio": {str(factor): ratio for factor, ratio in self.whatif.items()},
@@ -169,6 +173,16 @@ def combine(parts: Iterable[WindowResult]) -> WindowResult:
         jobs=tuple(sorted(rows, key=lambda j: j.job)), stall_spans=spans,
         whatif=next((p.whatif for p in (first, *rest) if p.whatif), {}),
         whatif_curve=next((p.whatif_curve for p in (first, *rest) if p.whatif_curve), None))
+
+
+def _forecast_fields(forecast: Forecast | None) -> dict[str, float | str | None]:
+    """The forecast's columns of a window file's job row: JSON has no infinity, so "never" says it."""
+    if forecast is None:
+        return {"forecast_time_to_steady_s": None, "forecast_idle_gpu_s": None, "forecast_hub_bytes": None}
+    if math.isinf(forecast.time_to_steady_s):
+        return {"forecast_time_to_steady_s": "never", "forecast_idle_gpu_s": None, "forecast_hub_bytes": None}
+    return {"forecast_time_to_steady_s": forecast.time_to_steady_s, "forecast_idle_gpu_s": forecast.idle_gpu_seconds,
+            "forecast_hub_bytes": forecast.hub_bytes}
 
 
 def _add(a: tuple[float, ...], b: tuple[float, ...]) -> tuple[float, ...]:

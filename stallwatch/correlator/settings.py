@@ -33,6 +33,7 @@ class CorrelatorSettings:
     # with no verdict of its own is `direct_read`: a slow local read is not a remote fetch.
     spoke: bool = True
     cache_capacity_bytes: int | None = None
+    dataset_bytes: int | None = None  # the size of the dataset the node's jobs read, for the warm-up forecast
     whatif_sample_rate: float = 1.0  # the initial rate: every key until the cap, then it lowers itself
     whatif_max_keys: int = 8192
     warmup: WarmupSettings = field(default_factory=WarmupSettings)
@@ -66,6 +67,9 @@ def add_arguments(group: argparse._ArgumentGroup, prefix: str) -> None:
                        "incoming batches are dropped and counted (default: %(default)s)")
     group.add_argument(f"--{prefix}cache-capacity", dest="correlator_cache_capacity", type=byte_size, default=None,
                        metavar="BYTES", help="the spoke's capacity, for the cache what-if (default: none, no what-if)")
+    group.add_argument(f"--{prefix}dataset-size", dest="correlator_dataset_size", type=byte_size, default=None,
+                       metavar="BYTES", help="the size of the dataset the jobs read, for the warm-up forecast "
+                       "(default: none, the forecast learns the working set from the reuse it sees)")
     group.add_argument(f"--{prefix}whatif-sample-rate", dest="correlator_whatif_sample_rate",
                        type=bounded_float(0, 1, above=True),
                        default=defaults.whatif_sample_rate, metavar="RATIO",
@@ -88,6 +92,7 @@ def from_options(options: argparse.Namespace) -> CorrelatorSettings:
         gpu_gap_s=options.correlator_gpu_gap,
         max_buffered_events=options.correlator_max_buffered_events,
         cache_capacity_bytes=options.correlator_cache_capacity,
+        dataset_bytes=options.correlator_dataset_size,
         whatif_sample_rate=options.correlator_whatif_sample_rate,
         warmup=WarmupSettings(span_s=options.correlator_warmup_span),
     )

@@ -38,6 +38,7 @@ from dataclasses import dataclass
 import numpy as np
 import numpy.typing as npt
 
+from stallwatch.correlator.forecast import Forecast, WarmupForecast
 from stallwatch.correlator.warmup_span import Span, summarise
 
 COLD, TRANSITION, STEADY = "cold", "transition", "steady"
@@ -78,6 +79,7 @@ class JobWindow:
     stall_end_ns: npt.NDArray[np.int64]
     waiting: bool = False  # a rank of the job was seen waiting in this window: it is alive, though it took no step
     direct_reads: int = 0  # reads that crossed no spoke (not in `reads`)
+    read_bytes: int = 0  # bytes of the `reads`
 
 
 @dataclass
@@ -85,6 +87,7 @@ class JobWarmup:
     first_event_ns: int
     last_step_ns: int
     span: Span
+    forecaster: WarmupForecast
     ranks: int = 0
     phase: str = COLD
     steady_from_ns: int = 0  # start of the span that last entered steady
@@ -96,11 +99,17 @@ class JobWarmup:
     hub_bytes: int = 0
     regressions: int = 0
     unconfirmed_until_ns: int | None = None  # end of a window that left steady on pace alone
+    forecast: Forecast | None = None  # while cold; once steady, what happened
 
 
 class WarmupTracker:
-    def __init__(self, settings: WarmupSettings | None = None) -> None:
+    def __init__(self, settings: WarmupSettings | None = None, dataset_bytes: int | None = None,
+                 cache_capacity_bytes: int | None = None) -> None:
+        """`dataset_bytes` and `cache_capacity_bytes` are what the forecast knows beyond the jobs' events (the size
+        of the dataset the node's jobs read, the spoke's capacity); either may be unknown."""
         self.settings = settings or WarmupSettings()
+        self._dataset_bytes = dataset_bytes
+        self._cache_capacity_bytes = cache_capacity_bytes
         self.jobs: dict[int, JobWarmup] = {}
 
     def update(self, job: int, start_ns: int, end_ns: int, seen: JobWindow, first_event_ns: int,
@@ -108,8 +117,11 @@ class WarmupTracker:
         """Fold one closed window into the job's state. `complete` is False for a flushed last window."""
         state = self.jobs.get(job)
         if state is None:
-            state = self.jobs[job] = JobWarmup(first_event_ns=first_event_ns, last_step_ns=end_ns,
-                                               span=Span(round(self.settings.span_s * 1e9)))
+            s = self.settings
+            state = self.jobs[job] = JobWarmup(
+                first_event_ns=first_event_ns, last_step_ns=end_ns, span=Span(round(s.span_s * 1e9)),
+                forecaster=WarmupForecast(s.steady_hit_ratio, 1 * s.span_s, self._dataset_bytes,
+                                          self._cache_capacity_bytes))
         state.span.add(summarise(start_ns, end_ns, seen.reads, seen.hits, seen.step_seconds, seen.step_quarter))
         ratio = state.span.hit_ratio()
         if ratio is not None:
@@ -132,6 +144,11 @@ class WarmupTracker:
             if phase == STEADY:
                 warm_since = state.span.clean_since_ns(self.settings.steady_hit_ratio)
                 state.time_to_steady_s = max(warm_since - state.first_event_ns, 0) / 1e9
+                state.forecast = Forecast(state.time_to_steady_s, 0.0, 0.0)
+            elif not state.direct:
+                state.forecaster.add(start_ns, end_ns, seen.reads, seen.hits, seen.read_bytes, seen.hub_bytes,
+                                     seen.stall_idle_gpu_seconds)
+                state.forecast = state.forecaster.forecast((end_ns - state.first_event_ns) / 1e9, max(state.ranks, 1))
         if state.phase == STEADY and phase != STEADY:
             if why == PACE:
                 state.unconfirmed_until_ns = end_ns

@@ -78,7 +78,7 @@ class WindowAnalyser:
         self.settings = settings or CorrelatorSettings()
         s = self.settings
         self.latency = LatencySplit()
-        self.warmup = WarmupTracker(s.warmup)
+        self.warmup = WarmupTracker(s.warmup, s.dataset_bytes, s.cache_capacity_bytes)
         self.whatif = MissRatioCurve(sample_rate=s.whatif_sample_rate, max_keys=s.whatif_max_keys)
         self.cache_capacity_bytes = s.cache_capacity_bytes
         self._first_seen: dict[int, int] = {}
@@ -246,6 +246,7 @@ class WindowAnalyser:
                 reads=int(misses.sum()) + int(hits.sum()),
                 hits=int(hits.sum()),
                 hub_bytes=int(reads["bytes"][misses].sum()),
+                read_bytes=int(reads["bytes"][misses | hits].sum()),
                 stall_idle_gpu_seconds=idle_by_job.get(job, 0.0),
                 stall_start_ns=steps.wait_start[mine & stalled],
                 stall_end_ns=steps.wait_end[mine & stalled],
@@ -256,7 +257,7 @@ class WindowAnalyser:
                                        complete=not window.final)
             rows.append(JobRow(job, state.phase, state.hit_ratio, seen.reads, seen.hub_bytes,
                                state.time_to_steady_s, state.idle_gpu_seconds, state.hub_bytes, state.regressions,
-                               stalled_seconds(spans[job]) if job in spans else 0.0))
+                               stalled_seconds(spans[job]) if job in spans else 0.0, state.forecast))
         return tuple(rows)
 
     def _known_ranks(self, job: int) -> int:

@@ -23,6 +23,7 @@ class AgentSetup:
     gpus: int = 1
     lateness_seconds: float | None = None  # None: the agent's default
     juicefs_mount: Path | None = None
+    dataset_bytes: int | None = None  # for the warm-up forecast; None: it learns the working set from reuse
 
     @property
     def socket(self) -> Path:
@@ -38,6 +39,7 @@ class AgentSetup:
 
     def flags(self) -> list[str]:
         lateness = [] if self.lateness_seconds is None else ["--correlator.lateness", str(self.lateness_seconds)]
+        dataset = [] if self.dataset_bytes is None else ["--correlator.dataset-size", str(self.dataset_bytes)]
         spoke = (["--collector.spoke_juicefs", "--spoke_juicefs.mount", str(self.juicefs_mount),
                   "--spoke_juicefs.name", self.spoke_name] if self.juicefs_mount is not None else
                  ["--collector.spoke_nginx", "--spoke_nginx.log", str(self.spoke_log), "--spoke_nginx.name",
@@ -48,7 +50,7 @@ class AgentSetup:
             "--collector.hub_probe", "--hub_probe.target", f"{self.spoke_name}={self.hub_url}/",
             "--hub_probe.interval", "2",
             "--correlator.cache-capacity", str(self.cache_bytes),
-            "--correlator.window", str(self.window_seconds), *lateness,
+            "--correlator.window", str(self.window_seconds), *lateness, *dataset,
             "--correlator.record-windows", str(self.windows),
         ]
 

@@ -189,7 +189,7 @@ class ClusterDemo:
                               range(s.shards)))
         agent = start_node_agent(self._stack, AgentSetup(
             work / name, spoke.access_log, f"spoke-{name.removeprefix('node-')}", hub.url, cache, s.window_seconds,
-            gpus=s.ranks_per_node, lateness_seconds=s.lateness_seconds)).url
+            gpus=s.ranks_per_node, lateness_seconds=s.lateness_seconds, dataset_bytes=s.dataset_bytes)).url
         self.say(f"  {name}       agent {agent}, spoke {spoke.url()} ({cache / 2**20:.0f} MiB, "
                  f"{'cold, keeps a shard 1 s' if cold else 'warm'})")
         return spoke, agent

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import math
 import os
 import re
 import subprocess
@@ -160,6 +161,9 @@ def status_line(recent: Sequence[Scrape], firing: Collection[str] = ()) -> str:
     metrics = recent[-1][1]
     phase = next((dict(ls)["phase"] for (n, ls), v in metrics.items() if n == c.WARMUP_PHASE.name and v == 1), "-")
     parts.append(f"recognised phase {phase:10}")
+    forecast = next((v for (n, _), v in metrics.items() if n == c.WARMUP_FORECAST_TIME_TO_STEADY.name), None)
+    if phase != "steady" and forecast is not None:
+        parts.append("forecast: never steady" if math.isinf(forecast) else f"forecast: steady {forecast:.0f} s in")
     if firing:
         parts.append(f"FIRING {', '.join(sorted(firing))}")
     return "  ".join(parts)
@@ -185,6 +189,7 @@ class Demo:
         self.cut_at: float | None = None
         self.epochs: list[EpochFigures] = []
         self.time_to_steady: float | None = None  # the correlator's, once the demo has said it
+        self.forecasts: list[tuple[float, float]] = []  # (seconds since the start, the forecast then) until steady
         self._epoch_start = (0.0, 0.0, 0.0)  # unix time, the spoke's requests and hits then
         self._ended_epochs: list[EpochFigures] = []  # awaiting their windows, stall and compute not yet in
         self._epoch_lock = threading.Lock()
@@ -209,13 +214,14 @@ class Demo:
             make_dataset(volume.mount_point / "dataset", s.shards, s.shard_bytes)
             volume.drop_cache()
             setup = AgentSetup(work, None, SPOKE_NAME, hub.url, s.cache_bytes, s.window_seconds,
-                               juicefs_mount=volume.mount_point)
+                               juicefs_mount=volume.mount_point, dataset_bytes=s.dataset_bytes)
             return setup, ["--mount", str(volume.mount_point / "dataset")], {
                 SPOKE_MOUNTS_ENV: str(volume.mount_point)}
         spoke = Nginx(work / "spoke", spoke_server_block(hub.url), f"{cache_mib}m")
         self._stack.callback(spoke.close)
         self.say(f"  spoke        {spoke.url()}  (nginx proxy_cache, {s.cache_bytes / 2**20:.0f} MiB)")
-        return AgentSetup(work, spoke.access_log, SPOKE_NAME, hub.url, s.cache_bytes, s.window_seconds), [
+        return AgentSetup(work, spoke.access_log, SPOKE_NAME, hub.url, s.cache_bytes, s.window_seconds,
+                          dataset_bytes=s.dataset_bytes), [
             "--spoke", spoke.url()], {}
 
     def _start_monitoring(self, work: Path, agent_url: str) -> Server | None:
@@ -340,13 +346,26 @@ class Demo:
                 self.say(epoch_line(figures))
 
     def _say_time_to_steady(self, metrics: Samples) -> None:
-        """Once the correlator has found the job steady, say its time to steady (the report's figure too)."""
-        found = [v for (name, labels), v in metrics.items()
-                 if name == c.WARMUP_TIME_TO_STEADY.name and (c.JOB_LABEL, JOB) in labels]
-        if found and self.time_to_steady is None:
-            self.time_to_steady = found[0]
-            self.say(f"  steady: time to steady {found[0]:.1f} s ({c.WARMUP_TIME_TO_STEADY.name}, as the report "
-                     f"says), recognised {time.time() - self.live.started:.0f} s in")
+        """Once the correlator has found the job steady, say its time to steady (the report's figure too) and
+        what the forecast said a third of that time in; until then, note the forecasts as they come."""
+        def job_value(metric: str) -> float | None:
+            return next((v for (name, labels), v in metrics.items() if name == metric and (c.JOB_LABEL, JOB) in labels),
+                        None)
+        if self.time_to_steady is not None:
+            return
+        steady = job_value(c.WARMUP_TIME_TO_STEADY.name)
+        forecast = job_value(c.WARMUP_FORECAST_TIME_TO_STEADY.name)
+        if steady is None:
+            if forecast is not None:
+                self.forecasts.append((time.time() - self.live.started, forecast))
+            return
+        self.time_to_steady = steady
+        self.say(f"  steady: time to steady {steady:.1f} s ({c.WARMUP_TIME_TO_STEADY.name}, as the report "
+                 f"says), recognised {time.time() - self.live.started:.0f} s in")
+        told = next((f for at, f in self.forecasts if at >= steady / 3), None)
+        if told is not None and not math.isinf(told):
+            self.say(f"  forecast a third of the way in ({steady / 3:.0f} s): steady {told:.1f} s in, "
+                     f"{(told - steady) / steady:+.0%} ({c.WARMUP_FORECAST_TIME_TO_STEADY.name})")
 
     def _refresh(self, agent_url: str, hub: Hub, windows: WindowFile, stop: threading.Event) -> None:
         """Every second: cut the hub when its time comes, scrape the agent, redraw the live line and say the

@@ -210,6 +210,22 @@ def training(t: Thresholds) -> Dashboard:
                 Panel("Falls out of steady state", "Did a job leave steady state (eviction, thrash, hub trouble)?",
                       Viz.STAT, "short",
                       (Query(by(J, "sum", increase(c.WARMUP_REGRESSIONS, RANGE, JOB)), f"{{{{{J}}}}}"),), width=6),
+                Panel("Forecast of time to steady",
+                      "While a job is cold, when will it be steady (+Inf: never, its working set does not fit the "
+                      "spoke or nothing is read twice), and how does the forecast compare with what happened?",
+                      Viz.TIMESERIES, "s", (
+                          Query(by(J, "max", selector(c.WARMUP_FORECAST_TIME_TO_STEADY, JOB)), f"{{{{{J}}}}} forecast"),
+                          Query(by(J, "max", selector(c.WARMUP_TIME_TO_STEADY, JOB)), f"{{{{{J}}}}} actual"),
+                      ), width=12),
+                Panel("Warm-up still to come in idle GPU time",
+                      "How many more GPU-seconds does the forecast expect to idle in stalls before steady state?",
+                      Viz.STAT, "s",
+                      (Query(by(J, "max", selector(c.WARMUP_FORECAST_IDLE_GPU_SECONDS, JOB)), f"{{{{{J}}}}}"),),
+                      width=6),
+                Panel("Warm-up still to come in hub bytes",
+                      "How many more bytes does the forecast expect from the hub before steady state?",
+                      Viz.STAT, "bytes",
+                      (Query(by(J, "max", selector(c.WARMUP_FORECAST_HUB_BYTES, JOB)), f"{{{{{J}}}}}"),), width=6),
             )),
             Row("Worst ranks", (
                 Panel("Worst ranks by stall seconds", "Which ranks stalled longest in the time range?",

@@ -1,0 +1,73 @@
+"""The warm-up forecast against the job's actual time to steady, as a Markdown table (docs/attribution.md quotes it).
+
+`PYTHONPATH=. .venv/bin/python -m tests.scenarios.forecast` runs each case over eight seeds and prints, per case,
+the actual time to steady and the forecast's relative error once a third of it has passed: at that window
+(median and largest over the seeds) and the largest over every window from then until the job was steady.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import dataclass
+
+from tests.scenarios.generator import BASE_NS, JobSpec, Scenario
+from tests.scenarios.run import correlate
+
+MB = 1 << 20
+
+
+@dataclass(frozen=True)
+class Case:
+    spec: JobSpec
+    dataset_known: bool  # the agent is given the dataset's size; else the forecast fits it from the reuse it sees
+
+
+CASES = {
+    "one rank, one pass (400 MB), size set": Case(JobSpec(0, steps=1200), True),
+    "one rank, 3 workers, 20 ms compute, size set": Case(JobSpec(0, steps=1200, workers=3, compute_s=0.02), True),
+    "two ranks shuffling on their own (1.6 GB), size set": Case(JobSpec(0, steps=2400, ranks=2, dataset_items=1600),
+                                                               True),
+    "two ranks shuffling on their own (1.6 GB), fitted": Case(JobSpec(0, steps=2400, ranks=2, dataset_items=1600),
+                                                             False),
+    "four ranks shuffling on their own (3.2 GB), fitted": Case(JobSpec(0, steps=3000, ranks=4, dataset_items=3200),
+                                                              False),
+}
+SEEDS = tuple(range(1, 9))
+
+
+@dataclass(frozen=True)
+class Errors:
+    actual_s: float
+    at_third: float  # (forecast - actual) / actual at the first window ending a third into the warm-up
+    worst_after: float  # the largest |error| of the windows from then until steady
+
+
+def forecast_errors(case: Case, seed: int) -> Errors:
+    working_set = case.spec.dataset_items * case.spec.item_bytes
+    outcome = correlate(Scenario([case.spec], cache_bytes=2 * working_set, seed=seed),
+                        dataset_bytes=working_set if case.dataset_known else None)
+    first = outcome.generated.truth.first_event_s[case.spec.job]
+    rows = [((w.end_ns - BASE_NS) / 1e9 - first, j) for w in outcome.windows for j in w.jobs if j.job == case.spec.job]
+    actual = rows[-1][1].time_to_steady_s
+    assert actual is not None, "the job never got steady"
+
+    def error(forecast_s: float | None) -> float:
+        return math.nan if forecast_s is None else (forecast_s - actual) / actual
+
+    after = [error(j.forecast.time_to_steady_s if j.forecast else None) for t, j in rows if actual / 3 <= t <= actual]
+    return Errors(actual, after[0], max(abs(e) if not math.isnan(e) else math.inf for e in after))
+
+
+def main() -> None:
+    print("| case | actual time to steady | error a third in: median | largest | largest from then on |")
+    print("|---|---|---|---|---|")
+    for name, case in CASES.items():
+        runs = [forecast_errors(case, seed) for seed in SEEDS]
+        print(f"| {name} | {statistics.median(r.actual_s for r in runs):.1f} s "
+              f"| {statistics.median(abs(r.at_third) for r in runs):.1%} | {max(abs(r.at_third) for r in runs):.1%} "
+              f"| {max(r.worst_after for r in runs):.1%} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,114 @@
+"""The warm-up forecast: its arithmetic by hand, its answers where there is none or it is "never", and its error
+against the scenario generator's ground truth over seeds (docs/attribution.md has the table)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from stallwatch.correlator.forecast import NEVER, WarmupForecast
+from stallwatch.correlator.hold import Publication
+from stallwatch.correlator.metrics import CorrelatorMetrics
+from tests.scenarios.forecast import CASES, SEEDS, forecast_errors
+from tests.scenarios.generator import BASE_NS, JobSpec, Scenario
+from tests.scenarios.run import correlate
+
+MB = 1 << 20
+SECOND = 10**9
+
+
+def _fed(windows: list[tuple[int, int, int]], dataset: int | None = None, capacity: int | None = None,
+         item: int = MB, idle: float = 0.0) -> WarmupForecast:
+    """A forecast fed one-second windows of (reads, hits, hub bytes), reads of `item` bytes each."""
+    forecast = WarmupForecast(0.9, 10.0, dataset, capacity)
+    for i, (reads, hits, hub_bytes) in enumerate(windows):
+        forecast.add(i * SECOND, (i + 1) * SECOND, reads, hits, reads * item, hub_bytes, idle)
+    return forecast
+
+
+def test_one_pass_ends_when_the_dataset_is_fetched_at_the_pace_of_now() -> None:
+    # 5 MB a second, every read a miss, 0.5 s of GPU idle a second: 25 of 100 MB fetched after 5 s.
+    forecast = _fed([(5, 0, 5 * MB)] * 5, dataset=100 * MB, idle=0.5).forecast(5.0, ranks=1)
+    assert forecast is not None
+    assert forecast.time_to_steady_s == pytest.approx(5.0 + 75 / 5)  # 75 MB left at 5 MB/s
+    assert forecast.hub_bytes == pytest.approx(75 * MB)
+    assert forecast.idle_gpu_seconds == pytest.approx(2.5 / 25 * 75)  # idle per MB so far x MB to come
+
+
+def test_ranks_that_hit_each_others_fetches_follow_the_power_law_by_hand() -> None:
+    # 1000 MB; windows of 100 one-MB reads whose hits follow 1 - h = (1 - f)^a with a = 0.5 (two ranks).
+    windows, fetched = [], 0
+    for _ in range(6):
+        hits = round(100 * (1 - math.sqrt(1 - (fetched + 50 * MB) / (1000 * MB))))
+        windows.append((100, hits, (100 - hits) * MB))
+        fetched += (100 - hits) * MB
+    got = _fed(windows, dataset=1000 * MB).forecast(6.0, ranks=2)
+    # a as the forecast reads it: each window's -ln(1 - h) over -ln(1 - f) at its middle, weighted by reads.
+    held, scale, hit_scale = 0.0, 0.0, 0.0
+    for reads, hits, hub in windows:
+        f = (held + hub / 2) / (1000 * MB)
+        if f >= 0.05:
+            scale += reads * -math.log(1 - f)
+            hit_scale += reads * -math.log(1 - hits / reads)
+        held += hub
+    a = hit_scale / scale
+    f, target = held / (1000 * MB), 1 - 0.1 ** (1 / a)
+    left = 1000 / (100 * (1 - a)) * ((1 - f) ** (1 - a) - (1 - target) ** (1 - a))  # W / (r (1 - a)) (...)
+    assert 0.4 < a < 0.6
+    assert got is not None and got.time_to_steady_s == pytest.approx(6.0 + left)
+    assert got.hub_bytes == pytest.approx((target - f) * 1000 * MB)
+
+
+def test_without_the_dataset_size_the_working_set_is_fitted_from_the_reuse_of_two_ranks() -> None:
+    # Hits h against fill F say W = F / (1 - (1 - h)^2) for two ranks: 20 MB held, h = 0.36 -> W = 33.9 MB.
+    fed = _fed([(50, 0, 20 * MB), (50, 18, 0), (50, 18, 0)])
+    forecast = fed.forecast(3.0, ranks=2)
+    assert forecast is not None
+    working_set = 20 * MB / (1 - 0.64**2)  # both windows with hits were at F = 20 MB
+    assert forecast.hub_bytes == pytest.approx((0.99 - 20 * MB / working_set) * working_set)
+
+
+def test_nothing_is_forecast_before_reuse_or_the_size_is_known() -> None:
+    assert _fed([(5, 0, 5 * MB)] * 5).forecast(5.0, ranks=1) is None  # a pass reads nothing twice
+    assert _fed([(5, 0, 5 * MB)] * 4 + [(5, 3, 2 * MB)]).forecast(5.0, ranks=2) is None  # 3 hits say little
+
+
+def test_a_working_set_the_spoke_cannot_hold_or_one_fetched_again_is_never_steady() -> None:
+    too_big = _fed([(5, 0, 5 * MB)], dataset=100 * MB, capacity=80 * MB).forecast(1.0, ranks=1)
+    fetched_past_the_spoke = _fed([(5, 0, 5 * MB)] * 20, capacity=80 * MB).forecast(20.0, ranks=1)
+    fetched_again = _fed([(5, 0, 5 * MB)] * 30, dataset=100 * MB).forecast(30.0, ranks=1)  # 150 MB of 100
+    for forecast in (too_big, fetched_past_the_spoke, fetched_again):
+        assert forecast is not None and forecast.time_to_steady_s == NEVER
+
+
+@pytest.mark.parametrize("seed", SEEDS[:4])
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_third_into_the_warm_up_the_forecast_is_within_a_quarter_of_the_actual(case: str, seed: int) -> None:
+    errors = forecast_errors(CASES[case], seed)
+    assert abs(errors.at_third) <= 0.25, f"{errors.at_third:+.1%} of {errors.actual_s:.1f} s"
+    assert errors.worst_after <= 0.25
+
+
+@pytest.mark.parametrize(("spec", "cache_bytes"), [
+    (JobSpec(0, steps=800), 400 * MB // 2),  # thrash: the spoke holds half the working set
+    (JobSpec(0, steps=600, new_item_fraction=1.0), 800 * MB),  # nothing read twice
+], ids=["thrash", "no-reuse"])
+def test_a_job_that_cannot_get_steady_is_told_never_once_it_has_fetched_more_than_the_spoke_holds(
+        spec: JobSpec, cache_bytes: int) -> None:
+    outcome = correlate(Scenario([spec], cache_bytes=cache_bytes, seed=2))
+    rows = [((w.end_ns - BASE_NS) / 1e9, j) for w in outcome.windows for j in w.jobs if j.job == 0]
+    past_the_spoke_s = next(t for t, j in rows if j.warmup_hub_bytes > cache_bytes)
+    never = [t for t, j in rows if j.forecast is not None and j.forecast.time_to_steady_s == NEVER]
+    assert rows[-1][1].time_to_steady_s is None
+    assert never and never[0] <= past_the_spoke_s and never[-1] == rows[-1][0]
+
+
+def test_the_forecast_is_published_and_never_reads_as_plus_infinity() -> None:
+    outcome = correlate(Scenario([JobSpec(0, steps=400)], cache_bytes=400 * MB // 2, seed=1))
+    metrics = CorrelatorMetrics(job_names=lambda job: f"job-{job}", expire_after_s=None)
+    for window in outcome.windows:
+        metrics.observe(window)
+        metrics.publish(Publication(window, 0))
+    samples = {(s.name, s.labels.get("training_job")): s.value for family in metrics.collect() for s in family.samples}
+    assert samples[("stallwatch_warmup_forecast_time_to_steady_seconds", "job-0")] == math.inf
