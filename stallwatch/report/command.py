@@ -2,7 +2,8 @@
 
 It answers the question a platform team asks before moving a cluster away from its data: how long
 until the cache made remote data as fast as local, what that cost in idle GPU time and cross-region
-bytes, where the stalls came from, and what a bigger or smaller spoke would buy.
+bytes, whether copying the dataset next to the GPUs first would have cost less, where the stalls came
+from, and what a bigger or smaller spoke would buy.
 
 Sources: a Prometheus server (`--prometheus URL`, query_range over the run) or the correlator's
 recorded windows (`--windows FILE`, JSON lines).
@@ -18,7 +19,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from stallwatch import prices
-from stallwatch.flags import ratio
+from stallwatch.flags import MAX_BYTES, bounded_float, ratio
 from stallwatch.report.api import Access
 from stallwatch.report.prometheus import run_from_prometheus
 from stallwatch.report.render import INPUT_BOUND_TARGET, render_html
@@ -73,6 +74,9 @@ def build_parser(now: float) -> argparse.ArgumentParser:
     scope.add_argument("--job", metavar="NAME", help="only this training job (the training_job label)")
     scope.add_argument("--node", metavar="NAME", help=f"only this node (the {NODE_LABEL!r} label the scrape adds; "
                        "--prometheus only: a window file is one node's)")
+    scope.add_argument("--dataset-bytes", type=bounded_float(0, MAX_BYTES, above=True), metavar="BYTES",
+                       help="the size of the job's dataset, for weighing a copy of it next to the GPUs against "
+                       "streaming it (default: the bytes the job read from the hub until its cache was warm)")
     time_type = _time_flag(now)
     scope.add_argument("--start", type=time_type, metavar="TIME",
                        help="run start (default: 15 minutes before --end; with --windows, the file's first window)")
@@ -121,6 +125,7 @@ def main(argv: Sequence[str]) -> int:
     except (OSError, RuntimeError, ValueError) as error:
         print(f"stallwatch report: error: {error}", file=sys.stderr)
         return 1
-    options.out.write_text(render_html(run, prices.from_options(options), options.input_bound_target))
+    options.out.write_text(render_html(run, prices.from_options(options), options.input_bound_target,
+                                       options.dataset_bytes))
     print(f"report: {options.out}")
     return 0

@@ -145,8 +145,10 @@ def run_from_prometheus(url: str, start: float, end: float, scope: Scope = EVERY
         run.stall_by_cause[cause] = read.series(stalled / read.step / max(run.ranks, 1), known)
     compute, _ = read.increments(scope.select(c.COMPUTE_SECONDS), "")
     run.compute_seconds = float(sum(v.sum() for v in compute.values()))
-    idle, _ = read.increments(scope.select(c.GPU_STALL_IDLE_SECONDS), "cause")
+    idle, idled = read.increments(scope.select(c.GPU_STALL_IDLE_SECONDS), "cause")
     run.gpu_stall_idle_seconds.update({cause: float(v.sum()) for cause, v in idle.items()})
+    if c.REMOTE_FETCH.name in idle:
+        run.remote_fetch_gpu_idle = read.series(idle[c.REMOTE_FETCH.name] / read.step, idled)
     steps, stepped = read.increments(scope.select(c.STEP_COMPUTE, suffix="_count"), "")
     if steps:
         run.steps_per_second = read.series(np.sum(list(steps.values()), axis=0) / read.step, stepped)
@@ -158,12 +160,15 @@ def run_from_prometheus(url: str, start: float, end: float, scope: Scope = EVERY
 
 
 def _gpus(read: _Reader, scope: Scope, run: Run) -> None:
-    """The scope's GPUs: how many its nodes have (a job's: the nodes its ranks ran on), and their utilization."""
+    """The scope's GPUs: how many its nodes have (a job's: the nodes its ranks ran on), how many the correlator saw
+    its jobs on, and their utilization."""
     counts = read.per_node(scope.select(c.GPU_DEVICES))
     if scope.job is not None:  # GPUs are the node's: a job's nodes are those with its stalls counted
         ran_on = read.per_node(scope.select(c.STALL_SECONDS))
         counts = {node: count for node, count in counts.items() if node in ran_on}
     run.gpu_devices = int(sum(counts.values())) if counts else None
+    # The correlator's GPU map: a GPU idle-seconds series per GPU it saw a job's ranks on.
+    run.job_gpus = len(read.per_node(scope.select(c.GPU_STALL_IDLE_SECONDS), also="gpu")) or None
     if run.gpu_devices != 0:
         answer = read.prometheus.range(gpu_utilization_query(scope, read.step, read.end - read.start),
                                        read.start + read.step, read.end, read.step)

@@ -18,6 +18,7 @@ from stallwatch.mixin.config import Thresholds
 from stallwatch.prices import SET_BY_FLAG, Prices
 from stallwatch.report.cost import hit_ratio_now, sizing, smallest_under
 from stallwatch.report.run import FloatArray, Run, Series
+from stallwatch.report.stage import StageOrStream, Verdict, weigh
 
 INPUT_BOUND_TARGET = Thresholds().input_bound_ratio  # the share at which the input-bound alert fires
 PHASE_COLOURS = {"cold": "#4a90d9", "transition": "#f5a623", "steady": "#7ed321"}
@@ -176,6 +177,93 @@ def _steady(run: Run) -> str:
     return "; ".join(said)
 
 
+def _duration(seconds: float) -> str:
+    if seconds < 120:
+        return f"{seconds:,.1f} s"
+    return f"{seconds / 60:,.1f} min" if seconds < 7200 else f"{seconds / 3600:,.1f} h"
+
+
+def _gb(hub_bytes: float) -> str:
+    return f"{hub_bytes / 1e9:,.3f} GB"
+
+
+def _streamed(weighed: StageOrStream) -> str:
+    """What streaming cost: its warm-up, then each hour (from the start when it never got steady)."""
+    said = []
+    if (warmup := weighed.warmup) is not None:
+        each = "" if warmup.seconds_per_gpu is None else f", {warmup.seconds_per_gpu:,.1f} s per GPU"
+        said.append(f"Streaming through the spoke cost {_dollars(warmup.dollars)} in its warm-up "
+                    f"({warmup.idle_gpu_seconds:,.1f} GPU-seconds idle in stalls until steady{each}, and "
+                    f"{_gb(warmup.hub_bytes)} from the hub)")
+    if (residual := weighed.residual) is not None:
+        if weighed.steady:
+            lead, since, over = "and" if said else "Streaming through the spoke cost", "since", "after steady"
+        else:
+            lead, since, over = ("The job never got steady (its spoke never held what it read again), so streaming "
+                                 "kept paying:", "from its start", "of the run")
+        said.append(f"{lead} {_dollars(residual.dollars_per_hour)} an hour {since} ({residual.idle_gpu_seconds:,.1f} "
+                    f"GPU-seconds idle in remote fetches and {_gb(residual.hub_bytes)} from the hub in the "
+                    f"{_duration(residual.seconds)} {over})")
+    return " ".join(said) + "." if said else ""
+
+
+def _staged(weighed: StageOrStream) -> str:
+    """What the copy would have cost or, without the dataset's size, what it costs a GB."""
+    if weighed.gpus is None or weighed.hub_bytes_per_second is None:
+        return ""
+    pace = (f"at {weighed.hub_bytes_per_second / 1e6:,.1f} MB/s (the hub's mean throughput over the spans in "
+            f"which reads missed the spoke) with {weighed.gpus} GPU{'s' if weighed.gpus != 1 else ''} reserved")
+    if (copy := weighed.copy) is None:
+        return f"Staging costs {_dollars(weighed.copy_dollars_per_gb)} a GB: a copy {pace}, and its egress."
+    what = "the dataset" if copy.given else "the data the job read until its cache was warm"
+    return (f"Staging would have cost {_dollars(copy.dollars)} up front: a copy of {_gb(copy.dataset_bytes)} ({what}) "
+            f"{pace} takes {_duration(copy.seconds)} ({_dollars(copy.gpu_dollars)}), plus "
+            f"{_dollars(copy.egress_dollars)} of egress.")
+
+
+def _verdict(weighed: StageOrStream) -> str:
+    said = ""
+    hours = None if weighed.break_even_hours is None else _duration(weighed.break_even_hours * 3600)
+    if weighed.verdict is Verdict.STAGE_WINS:
+        said = "Staging wins from the start: the copy costs no more than streaming's warm-up alone."
+    elif weighed.verdict is Verdict.STREAM_WINS:
+        said = "Streaming wins at any length: its steady state costs nothing more."
+    elif hours is not None:  # streaming wins until then
+        said = (f"Streaming wins unless the job runs longer than {hours} past its warm-up." if weighed.steady else
+                f"Staging wins for any job longer than {hours}; streaming only for a shorter one.")
+    elif weighed.verdict is Verdict.NOT_KNOWN:
+        said = f"Not enough to weigh the two: not known, {'; '.join(weighed.missing)}."
+    if not weighed.steady and (size := weighed.break_even_bytes_per_hour):
+        said += (f" Staging wins for a dataset under {_gb(size)} per hour the job runs: an hour of streaming costs "
+                 "what staging that much would.")
+    return said
+
+
+def _no_reuse(weighed: StageOrStream, tried: bool) -> str:
+    fetched = "" if (residual := weighed.residual) is None else (
+        f" ({_gb(residual.hub_bytes)} from the hub, its remote fetches idling the GPUs "
+        f"{residual.idle_gpu_seconds:,.1f} GPU-seconds)")
+    return (f"no read hit the spoke{', nor would at any capacity its what-if tried' if tried else ''}: the job read "
+            f"each byte once. A copy would fetch the same bytes the stream fetched{fetched}, and hold the GPUs for "
+            "all of it before the first step, where the stream overlapped its fetches with compute. Staging buys "
+            "nothing the stream did not also pay.")
+
+
+def _stage_or_stream(run: Run, prices: Prices, dataset_bytes: float | None) -> str:
+    """Would copying the dataset next to the GPUs first have cost less than streaming it through the spoke?"""
+    weighed = weigh(run, prices, dataset_bytes)
+    if weighed.verdict is Verdict.NOTHING_TO_STAGE:
+        said = "no read crossed a spoke: there is nothing to stage."
+    elif weighed.verdict is Verdict.SEVERAL_JOBS:
+        said = (f"the run holds several jobs ({html.escape(', '.join(run.several_jobs))}): pass --job to weigh "
+                "staging one job's dataset against streaming it.")
+    elif weighed.verdict is Verdict.NO_REUSE:
+        said = _no_reuse(weighed, bool(run.whatif))
+    else:
+        said = " ".join(filter(None, (_streamed(weighed), _staged(weighed), _verdict(weighed))))
+    return f'<p id="stage-or-stream">Stage or stream: {said}</p>'
+
+
 def _warmup(run: Run, prices: Prices) -> str:
     hub_gb = None if run.warmup_hub_bytes is None else run.warmup_hub_bytes / 1e9
     cost = None if run.warmup_hub_bytes is None else prices.egress_cost(run.warmup_hub_bytes)
@@ -293,8 +381,8 @@ def _figures(run: Run) -> list[tuple[str, str, str]]:
     ]
 
 
-def render_html(run: Run, prices: Prices | None = None,
-                input_bound_target: float = INPUT_BOUND_TARGET) -> str:
+def render_html(run: Run, prices: Prices | None = None, input_bound_target: float = INPUT_BOUND_TARGET,
+                dataset_bytes: float | None = None) -> str:
     prices = prices or Prices()
     legend = " ".join(f'<span style="background:{colour}33;padding:2px 6px">{phase}</span>'
                       for phase, colour in PHASE_COLOURS.items())
@@ -311,6 +399,7 @@ img{{width:100%}}.k{{font-size:1.6em;font-weight:bold}}.what{{color:#555;font-si
 <h1>stallwatch warm-up report</h1>
 <p id="run">{_header(run)}</p>
 {_headline(run)}
+{_stage_or_stream(run, prices, dataset_bytes)}
 {_warmup(run, prices)}
 {_cost(run, prices)}
 <p>Shading: {legend}, each phase from the window that recognised it; dashed line: the time to steady.</p>

@@ -30,6 +30,12 @@ class Series:
     def empty(cls) -> Series:
         return cls(np.zeros(0), np.zeros(0))
 
+    def integral(self, since: float = -np.inf) -> float:
+        """Each value times the time it holds for, from `since` on (a span across `since` counts in part); a
+        value not known (NaN) counts as none."""
+        held = np.clip(self.end - np.maximum(self.t, since), 0.0, None)
+        return float(np.nansum(self.v * held))
+
 
 @dataclass
 class Run:
@@ -47,6 +53,9 @@ class Run:
     compute_seconds: float = 0.0
     gpu_devices: int | None = None  # GPUs NVML reports on the run's nodes; None: not known
     gpu_stall_idle_seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(c.CAUSES, 0.0))
+    # The same GPU idle in remote_fetch stalls over time (GPU-seconds per second): what staging would save.
+    remote_fetch_gpu_idle: Series = field(default_factory=Series.empty)
+    job_gpus: int | None = None  # GPUs the correlator saw the run's job(s) on; None: it named none
     gpu_utilization: Series | None = None  # None: the source holds none (a window file)
     steps_per_second: Series = field(default_factory=Series.empty)
     spoke_reads: float = 0.0  # reads that crossed a spoke: none, no hit ratio or hub bytes to show
@@ -78,8 +87,7 @@ class Run:
     @property
     def hub_bytes(self) -> float:
         """Bytes fetched from the hub over the run: the hub throughput over the spans it holds for."""
-        hub = self.hub_bytes_per_second
-        return float(np.nansum(hub.v * (hub.end - hub.t)))
+        return self.hub_bytes_per_second.integral()
 
     @property
     def steady_at(self) -> float | None:

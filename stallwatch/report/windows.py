@@ -111,6 +111,7 @@ class _Windows:
     steady: dict[str, tuple[float, float, float, float]] = field(default_factory=dict)
     jobs: set[str] = field(default_factory=set)  # every job named, in or out of the run
     ranks: set[tuple[str, int]] = field(default_factory=set)  # of the run's windows
+    gpus: set[tuple[str, int]] = field(default_factory=set)  # (job, GPU) pairs of the run's windows
     job_started: float | None = None  # the first window of the run's job(s), in the span or not
     gpu_devices: int | None = None
     whatif: tuple[float, dict[str, float]] | None = None  # (window start, curve) of the latest window with one
@@ -144,7 +145,13 @@ class _Windows:
             for cause, seconds in zip(c.CAUSES, _by_cause(item, "stall_s"), strict=True):
                 sums[f"stall_{cause}"] += seconds
         for item in gpus:
-            if self.ours(_name(item, "gpus")):
+            name = _name(item, "gpus")
+            if self.ours(name):
+                gpu = int(_number(item.get("gpu"), "gpu", at_most=2**31))
+                if spanned and (name, gpu) not in self.gpus:
+                    if len(self.gpus) >= MAX_NAMES:
+                        raise ValueError(f"more than {MAX_NAMES:,} GPUs")
+                    self.gpus.add((name, gpu))
                 for cause, seconds in zip(c.CAUSES, _by_cause(item, "idle_s"), strict=True):
                     sums[f"idle_{cause}"] += seconds
         for item in jobs:
@@ -264,7 +271,9 @@ def run_from_windows(path: Path, job: str | None = None, start: float | None = N
         run.stall_seconds[cause] = float(stalled.sum())
         run.stall_by_cause[cause] = series(stalled / length / max(run.ranks, 1))
         run.gpu_stall_idle_seconds[cause] = float(total(f"idle_{cause}").sum())
+    run.remote_fetch_gpu_idle = series(total(f"idle_{c.REMOTE_FETCH.name}") / length)
     run.gpu_devices = windows.gpu_devices
+    run.job_gpus = len(windows.gpus) or None
     reads, hits = total("reads"), total("hits")
     run.spoke_reads = float(reads.sum())
     run.hit_ratio = series(np.divide(hits, reads, out=np.zeros_like(hits), where=reads > 0), reads > 0)
