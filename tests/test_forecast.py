@@ -3,16 +3,21 @@ against the scenario generator's ground truth over seeds (docs/attribution.md ha
 
 from __future__ import annotations
 
+import html
 import math
+from pathlib import Path
 
 import pytest
 
 from stallwatch.correlator.forecast import NEVER, WarmupForecast
 from stallwatch.correlator.hold import Publication
 from stallwatch.correlator.metrics import CorrelatorMetrics
+from stallwatch.report.render import render_html
+from stallwatch.report.windows import run_from_windows
 from tests.scenarios.forecast import CASES, SEEDS, forecast_errors
 from tests.scenarios.generator import BASE_NS, JobSpec, Scenario
 from tests.scenarios.run import correlate
+from tests.test_report_windows import record, shown
 
 MB = 1 << 20
 SECOND = 10**9
@@ -112,3 +117,24 @@ def test_the_forecast_is_published_and_never_reads_as_plus_infinity() -> None:
         metrics.publish(Publication(window, 0))
     samples = {(s.name, s.labels.get("training_job")): s.value for family in metrics.collect() for s in family.samples}
     assert samples[("stallwatch_warmup_forecast_time_to_steady_seconds", "job-0")] == math.inf
+
+
+def test_the_report_says_what_the_forecast_said_a_third_of_the_way_in(tmp_path: Path) -> None:
+    scenario = Scenario([JobSpec(0, steps=1200)], cache_bytes=800 * MB, seed=1)
+    run = run_from_windows(record(scenario, tmp_path / "windows.jsonl", dataset_bytes=400 * MB))
+    assert run.time_to_steady_seconds is not None and run.job_started is not None
+    said = html.unescape(shown(render_html(run), "forecast"))
+    told = run.forecast_time_to_steady
+    at_third = told.v[told.t >= run.job_started + run.time_to_steady_seconds / 3][0]
+    assert f"A third of the way in ({run.time_to_steady_seconds / 3:,.1f} s)" in said
+    assert f"said steady {at_third:,.1f} s after the job's start" in said
+    assert abs(at_third - run.time_to_steady_seconds) <= 0.25 * run.time_to_steady_seconds
+
+
+def test_the_report_of_a_thrashing_run_says_never_steady_and_one_without_a_forecast_says_why(tmp_path: Path) -> None:
+    thrash = Scenario([JobSpec(0, steps=600)], cache_bytes=400 * MB // 2, seed=1)
+    said = shown(render_html(run_from_windows(record(thrash, tmp_path / "thrash.jsonl"))), "forecast")
+    assert "says never steady, since" in said
+    one_pass = Scenario([JobSpec(0, steps=60)], cache_bytes=800 * MB, seed=1)  # no second pass, no size given
+    said = shown(render_html(run_from_windows(record(one_pass, tmp_path / "short.jsonl"))), "forecast")
+    assert said.startswith("No forecast of the time to steady")

@@ -14,7 +14,8 @@ Reading r bytes a second, it fetches r·(1 - f)^a of them: df/dt = r (1 - f)^a /
     t = W / r · ln((1 - f) / (1 - f*))                              for a = 1,
 
 the hub bytes still to come W (f* - f), and the GPU idle still to come those bytes times the idle per hub
-byte so far (stalls come with the misses). With the dataset's size set, W is known and a is read from the
+byte of the last windows (stalls come with the misses; the first windows' wait for the pipeline to fill
+is no guide). With the dataset's size set, W is known and a is read from the
 job's hit ratio now against f. Without it, W is fitted from the reuse seen so far, with a = (n - 1) / n for
 n ranks (0 for one: a DataLoader's default sampler makes passes); before the first hit nothing can be said
 (a pass reads nothing twice), and the forecast is absent.
@@ -54,11 +55,12 @@ class _Recent:
     """The last `horizon_ns` of windows: the job's read bytes a second now, and how its hits follow the fill."""
 
     horizon_ns: int
-    # start, end, reads, hits, read bytes, the job's hub bytes so far in the window's middle
-    windows: deque[tuple[int, int, int, int, int, float]] = field(default_factory=deque)
+    # start, end, reads, hits, read bytes, the job's hub bytes so far in the window's middle, hub bytes, GPU idle
+    windows: deque[tuple[int, int, int, int, int, float, int, float]] = field(default_factory=deque)
 
-    def add(self, start_ns: int, end_ns: int, reads: int, hits: int, read_bytes: int, fetched: float) -> None:
-        self.windows.append((start_ns, end_ns, reads, hits, read_bytes, fetched))
+    def add(self, start_ns: int, end_ns: int, reads: int, hits: int, read_bytes: int, fetched: float,
+            hub_bytes: int, idle_gpu_seconds: float) -> None:
+        self.windows.append((start_ns, end_ns, reads, hits, read_bytes, fetched, hub_bytes, idle_gpu_seconds))
         while self.windows and self.windows[0][1] <= end_ns - self.horizon_ns:
             self.windows.popleft()
 
@@ -66,10 +68,14 @@ class _Recent:
         seconds = (self.windows[-1][1] - self.windows[0][0]) / 1e9 if self.windows else 0.0
         return sum(w[4] for w in self.windows) / seconds if seconds > 0 else 0.0
 
+    def idle_per_hub_byte(self) -> float:
+        hub_bytes = sum(w[6] for w in self.windows)
+        return sum(w[7] for w in self.windows) / hub_bytes if hub_bytes else 0.0
+
     def walk(self, working_set: float) -> float:
         """a, from each window's hit ratio against the fill in its middle (not the fill now: a hit ratio over
         several windows lags it), weighted by reads; 0 before the spoke holds a twentieth of W."""
-        filled = [(reads, hits / reads, fetched / working_set) for _, _, reads, hits, _, fetched in self.windows
+        filled = [(reads, hits / reads, fetched / working_set) for _, _, reads, hits, _, fetched, _, _ in self.windows
                   if reads and 0.05 <= fetched / working_set < 1]
         scale = sum(reads * _log_miss(f) for reads, _, f in filled)
         return min(sum(reads * _log_miss(h) for reads, h, _ in filled) / scale, 1.0) if scale > 0 else 0.0
@@ -85,7 +91,6 @@ class WarmupForecast:
         self._capacity = cache_capacity_bytes
         self._recent = _Recent(round(horizon_s * 1e9))
         self._fetched = 0  # F: the job's hub bytes so far
-        self._idle = 0.0  # GPU idle in its stalls so far
         self._hits = 0
         # Windows with hits, for the fit of W: (reads, hits, the spoke's fill in the window's middle).
         self._reuse: list[tuple[int, int, float]] = []
@@ -93,11 +98,10 @@ class WarmupForecast:
     def add(self, start_ns: int, end_ns: int, reads: int, hits: int, read_bytes: int, hub_bytes: int,
             idle_gpu_seconds: float) -> None:
         filled = self._fetched + hub_bytes / 2  # the spoke's fill in the middle of the window
-        self._recent.add(start_ns, end_ns, reads, hits, read_bytes, filled)
+        self._recent.add(start_ns, end_ns, reads, hits, read_bytes, filled, hub_bytes, idle_gpu_seconds)
         if hits:
             self._reuse.append((reads, hits, filled))
         self._fetched += hub_bytes
-        self._idle += idle_gpu_seconds
         self._hits += hits
 
     def _fitted(self, walk: float) -> float | None:
@@ -143,5 +147,4 @@ class WarmupForecast:
             left = working_set / read_rate * math.log((1 - filled) / (1 - target))
         else:
             left = working_set / (read_rate * (1 - walk)) * ((1 - filled) ** (1 - walk) - (1 - target) ** (1 - walk))
-        idle_per_byte = self._idle / fetched if fetched else 0.0
-        return Forecast(elapsed_s + left, idle_per_byte * to_fetch, to_fetch)
+        return Forecast(elapsed_s + left, self._recent.idle_per_hub_byte() * to_fetch, to_fetch)

@@ -217,6 +217,11 @@ def _warmup(read: _Reader, scope: Scope, run: Run) -> None:
     hub = read.per_node(scope.select(c.WARMUP_HUB_BYTES))
     run.warmup_idle_gpu_seconds = sum(idle.values()) if idle else None
     run.warmup_hub_bytes = sum(hub.values()) if hub else None
+    # The last node to be steady sets the job's time: so does its forecast.
+    told = read.prometheus.range(by("", "max", scope.select(c.WARMUP_FORECAST_TIME_TO_STEADY)), read.start, read.end,
+                                 read.step)
+    if told:
+        run.forecast_time_to_steady = told[0][1]
 
 
 def _whatif(read: _Reader, scope: Scope, run: Run) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import base64
 import html
 import io
+import math
 import time
 from typing import Any
 
@@ -276,7 +277,39 @@ def _warmup(run: Run, prices: Prices) -> str:
 <td class="k" id="warmup-hub-bytes">{_fmt(hub_gb, " GB", 3)}</td>
 <td class="k" id="warmup-cost">{'n/a' if cost is None else f'${cost:,.4f}'}</td></tr></table>
 <p id="steady">{html.escape(_steady(run))}. The warm-up's cost: {c.WARMUP_IDLE_GPU_SECONDS.name} (the GPU idle in
-the stalls above, up to the window that recognised steady) and {c.WARMUP_HUB_BYTES.name}{summed}.</p>"""
+the stalls above, up to the window that recognised steady) and {c.WARMUP_HUB_BYTES.name}{summed}.</p>
+<p id="forecast">{html.escape(_forecast(run))}</p>"""
+
+
+def _forecast(run: Run) -> str:
+    """What the correlator's forecast said while the job was cold: a third of the way in when it got steady, its
+    latest word when it did not."""
+    told, name = run.forecast_time_to_steady, c.WARMUP_FORECAST_TIME_TO_STEADY.name
+    known = ~np.isnan(told.v)
+    if not known.any():
+        return (f"No forecast of the time to steady ({name}): none was published in the run (a job that reads each "
+                "item once per pass shows no reuse until its second pass; --correlator.dataset-size gives it the size "
+                "to forecast from).")
+    times, values = told.t[known], told.v[known]
+    if run.time_to_steady_seconds is not None and run.job_started is not None:
+        if run.time_to_steady_seconds <= 0:
+            return f"The job was steady from its start: there was no warm-up to forecast ({name})."
+        third = run.time_to_steady_seconds / 3
+        at = np.flatnonzero(times >= run.job_started + third)
+        if not at.size:
+            return f"The forecast ({name}) was published only in the first third of the warm-up."
+        said = values[at[0]]
+        if math.isinf(said):
+            return f"A third of the way in ({third:,.1f} s), the forecast ({name}) said never steady; it was."
+        error = (said - run.time_to_steady_seconds) / run.time_to_steady_seconds
+        return (f"A third of the way in ({third:,.1f} s), the forecast ({name}) said steady {said:,.1f} s after the "
+                f"job's start: {error:+.0%} of the time it took.")
+    if math.isinf(values[-1]):
+        since = times[np.flatnonzero(~np.isinf(values))[-1] + 1] if np.isfinite(values).any() else times[0]
+        return (f"The forecast ({name}) says never steady, since {_clock(since)} UTC: the job has fetched more than "
+                "its spoke holds and still misses (a working set larger than the spoke, or nothing read twice).")
+    return f"The forecast ({name}) says steady {values[-1]:,.1f} s after the job's start."
+
 
 
 def _dollars(value: float | None) -> str:

@@ -71,6 +71,9 @@ class Run:
     not_steady: tuple[str, ...] = ()  # nodes of a multi-node job that have not reached steady
     warmup_idle_gpu_seconds: float | None = None
     warmup_hub_bytes: float | None = None
+    # The correlator's forecast of the time to steady (seconds from the job's start; inf: never), at each instant
+    # it was published while the job was cold.
+    forecast_time_to_steady: Series = field(default_factory=Series.empty)
     whatif: dict[str, float] = field(default_factory=dict)
     whatif_keys: float | None = None  # keys the what-if's curve tracks; None: it saw no read
 

@@ -109,6 +109,7 @@ class _Windows:
     # warm-up figures as the latest window of the span that gave them published them (start, figures).
     phases: dict[str, tuple[array[int], array[int]]] = field(default_factory=dict)
     steady: dict[str, tuple[float, float, float, float]] = field(default_factory=dict)
+    forecasts: dict[str, list[tuple[float, float]]] = field(default_factory=dict)  # job -> (window end, forecast)
     jobs: set[str] = field(default_factory=set)  # every job named, in or out of the run
     ranks: set[tuple[str, int]] = field(default_factory=set)  # of the run's windows
     gpus: set[tuple[str, int]] = field(default_factory=set)  # (job, GPU) pairs of the run's windows
@@ -164,7 +165,7 @@ class _Windows:
             sums["reads"] += reads
             sums["hits"] += reads * _number(item.get("hit_ratio"), "hit_ratio", at_most=1, none=True)
             sums["hub_bytes"] += _number(item.get("hub_bytes"), "hub_bytes", at_most=2**63)
-            self._phase(index, name, item, start if spanned else None)
+            self._phase(index, name, item, start if spanned else None, end if spanned else None)
             self.job_started = start if self.job_started is None else min(self.job_started, start)
         for key, value in sums.items():
             self.sums[key][index] += value
@@ -192,13 +193,18 @@ class _Windows:
                 raise ValueError(f"more than {MAX_NAMES:,} jobs")
             self.jobs.add(name)
 
-    def _phase(self, index: int, name: str, item: dict[str, Any], spanned_start: float | None) -> None:
+    def _phase(self, index: int, name: str, item: dict[str, Any], spanned_start: float | None,
+               spanned_end: float | None) -> None:
         phase = item.get("phase")
         if phase not in c.PHASES:
             raise ValueError(f"phase is {json.dumps(phase)[:40]}, not one of {', '.join(c.PHASES)}")
         windows, phases = self.phases.setdefault(name, (array("q"), array("b")))
         windows.append(index)
         phases.append(c.PHASES.index(phase))
+        forecast = item.get("forecast_time_to_steady_s")
+        if forecast is not None and spanned_end is not None:
+            told = math.inf if forecast == "never" else _number(forecast, "forecast_time_to_steady_s", at_most=2**40)
+            self.forecasts.setdefault(name, []).append((spanned_end, told))
         steady = item.get("time_to_steady_s")
         idle = _number(item.get("warmup_idle_gpu_s"), "warmup_idle_gpu_s", none=True)
         hub = _number(item.get("warmup_hub_bytes"), "warmup_hub_bytes", none=True)
@@ -308,3 +314,5 @@ def _warmup(run: Run, windows: _Windows, order: np.ndarray, kept: np.ndarray, na
             run.phases.append((float(starts[index]), float(ends[index]), phase))
     if name in windows.steady:
         _, run.time_to_steady_seconds, run.warmup_idle_gpu_seconds, run.warmup_hub_bytes = windows.steady[name]
+    if told := sorted(windows.forecasts.get(name, [])):
+        run.forecast_time_to_steady = Series(np.array([t for t, _ in told]), np.array([v for _, v in told]))

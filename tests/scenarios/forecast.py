@@ -2,13 +2,16 @@
 
 `PYTHONPATH=. .venv/bin/python -m tests.scenarios.forecast` runs each case over eight seeds and prints, per case,
 the actual time to steady and the forecast's relative error once a third of it has passed: at that window
-(median and largest over the seeds) and the largest over every window from then until the job was steady.
+(median and largest over the seeds) and the largest over every window from then until the job was steady; then
+the range over the seeds of the error a third in of what is still to come, idle GPU-seconds and hub bytes, as a
+share of the warm-up's whole.
 """
 
 from __future__ import annotations
 
 import math
 import statistics
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from tests.scenarios.generator import BASE_NS, JobSpec, Scenario
@@ -41,6 +44,8 @@ class Errors:
     actual_s: float
     at_third: float  # (forecast - actual) / actual at the first window ending a third into the warm-up
     worst_after: float  # the largest |error| of the windows from then until steady
+    idle_at_third: float  # the idle GPU-seconds still to come: forecast - actual, over the warm-up's whole idle
+    hub_bytes_at_third: float  # the same for the hub bytes
 
 
 def forecast_errors(case: Case, seed: int) -> Errors:
@@ -56,17 +61,30 @@ def forecast_errors(case: Case, seed: int) -> Errors:
         return math.nan if forecast_s is None else (forecast_s - actual) / actual
 
     after = [error(j.forecast.time_to_steady_s if j.forecast else None) for t, j in rows if actual / 3 <= t <= actual]
-    return Errors(actual, after[0], max(abs(e) if not math.isnan(e) else math.inf for e in after))
+    final = rows[-1][1]
+    third = next(j for t, j in rows if t >= actual / 3)
+    assert third.forecast is not None
+    idle_left = final.warmup_idle_gpu_s - third.warmup_idle_gpu_s
+    idle = (third.forecast.idle_gpu_seconds - idle_left) / final.warmup_idle_gpu_s
+    hub = (third.forecast.hub_bytes - (final.warmup_hub_bytes - third.warmup_hub_bytes)) / final.warmup_hub_bytes
+    return Errors(actual, after[0], max(abs(e) if not math.isnan(e) else math.inf for e in after), idle, hub)
 
 
 def main() -> None:
-    print("| case | actual time to steady | error a third in: median | largest | largest from then on |")
-    print("|---|---|---|---|---|")
+    print("| case | actual time to steady | error a third in: median | largest | largest from then on "
+          "| idle still to come, a third in | hub bytes still to come, a third in |")
+    print("|---|---|---|---|---|---|---|")
     for name, case in CASES.items():
         runs = [forecast_errors(case, seed) for seed in SEEDS]
         print(f"| {name} | {statistics.median(r.actual_s for r in runs):.1f} s "
               f"| {statistics.median(abs(r.at_third) for r in runs):.1%} | {max(abs(r.at_third) for r in runs):.1%} "
-              f"| {max(r.worst_after for r in runs):.1%} |")
+              f"| {max(r.worst_after for r in runs):.1%} | {_spread(r.idle_at_third for r in runs)} "
+              f"| {_spread(r.hub_bytes_at_third for r in runs)} |")
+
+
+def _spread(errors: Iterable[float]) -> str:
+    ordered = sorted(errors)
+    return f"{ordered[0]:+.0%} .. {ordered[-1]:+.0%}"
 
 
 if __name__ == "__main__":
