@@ -220,3 +220,9 @@ def test_both_report_modes_of_one_run_agree_on_its_phases(tmp_path: Path) -> Non
         assert abs(seen - recorded) <= resolution[0], (phase, seen, recorded)
     # The stall is drawn at the same time by both: the correlator stamps a window's series with its end.
     assert abs(stall_time(from_prometheus[0], read_until) - stall_time(from_windows, read_until)) <= resolution[0]
+    # The demo gives the agent its dataset's size: both modes hold the forecast the correlator published while cold.
+    for run in (from_prometheus[0], from_windows):
+        told = run.forecast_time_to_steady
+        assert np.isfinite(told.v).any(), run.source
+        assert run.time_to_steady_seconds is not None
+        assert abs(np.nanmedian(told.v) - run.time_to_steady_seconds) <= 0.5 * run.time_to_steady_seconds
