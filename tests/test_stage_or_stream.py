@@ -110,7 +110,7 @@ def test_a_run_never_steady_pays_its_residual_from_the_start() -> None:
     unknown = weigh(by_hand_run(steady=False), PRICES)
     assert unknown.verdict is Verdict.NOT_KNOWN and unknown.warmup is None and unknown.copy is None
     assert unknown.missing == ("the dataset's size (the job never got warm, so what it read until then is no "
-                               "measure of it; --dataset-bytes gives it)",)
+                               "measure of it; --dataset-size gives it)",)
     assert unknown.residual is not None and unknown.residual.dollars_per_hour == pytest.approx(8.1)
     assert unknown.break_even_bytes_per_hour == pytest.approx(8.1 / (4 / 60 * 2 + 0.05) * 1e9)
     staged = weigh(by_hand_run(steady=False), PRICES, dataset_bytes=90e9)
@@ -192,7 +192,7 @@ def test_a_cold_then_warm_run_streams(tmp_path: Path) -> None:
     assert said.endswith("Streaming wins at any length: its steady state costs nothing more.")
     page = (tmp_path / "report.html").read_text()
     assert page.index('id="stalls"') < page.index('id="stage-or-stream"') < page.index("<h2>Warm-up</h2>")
-    assert "a copy of 4.000 GB (the dataset)" in report(path, tmp_path / "big.html", "--dataset-bytes", "4e9")
+    assert "a copy of 4.000 GB (the dataset)" in report(path, tmp_path / "big.html", "--dataset-size", "4e9")
 
 
 def test_a_thrashing_run_never_steady_keeps_paying(tmp_path: Path) -> None:
@@ -216,7 +216,7 @@ def test_a_thrashing_run_never_steady_keeps_paying(tmp_path: Path) -> None:
     assert "Not enough to weigh the two: not known, the dataset's size (the job never got warm" in said
     assert f"Staging wins for a dataset under {per_hour / per_gb:,.3f} GB per hour the job runs" in said
     stage = 400 * MB / rate * 0.002 + 400 * MB / 1e9 * 0.05
-    said = report(path, tmp_path / "staged.html", "--dataset-bytes", str(400 * MB))
+    said = report(path, tmp_path / "staged.html", "--dataset-size", str(400 * MB))
     assert f"Staging would have cost ${stage:,.4f} up front: a copy of 0.419 GB (the dataset)" in said
     assert f"Staging wins for any job longer than {stage / per_hour * 3600:,.1f} s; streaming only for a shorter one." \
         in said

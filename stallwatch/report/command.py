@@ -74,7 +74,7 @@ def build_parser(now: float) -> argparse.ArgumentParser:
     scope.add_argument("--job", metavar="NAME", help="only this training job (the training_job label)")
     scope.add_argument("--node", metavar="NAME", help=f"only this node (the {NODE_LABEL!r} label the scrape adds; "
                        "--prometheus only: a window file is one node's)")
-    scope.add_argument("--dataset-bytes", type=bounded_float(0, MAX_BYTES, above=True), metavar="BYTES",
+    scope.add_argument("--dataset-size", type=bounded_float(0, MAX_BYTES, above=True), metavar="BYTES",
                        help="the size of the job's dataset, for weighing a copy of it next to the GPUs against "
                        "streaming it (default: the bytes the job read from the hub until its cache was warm)")
     time_type = _time_flag(now)
@@ -126,6 +126,6 @@ def main(argv: Sequence[str]) -> int:
         print(f"stallwatch report: error: {error}", file=sys.stderr)
         return 1
     options.out.write_text(render_html(run, prices.from_options(options), options.input_bound_target,
-                                       options.dataset_bytes))
+                                       options.dataset_size))
     print(f"report: {options.out}")
     return 0

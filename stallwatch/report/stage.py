@@ -35,7 +35,7 @@ class Copy:
     """Staging: the dataset copied at the hub's throughput while the job's GPUs wait."""
 
     dataset_bytes: float
-    given: bool  # from --dataset-bytes; otherwise the hub bytes until steady
+    given: bool  # from --dataset-size; otherwise the hub bytes until steady
     seconds: float
     gpu_dollars: float  # the GPUs reserved while it runs
     egress_dollars: float
@@ -98,7 +98,7 @@ def warm_from(run: Run) -> float | None:
 
 
 def weigh(run: Run, prices: Prices, dataset_bytes: float | None = None) -> StageOrStream:
-    """The run's stage-or-stream figures and verdict; `dataset_bytes` from --dataset-bytes, if given."""
+    """The run's stage-or-stream figures and verdict; `dataset_bytes` from --dataset-size, if given."""
     if not run.spoke_reads:
         return StageOrStream(Verdict.NOTHING_TO_STAGE)
     if run.several_jobs:
@@ -112,8 +112,8 @@ def weigh(run: Run, prices: Prices, dataset_bytes: float | None = None) -> Stage
         missing.append("the hub's throughput (no span of the run fetched from it)")
     size = dataset_bytes if dataset_bytes is not None else run.warmup_hub_bytes if steady else None
     if not size:  # a spoke already warm when the job began read nothing until steady: no size either
-        missing.append("the dataset's size (--dataset-bytes gives it)" if steady else "the dataset's size (the job "
-                       "never got warm, so what it read until then is no measure of it; --dataset-bytes gives it)")
+        missing.append("the dataset's size (--dataset-size gives it)" if steady else "the dataset's size (the job "
+                       "never got warm, so what it read until then is no measure of it; --dataset-size gives it)")
     copy = per_gb = None
     if gpus is not None and throughput is not None:
         per_gb = prices.gpu_cost(gpus * GB / throughput) + prices.egress_cost(GB)
