@@ -8,6 +8,8 @@ has the table, its sources and the formulas). A platform with its own rates pass
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import re
 from dataclasses import dataclass
 
 from stallwatch.flags import bounded_float
@@ -37,6 +39,9 @@ EGRESS_DOLLARS_PER_GB: dict[str, ListPrice] = {
     "internet": ListPrice(0.09, "AWS: out to the internet, first 10 TB a month", "2026-12-05"),
 }
 DEFAULT_GPU_TYPE = "H100"
+# `--prices.gpu-type auto`: each GPU at the list price of its type as NVML names it (the agent), DEFAULT_GPU_TYPE
+# for a GPU the table has no type for, or where no name is known (a window file).
+AUTO = "auto"
 DEFAULT_REGION_PAIR = "same_continent"  # a hub one region away: the case the warm-up is about
 SET_BY_FLAG = "set by flag"
 
@@ -51,6 +56,17 @@ class Prices:
     egress_dollars_per_gb: float = EGRESS_DOLLARS_PER_GB[DEFAULT_REGION_PAIR].dollars
     gpu_read_on: str = GPU_DOLLARS_PER_HOUR[DEFAULT_GPU_TYPE].read_on  # or SET_BY_FLAG
     egress_read_on: str = EGRESS_DOLLARS_PER_GB[DEFAULT_REGION_PAIR].read_on
+    by_gpu_name: bool = False  # `auto`: `for_gpu` prices each GPU at its own type's list price
+
+    def for_gpu(self, nvml_name: str) -> Prices:
+        """These prices for a GPU NVML names so: under `auto` its type's list price (these, still `auto`, for a
+        name the table has no type for), else these."""
+        gpu_type = gpu_type_of(nvml_name) if self.by_gpu_name else None
+        if gpu_type is None:
+            return self
+        listed = GPU_DOLLARS_PER_HOUR[gpu_type]
+        return dataclasses.replace(self, gpu_type=gpu_type, gpu_dollars_per_hour=listed.dollars,
+                                   gpu_read_on=listed.read_on, by_gpu_name=False)
 
     def gpu_cost(self, gpu_seconds: float) -> float:
         return gpu_seconds * self.gpu_dollars_per_hour / 3600
@@ -59,25 +75,40 @@ class Prices:
         return hub_bytes / GB * self.egress_dollars_per_gb
 
 
-def chosen(gpu_type: str = DEFAULT_GPU_TYPE, region_pair: str = DEFAULT_REGION_PAIR,
+def gpu_type_of(nvml_name: str) -> str | None:
+    """The table's type for a GPU as NVML names it ("NVIDIA H100 80GB HBM3", "NVIDIA A100-SXM4-40GB", "NVIDIA
+    L4"); None for one the table has no price for (an L40S is not an L4)."""
+    name = nvml_name.upper()
+    if "H100" in name:
+        return "H100"
+    if "A100" in name:
+        return "A100-80GB" if "80G" in name else "A100-40GB"
+    return "L4" if re.search(r"\bL4\b", name) else None
+
+
+def chosen(gpu_type: str = AUTO, region_pair: str = DEFAULT_REGION_PAIR,
            gpu_dollars_per_hour: float | None = None, egress_dollars_per_gb: float | None = None) -> Prices:
-    """The table's prices for the GPU type and region pair, each replaced by its own figure when one is given."""
-    gpu, egress = GPU_DOLLARS_PER_HOUR[gpu_type], EGRESS_DOLLARS_PER_GB[region_pair]
+    """The table's prices for the GPU type and region pair, each replaced by its own figure when one is given.
+    `auto` starts from DEFAULT_GPU_TYPE and prices each GPU by its name (`Prices.for_gpu`) unless a price is given."""
+    listed = DEFAULT_GPU_TYPE if gpu_type == AUTO else gpu_type
+    gpu, egress = GPU_DOLLARS_PER_HOUR[listed], EGRESS_DOLLARS_PER_GB[region_pair]
     return Prices(
-        gpu_type, region_pair,
+        listed, region_pair,
         gpu.dollars if gpu_dollars_per_hour is None else gpu_dollars_per_hour,
         egress.dollars if egress_dollars_per_gb is None else egress_dollars_per_gb,
         gpu.read_on if gpu_dollars_per_hour is None else SET_BY_FLAG,
         egress.read_on if egress_dollars_per_gb is None else SET_BY_FLAG,
+        by_gpu_name=gpu_type == AUTO and gpu_dollars_per_hour is None,
     )
 
 
 def add_arguments(group: argparse._ArgumentGroup) -> None:
     """`--prices.*`, the same in the agent and `stallwatch report`."""
     dollars = bounded_float(0, 1e6)
-    group.add_argument("--prices.gpu-type", dest="prices_gpu_type", choices=sorted(GPU_DOLLARS_PER_HOUR),
-                       default=DEFAULT_GPU_TYPE, help="GPU whose list price an idle GPU-second costs (default: "
-                       "%(default)s; table and dates in docs/cost.md)")
+    group.add_argument("--prices.gpu-type", dest="prices_gpu_type", choices=[AUTO, *sorted(GPU_DOLLARS_PER_HOUR)],
+                       default=AUTO, help="GPU whose list price an idle GPU-second costs (default: %(default)s, each "
+                       f"GPU's own type as NVML names it, {DEFAULT_GPU_TYPE} for a type the table lacks or where no "
+                       "name is known; table and dates in docs/cost.md)")
     group.add_argument("--prices.gpu-dollars-per-hour", dest="prices_gpu_dollars_per_hour", type=dollars,
                        default=None, metavar="DOLLARS", help="your own price of a GPU-hour, instead of the table's")
     group.add_argument("--prices.region-pair", dest="prices_region_pair", choices=sorted(EGRESS_DOLLARS_PER_GB),

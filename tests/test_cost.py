@@ -21,6 +21,9 @@ from stallwatch.correlator.windowfile import WindowFileWriter
 from stallwatch.exporters import agent  # noqa: F401  # registers the collectors, the correlator's flags with them
 from stallwatch.exporters.collector import registered
 from stallwatch.exporters.config import build_parser as agent_parser
+from stallwatch.exporters.gpu import GpuCollector
+from stallwatch.exporters.gpu_directory import GpuDirectory
+from stallwatch.exporters.nvml_fake import FakeGpu, FakeNVML
 from stallwatch.report.command import build_parser
 from stallwatch.report.cost import sizing, smallest_under
 from stallwatch.report.render import render_html
@@ -224,3 +227,53 @@ def test_a_run_without_spoke_reads_says_it_cannot_size_a_spoke(tmp_path: Path) -
     del no_curve.whatif["1"]
     assert sizing(no_curve, PRICES, gpu_known=True) == []
     assert "no estimate at the spoke&#x27;s own capacity (factor 1)" in shown(render_html(no_curve), "whatif-none")
+
+
+@pytest.mark.parametrize(("nvml_name", "gpu_type"), [
+    ("NVIDIA H100 80GB HBM3", "H100"), ("NVIDIA H100 PCIe", "H100"), ("NVIDIA A100-SXM4-80GB", "A100-80GB"),
+    ("NVIDIA A100 80GB PCIe", "A100-80GB"), ("NVIDIA A100-SXM4-40GB", "A100-40GB"), ("NVIDIA L4", "L4"),
+    ("NVIDIA L40S", None), ("NVIDIA H200", None), ("", None),
+])
+def test_a_gpu_is_priced_at_the_type_nvml_names_it(nvml_name: str, gpu_type: str | None) -> None:
+    assert prices.gpu_type_of(nvml_name) == gpu_type
+    auto = prices.chosen()  # --prices.gpu-type auto, the default
+    priced = auto.for_gpu(nvml_name)
+    assert priced.gpu_type == (gpu_type or prices.DEFAULT_GPU_TYPE)
+    assert priced.gpu_dollars_per_hour == prices.GPU_DOLLARS_PER_HOUR[priced.gpu_type].dollars
+    # A type or a price given by flag holds whatever the GPU.
+    assert prices.chosen("A100-40GB").for_gpu(nvml_name).gpu_type == "A100-40GB"
+    assert prices.chosen(gpu_dollars_per_hour=1.0).for_gpu(nvml_name).gpu_dollars_per_hour == 1.0
+
+
+def test_under_auto_the_correlator_prices_each_gpu_at_its_own_type(tmp_path: Path) -> None:
+    """The gpu collector learns the names from NVML (the fake, as a real driver names an L4 and an A100 80GB); the
+    correlator prices each job's idle at its GPU's type and publishes both prices."""
+    directory = GpuDirectory()
+    collector = GpuCollector(FakeNVML([FakeGpu(name="NVIDIA L4"), FakeGpu(name="NVIDIA L4"),
+                                       FakeGpu(name="NVIDIA A100-SXM4-80GB")]), start=False, directory=directory)
+    try:
+        collector.poll()
+    finally:
+        collector.close()
+    scenario = Scenario([JobSpec(0, steps=300, ranks=2), JobSpec(1, steps=200, first_gpu=2, dataset_items=200)],
+                        cache_bytes=2000 * MB, seed=3)
+    metrics = CorrelatorMetrics(prices=prices.chosen(), wall_offset=lambda: 0, gpu_names=directory.name_of)
+    path = tmp_path / "windows.jsonl"
+    writer = WindowFileWriter(path)
+    hold = WindowHold(5.0, [metrics.publish, writer.write], wall_offset=lambda: 0)
+    CorrelatorPipeline(CorrelatorSettings(cache_capacity_bytes=scenario.cache_bytes),
+                       listeners=[hold.add, metrics.observe]).run(generate(scenario).batches)
+    hold.flush()
+    writer.close()
+    idle: dict[str, float] = defaultdict(float)
+    for row in rows(path):
+        for g in row["gpus"]:
+            idle[g["job"]] += sum(g["idle_s"].values())
+    families = {family.name: family for family in metrics.collect()}
+    latest = {(s.labels[c.JOB_LABEL], s.labels["cause"]): s.value
+              for s in families[c.STALL_GPU_COST.name.removesuffix("_total")].samples}
+    for job, gpu_type in (("0", "L4"), ("1", "A100-80GB")):
+        spent = sum(v for (j, _), v in latest.items() if j == job)
+        assert spent == pytest.approx(idle[job] * prices.GPU_DOLLARS_PER_HOUR[gpu_type].dollars / 3600), job
+    assert {s.labels["gpu_type"]: s.value for s in families[c.GPU_PRICE.name].samples} == pytest.approx(
+        {t: prices.GPU_DOLLARS_PER_HOUR[t].dollars / 3600 for t in ("L4", "A100-80GB")})

@@ -16,6 +16,7 @@ import pytest
 import yaml
 
 from stallwatch import catalogue as c
+from stallwatch import prices
 from stallwatch.demo.run import JOB, Demo, Settings
 from stallwatch.demo.stack import RELABELS, SCRAPE_INTERVAL_SECONDS
 from stallwatch.harness import AgentProcess, free_port, start_agent, stop_agent, stop_process, wait_for
@@ -226,3 +227,5 @@ def test_both_report_modes_of_one_run_agree_on_its_phases(tmp_path: Path) -> Non
         assert np.isfinite(told.v).any(), run.source
         assert run.time_to_steady_seconds is not None
         assert abs(np.nanmedian(told.v) - run.time_to_steady_seconds) <= 0.5 * run.time_to_steady_seconds
+    # The demo's fake GPUs are H200s, a type the price table lacks: the agent priced them at the default type.
+    assert from_prometheus[0].gpu_types == (prices.DEFAULT_GPU_TYPE,)

@@ -78,9 +78,11 @@ class LiveCorrelator:
         max_backlog_events: int = DEFAULT_BACKLOG_EVENTS,
         start: bool = True,
         prices: Prices | None = None,
+        gpu_names: Callable[[int], str] = lambda gpu: "",
     ) -> None:
         self.settings = settings or CorrelatorSettings()
-        self.metrics = CorrelatorMetrics(job_names, spokes, rank_limit, expire_after_s, prices=prices)
+        self.metrics = CorrelatorMetrics(job_names, spokes, rank_limit, expire_after_s, prices=prices,
+                                         gpu_names=gpu_names)
         self._window_file = WindowFileWriter(windows_path, job_names) if windows_path else None
         self._events = EventFileWriter(events_path) if events_path else None
         self.hold = WindowHold(self.settings.retention_s, [self.metrics.publish]

@@ -57,9 +57,12 @@ class CorrelatorMetrics:
 
     def __init__(self, job_names: NameLookup = str, spokes: Interner | None = None, rank_limit: int = 64,
                  expire_after_s: float | None = DEFAULT_EXPIRE_AFTER_S,
-                 wall_offset: Callable[[], int] = wall_offset_ns, prices: Prices | None = None) -> None:
+                 wall_offset: Callable[[], int] = wall_offset_ns, prices: Prices | None = None,
+                 gpu_names: Callable[[int], str] = lambda gpu: "") -> None:
         self._job_names = job_names
         self._prices = prices or Prices()
+        self._gpu_names = gpu_names  # NVML's name of a GPU by index, for its type's price under `auto`
+        self._gpu_prices: dict[str, float] = {}  # $/s by GPU type, of the GPUs priced so far
         self._spokes = spokes if spokes is not None else Interner()
         self._wall_offset = wall_offset
         self._job_labels: dict[int, str] = {}  # ids of the jobs with series, until the warm-up retires them
@@ -129,9 +132,11 @@ class CorrelatorMetrics:
                     self._stall[(*labels, cause)] += seconds
             for g in result.gpus:
                 job_gpu = self._labels((name(g.job), str(g.gpu)), self._gpus, self._gpu_labels)
+                priced = self._prices.for_gpu(self._gpu_names(g.gpu))
+                self._gpu_prices[priced.gpu_type] = priced.gpu_dollars_per_hour / 3600
                 for cause, seconds in zip(CAUSES, g.idle_s, strict=True):
                     self._gpu_idle[(*job_gpu, cause)] += seconds
-                    self._gpu_cost[(job_gpu[0], cause)] += self._prices.gpu_cost(seconds)
+                    self._gpu_cost[(job_gpu[0], cause)] += priced.gpu_cost(seconds)
             for j in result.jobs:
                 job = name(j.job)
                 self._egress_cost[job] += self._prices.egress_cost(j.hub_bytes)
@@ -271,7 +276,8 @@ class CorrelatorMetrics:
                  self._whatif_stamp),
                 (c.CACHE_WHATIF_KEYS.family(), {(spoke,): curve.keys} if curve else {}, self._whatif_stamp),
                 # Settings and operational: stamped by Prometheus at the scrape.
-                (c.GPU_PRICE.family(), {(self._prices.gpu_type,): self._prices.gpu_dollars_per_hour / 3600}, None),
+                (c.GPU_PRICE.family(), {(gpu_type,): price for gpu_type, price in self._gpu_prices.items()}
+                 or {(self._prices.gpu_type,): self._prices.gpu_dollars_per_hour / 3600}, None),
                 (c.EGRESS_PRICE.family(), {(self._prices.region_pair,): self._prices.egress_dollars_per_gb / GB},
                  None),
                 (c.CORRELATOR_WINDOWS.family(), {(): self._windows}, None),

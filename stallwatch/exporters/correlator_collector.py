@@ -52,6 +52,7 @@ def _from_context(context: CollectorContext) -> LiveCorrelator:
         rank_limit=options.events_rank_limit,
         expire_after_s=options.events_expire_after,
         prices=prices.from_options(options),
+        gpu_names=context.gpus.name_of,
     )
 
 

@@ -218,7 +218,8 @@ class GpuCollector:
             self._said_no_gpu = True
         log.info("gpu collector: driver %s, %d GPU(s): %s", driver, len(devices), ", ".join(d.name for d in devices))
         # Before the devices show in a scrape; a MIG device's steps count on the GPU it is carved from.
-        self._directory.learn({uuid: d.index for d in devices for uuid in (d.uuid, *d.mig_uuids)})
+        self._directory.learn({uuid: d.index for d in devices for uuid in (d.uuid, *d.mig_uuids)},
+                              {d.index: d.name for d in devices})
         with self._lock:
             self._devices = devices
         self._initialised = True

@@ -20,11 +20,17 @@ MAX_UNKNOWN_LOGGED = 64
 class GpuDirectory:
     def __init__(self) -> None:
         self._index: Mapping[str, int] = {}  # replaced whole by `learn`: readers need no lock
+        self._names: Mapping[int, str] = {}
         self._unknown_logged: set[str] = set()
 
-    def learn(self, index_by_uuid: Mapping[str, int]) -> None:
-        """The UUIDs NVML reports (GPUs and MIG devices) and the index of the GPU each belongs to."""
+    def learn(self, index_by_uuid: Mapping[str, int], names: Mapping[int, str] | None = None) -> None:
+        """The UUIDs NVML reports (GPUs and MIG devices) and the index of the GPU each belongs to; each GPU's name."""
         self._index = dict(index_by_uuid)
+        self._names = dict(names or {})
+
+    def name_of(self, index: int) -> str:
+        """The GPU's name as NVML gives it ("NVIDIA H100 80GB HBM3"); "" when not known (the correlator's prices)."""
+        return self._names.get(index, "")
 
     def gpu_label(self, device_id: str) -> str:
         """The `gpu` label of a device plugin's id (a GPU or MIG UUID; a time-slicing plugin appends

@@ -169,6 +169,10 @@ def _gpus(read: _Reader, scope: Scope, run: Run) -> None:
     run.gpu_devices = int(sum(counts.values())) if counts else None
     # The correlator's GPU map: a GPU idle-seconds series per GPU it saw a job's ranks on.
     run.job_gpus = len(read.per_node(scope.select(c.GPU_STALL_IDLE_SECONDS), also="gpu")) or None
+    priced = read.per_node(scope.select(c.GPU_PRICE), also="gpu_type")
+    if scope.job is not None:  # as the GPUs: the job's nodes'
+        priced = {key: price for key, price in priced.items() if key.rsplit("/", 1)[0] in ran_on}
+    run.gpu_types = tuple(sorted({key.rsplit("/", 1)[1] for key in priced}))
     if run.gpu_devices != 0:
         answer = read.prometheus.range(gpu_utilization_query(scope, read.step, read.end - read.start),
                                        read.start + read.step, read.end, read.step)

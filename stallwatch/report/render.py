@@ -320,7 +320,8 @@ def _prices(prices: Prices) -> str:
     def dated(read_on: str) -> str:
         return read_on if read_on == SET_BY_FLAG else f"list price read {read_on}"
 
-    return (f"a GPU-hour at ${prices.gpu_dollars_per_hour:,.4g} ({html.escape(prices.gpu_type)}, "
+    unnamed = ", as no GPU type was known here: --prices.gpu-type names it" if prices.by_gpu_name else ""
+    return (f"a GPU-hour at ${prices.gpu_dollars_per_hour:,.4g} ({html.escape(prices.gpu_type)}{unnamed}, "
             f"{dated(prices.gpu_read_on)}), a GB from the hub at ${prices.egress_dollars_per_gb:,.4g} "
             f"({html.escape(prices.region_pair)}, {dated(prices.egress_read_on)}); --prices.* to change them, "
             "docs/cost.md for the table")
