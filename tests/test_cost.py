@@ -71,19 +71,25 @@ def test_the_agent_takes_the_same_price_flags() -> None:
     assert prices.from_options(options) == prices.chosen("A100-40GB", "same_region")
 
 
-def test_the_correlator_prices_each_jobs_gpu_idle_and_hub_bytes(tmp_path: Path) -> None:
-    """Two jobs through one cold spoke: each job's cost series are its window rows' GPU idle by
-    cause times $0.002 a second and its hub bytes times $0.05 a GB, under the labels training_job and cause."""
+def _two_jobs(metrics: CorrelatorMetrics, path: Path) -> Path:
+    """Two jobs through one cold spoke (job 0 on GPUs 0 and 1, job 1 on GPU 2), correlated into `metrics` and a
+    window file at `path`."""
     scenario = Scenario([JobSpec(0, steps=300, ranks=2), JobSpec(1, steps=200, first_gpu=2, dataset_items=200)],
                         cache_bytes=2000 * MB, seed=3)
-    metrics = CorrelatorMetrics(prices=PRICES, wall_offset=lambda: 0)
-    path = tmp_path / "windows.jsonl"
     writer = WindowFileWriter(path)
     hold = WindowHold(5.0, [metrics.publish, writer.write], wall_offset=lambda: 0)
     CorrelatorPipeline(CorrelatorSettings(cache_capacity_bytes=scenario.cache_bytes),
                        listeners=[hold.add, metrics.observe]).run(generate(scenario).batches)
     hold.flush()
     writer.close()
+    return path
+
+
+def test_the_correlator_prices_each_jobs_gpu_idle_and_hub_bytes(tmp_path: Path) -> None:
+    """Two jobs through one cold spoke: each job's cost series are its window rows' GPU idle by
+    cause times $0.002 a second and its hub bytes times $0.05 a GB, under the labels training_job and cause."""
+    metrics = CorrelatorMetrics(prices=PRICES, wall_offset=lambda: 0)
+    path = _two_jobs(metrics, tmp_path / "windows.jsonl")
     idle: dict[tuple[str, str], float] = defaultdict(float)
     hub: dict[str, float] = defaultdict(float)
     for row in rows(path):
@@ -255,16 +261,8 @@ def test_under_auto_the_correlator_prices_each_gpu_at_its_own_type(tmp_path: Pat
         collector.poll()
     finally:
         collector.close()
-    scenario = Scenario([JobSpec(0, steps=300, ranks=2), JobSpec(1, steps=200, first_gpu=2, dataset_items=200)],
-                        cache_bytes=2000 * MB, seed=3)
     metrics = CorrelatorMetrics(prices=prices.chosen(), wall_offset=lambda: 0, gpu_names=directory.name_of)
-    path = tmp_path / "windows.jsonl"
-    writer = WindowFileWriter(path)
-    hold = WindowHold(5.0, [metrics.publish, writer.write], wall_offset=lambda: 0)
-    CorrelatorPipeline(CorrelatorSettings(cache_capacity_bytes=scenario.cache_bytes),
-                       listeners=[hold.add, metrics.observe]).run(generate(scenario).batches)
-    hold.flush()
-    writer.close()
+    path = _two_jobs(metrics, tmp_path / "windows.jsonl")
     idle: dict[str, float] = defaultdict(float)
     for row in rows(path):
         for g in row["gpus"]:
