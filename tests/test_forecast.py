@@ -24,17 +24,18 @@ SECOND = 10**9
 
 
 def _fed(windows: list[tuple[int, int, int]], dataset: int | None = None, capacity: int | None = None,
-         item: int = MB, idle: float = 0.0) -> WarmupForecast:
-    """A forecast fed one-second windows of (reads, hits, hub bytes), reads of `item` bytes each."""
+         item: int = MB, idle: float = 0.0, ranks: int = 1) -> WarmupForecast:
+    """A forecast fed one-second windows of (reads, hits, hub bytes) of a job of `ranks` ranks, reads of `item`
+    bytes each."""
     forecast = WarmupForecast(0.9, 10.0, dataset, capacity)
     for i, (reads, hits, hub_bytes) in enumerate(windows):
-        forecast.add(i * SECOND, (i + 1) * SECOND, reads, hits, reads * item, hub_bytes, idle)
+        forecast.add(i * SECOND, (i + 1) * SECOND, reads, hits, reads * item, hub_bytes, idle, ranks)
     return forecast
 
 
 def test_one_pass_ends_when_the_dataset_is_fetched_at_the_pace_of_now() -> None:
     # 5 MB a second, every read a miss, 0.5 s of GPU idle a second: 25 of 100 MB fetched after 5 s.
-    forecast = _fed([(5, 0, 5 * MB)] * 5, dataset=100 * MB, idle=0.5).forecast(5.0, ranks=1)
+    forecast = _fed([(5, 0, 5 * MB)] * 5, dataset=100 * MB, idle=0.5).forecast(5.0)
     assert forecast is not None
     assert forecast.time_to_steady_s == pytest.approx(5.0 + 75 / 5)  # 75 MB left at 5 MB/s
     assert forecast.hub_bytes == pytest.approx(75 * MB)
@@ -48,7 +49,7 @@ def test_ranks_that_hit_each_others_fetches_follow_the_power_law_by_hand() -> No
         hits = round(100 * (1 - math.sqrt(1 - (fetched + 50 * MB) / (1000 * MB))))
         windows.append((100, hits, (100 - hits) * MB))
         fetched += (100 - hits) * MB
-    got = _fed(windows, dataset=1000 * MB).forecast(6.0, ranks=2)
+    got = _fed(windows, dataset=1000 * MB, ranks=2).forecast(6.0)
     # a as the forecast reads it: each window's -ln(1 - h) over -ln(1 - f) at its middle, weighted by reads.
     held, scale, hit_scale = 0.0, 0.0, 0.0
     for reads, hits, hub in windows:
@@ -67,22 +68,21 @@ def test_ranks_that_hit_each_others_fetches_follow_the_power_law_by_hand() -> No
 
 def test_without_the_dataset_size_the_working_set_is_fitted_from_the_reuse_of_two_ranks() -> None:
     # Hits h against fill F say W = F / (1 - (1 - h)^2) for two ranks: 20 MB held, h = 0.36 -> W = 33.9 MB.
-    fed = _fed([(50, 0, 20 * MB), (50, 18, 0), (50, 18, 0)])
-    forecast = fed.forecast(3.0, ranks=2)
+    forecast = _fed([(50, 0, 20 * MB), (50, 18, 0), (50, 18, 0)], ranks=2).forecast(3.0)
     assert forecast is not None
     working_set = 20 * MB / (1 - 0.64**2)  # both windows with hits were at F = 20 MB
     assert forecast.hub_bytes == pytest.approx((0.99 - 20 * MB / working_set) * working_set)
 
 
 def test_nothing_is_forecast_before_reuse_or_the_size_is_known() -> None:
-    assert _fed([(5, 0, 5 * MB)] * 5).forecast(5.0, ranks=1) is None  # a pass reads nothing twice
-    assert _fed([(5, 0, 5 * MB)] * 4 + [(5, 3, 2 * MB)]).forecast(5.0, ranks=2) is None  # 3 hits say little
+    assert _fed([(5, 0, 5 * MB)] * 5).forecast(5.0) is None  # a pass reads nothing twice
+    assert _fed([(5, 0, 5 * MB)] * 4 + [(5, 3, 2 * MB)], ranks=2).forecast(5.0) is None  # 3 hits say little
 
 
 def test_a_working_set_the_spoke_cannot_hold_or_one_fetched_again_is_never_steady() -> None:
-    too_big = _fed([(5, 0, 5 * MB)], dataset=100 * MB, capacity=80 * MB).forecast(1.0, ranks=1)
-    fetched_past_the_spoke = _fed([(5, 0, 5 * MB)] * 20, capacity=80 * MB).forecast(20.0, ranks=1)
-    fetched_again = _fed([(5, 0, 5 * MB)] * 30, dataset=100 * MB).forecast(30.0, ranks=1)  # 150 MB of 100
+    too_big = _fed([(5, 0, 5 * MB)], dataset=100 * MB, capacity=80 * MB).forecast(1.0)
+    fetched_past_the_spoke = _fed([(5, 0, 5 * MB)] * 20, capacity=80 * MB).forecast(20.0)
+    fetched_again = _fed([(5, 0, 5 * MB)] * 30, dataset=100 * MB).forecast(30.0)  # 150 MB of 100
     for forecast in (too_big, fetched_past_the_spoke, fetched_again):
         assert forecast is not None and forecast.time_to_steady_s == NEVER
 

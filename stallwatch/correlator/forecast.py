@@ -91,32 +91,37 @@ class WarmupForecast:
         self._capacity = cache_capacity_bytes
         self._recent = _Recent(round(horizon_s * 1e9))
         self._fetched = 0  # F: the job's hub bytes so far
-        self._hits = 0
-        # Windows with hits, for the fit of W: (reads, hits, the spoke's fill in the window's middle).
-        self._reuse: list[tuple[int, int, float]] = []
+        self._walk = 0.0  # a without the dataset's size: (n - 1) / n for the job's n ranks
+        # The fit of W for that walk, as running sums over the windows with hits (a job may thrash for hours):
+        # each window's hits times its estimate of W, and the hits.
+        self._fit_sum = 0.0
+        self._fit_hits = 0
 
     def add(self, start_ns: int, end_ns: int, reads: int, hits: int, read_bytes: int, hub_bytes: int,
-            idle_gpu_seconds: float) -> None:
+            idle_gpu_seconds: float, ranks: int) -> None:
+        """One closed window of the job, which had `ranks` ranks then."""
         filled = self._fetched + hub_bytes / 2  # the spoke's fill in the middle of the window
         self._recent.add(start_ns, end_ns, reads, hits, read_bytes, filled, hub_bytes, idle_gpu_seconds)
+        walk = (ranks - 1) / ranks if ranks > 0 else 0.0
+        if walk != self._walk:  # more ranks (or fewer) walk otherwise: fit anew from here
+            self._walk, self._fit_sum, self._fit_hits = walk, 0.0, 0
         if hits:
-            self._reuse.append((reads, hits, filled))
+            # A window says W = F / (1 - (1 - h)^(1/a)); a single pass (a = 0) hits only once it is done, when the
+            # spoke holds the whole working set: W = F.
+            said = filled if walk == 0 else filled / -math.expm1(-_log_miss(hits / reads) / walk)
+            self._fit_sum += hits * said
+            self._fit_hits += hits
         self._fetched += hub_bytes
-        self._hits += hits
 
-    def _fitted(self, walk: float) -> float | None:
-        """W from the windows' hit ratios and fills, given the walk's a: each window says F / (1 - (1 - h)^(1/a)),
-        weighted by its hits (a ratio estimate: a window of few hits, whose h is mostly chance, weighs little).
-        None: too few hits yet."""
-        if self._hits < _MIN_FIT_HITS:
+    def _fitted(self) -> float | None:
+        """W from the windows' hit ratios and fills, weighted by their hits (a ratio estimate: a window of few hits,
+        whose h is mostly chance, weighs little); at least the bytes fetched so far. None: too few hits yet."""
+        if self._fit_hits < _MIN_FIT_HITS:
             return None
-        if walk == 0:  # one pass hits only once it is done: the spoke then holds the whole working set
-            return float(self._fetched)
-        estimate = sum(h * filled / -math.expm1(-_log_miss(h / r) / walk) for r, h, filled in self._reuse)
-        return max(float(estimate) / self._hits, float(self._fetched))
+        return max(self._fit_sum / self._fit_hits, float(self._fetched))
 
-    def forecast(self, elapsed_s: float, ranks: int) -> Forecast | None:
-        """At `elapsed_s` since the job's first event, for a job of `ranks` ranks; None where nothing can be said."""
+    def forecast(self, elapsed_s: float) -> Forecast | None:
+        """At `elapsed_s` since the job's first event; None where nothing can be said."""
         fetched = float(self._fetched)
         if self._capacity and fetched > self._capacity:
             return Forecast(NEVER, NEVER, NEVER)
@@ -126,8 +131,8 @@ class WarmupForecast:
             filled = min(fetched / working_set, 1.0)
             walk = self._recent.walk(working_set)
         else:
-            walk = (ranks - 1) / ranks
-            fitted = self._fitted(walk)
+            walk = self._walk
+            fitted = self._fitted()
             if fitted is None:
                 return None
             working_set = fitted

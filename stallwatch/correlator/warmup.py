@@ -147,8 +147,8 @@ class WarmupTracker:
                 state.forecast = Forecast(state.time_to_steady_s, 0.0, 0.0)
             elif not state.direct:
                 state.forecaster.add(start_ns, end_ns, seen.reads, seen.hits, seen.read_bytes, seen.hub_bytes,
-                                     seen.stall_idle_gpu_seconds)
-                state.forecast = state.forecaster.forecast((end_ns - state.first_event_ns) / 1e9, max(state.ranks, 1))
+                                     seen.stall_idle_gpu_seconds, state.ranks)
+                state.forecast = state.forecaster.forecast((end_ns - state.first_event_ns) / 1e9)
         if state.phase == STEADY and phase != STEADY:
             if why == PACE:
                 state.unconfirmed_until_ns = end_ns
