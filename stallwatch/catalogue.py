@@ -432,6 +432,11 @@ GPU_PRICE = gauge(
     "correlator", "gpu_price_dollars_per_second", "", ["gpu_type"],
     "The price of an idle GPU-second the cost series use: the GPU-hour price (--prices.*) over 3600.",
 )
+DATASET_SIZE = gauge(
+    "correlator", "dataset_size_bytes", "bytes", [],
+    "The size of the dataset the node's jobs read, as the agent was given it (--correlator.dataset-size): the warm-up "
+    "forecast's working set, and the report's copy in its stage-or-stream weighing.",
+)
 EGRESS_PRICE = gauge(
     "correlator", "egress_price_dollars_per_byte", "", ["region_pair"],
     "The price of a byte from the hub the cost series use: the GB price (--prices.*) over 10^9.",

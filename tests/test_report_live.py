@@ -229,3 +229,5 @@ def test_both_report_modes_of_one_run_agree_on_its_phases(tmp_path: Path) -> Non
         assert abs(np.nanmedian(told.v) - run.time_to_steady_seconds) <= 0.5 * run.time_to_steady_seconds
     # The demo's fake GPUs are H200s, a type the price table lacks: the agent priced them at the default type.
     assert from_prometheus[0].gpu_types == (prices.DEFAULT_GPU_TYPE,)
+    # The agent publishes the dataset's size it was given: the report's stage-or-stream copy is of that.
+    assert from_prometheus[0].dataset_bytes == settings.dataset_bytes

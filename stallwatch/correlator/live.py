@@ -82,7 +82,7 @@ class LiveCorrelator:
     ) -> None:
         self.settings = settings or CorrelatorSettings()
         self.metrics = CorrelatorMetrics(job_names, spokes, rank_limit, expire_after_s, prices=prices,
-                                         gpu_names=gpu_names)
+                                         gpu_names=gpu_names, dataset_bytes=self.settings.dataset_bytes)
         self._window_file = WindowFileWriter(windows_path, job_names) if windows_path else None
         self._events = EventFileWriter(events_path) if events_path else None
         self.hold = WindowHold(self.settings.retention_s, [self.metrics.publish]

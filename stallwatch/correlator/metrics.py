@@ -58,11 +58,12 @@ class CorrelatorMetrics:
     def __init__(self, job_names: NameLookup = str, spokes: Interner | None = None, rank_limit: int = 64,
                  expire_after_s: float | None = DEFAULT_EXPIRE_AFTER_S,
                  wall_offset: Callable[[], int] = wall_offset_ns, prices: Prices | None = None,
-                 gpu_names: Callable[[int], str] = lambda gpu: "") -> None:
+                 gpu_names: Callable[[int], str] = lambda gpu: "", dataset_bytes: int | None = None) -> None:
         self._job_names = job_names
         self._prices = prices or Prices()
         self._gpu_names = gpu_names  # NVML's name of a GPU by index, for its type's price under `auto`
         self._gpu_prices: dict[str, float] = {}  # $/s by GPU type, of the GPUs priced so far
+        self._dataset_bytes = dataset_bytes
         self._spokes = spokes if spokes is not None else Interner()
         self._wall_offset = wall_offset
         self._job_labels: dict[int, str] = {}  # ids of the jobs with series, until the warm-up retires them
@@ -280,6 +281,7 @@ class CorrelatorMetrics:
                  or {(self._prices.gpu_type,): self._prices.gpu_dollars_per_hour / 3600}, None),
                 (c.EGRESS_PRICE.family(), {(self._prices.region_pair,): self._prices.egress_dollars_per_gb / GB},
                  None),
+                (c.DATASET_SIZE.family(), {(): self._dataset_bytes} if self._dataset_bytes else {}, None),
                 (c.CORRELATOR_WINDOWS.family(), {(): self._windows}, None),
                 (c.CORRELATOR_LATE_EVENTS.family(), {(k,): v for k, v in self._late.items()}, None),
                 (c.CORRELATOR_DROPPED_EVENTS.family(), {k: v for k, v in self._dropped.items()}, None),

@@ -306,7 +306,7 @@ class ClusterDemo:
                 wait_for("Alertmanager's delivery of the alerts firing", lambda: firing <= set(self.watch.names()),
                          ALERT_DELIVERY_SECONDS)
             outcome = dataclasses.replace(outcome, delivered=self.watch.names(), report=write_report(
-                work / "report.html", job_started, job_ended, s.prices, prometheus.url))
+                work / "report.html", job_started, job_ended, s.prices, prometheus.url, dataset_bytes=s.dataset_bytes))
             self.say(f"job lost {outcome.estimate_gpu_seconds:.1f} GPU-seconds to input stalls in "
                      f"{outcome.ended - outcome.started:.0f} s of steady training (recording rules); ground truth "
                      f"{outcome.truth_gpu_seconds:.1f} (error {outcome.error:+.1%})")

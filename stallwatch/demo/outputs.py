@@ -11,15 +11,15 @@ from stallwatch.report.windows import run_from_windows
 
 
 def write_report(path: Path, started: float, ended: float, prices: Prices, prometheus: str | None,
-                 windows: Path | None = None) -> Path:
-    """The run's report from Prometheus, else from the agent's window file."""
+                 windows: Path | None = None, dataset_bytes: float | None = None) -> Path:
+    """The run's report from Prometheus, else from the agent's window file; the demo knows its dataset's size."""
     if prometheus is not None:
         run = run_from_prometheus(prometheus, started, ended)
     elif windows is not None:
         run = run_from_windows(windows)
     else:
         raise ValueError("a report needs Prometheus or a window file")
-    path.write_text(render_html(run, prices))
+    path.write_text(render_html(run, prices, dataset_bytes=dataset_bytes))
     return path
 
 

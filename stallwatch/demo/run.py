@@ -292,7 +292,7 @@ class Demo:
             if while_running is not None:
                 while_running(prometheus.url if prometheus else None, agent_url)
             report = write_report(work / "report.html", started, ended, s.prices,
-                                  prometheus.url if prometheus else None, work / "windows.jsonl")
+                                  prometheus.url if prometheus else None, work / "windows.jsonl", s.dataset_bytes)
             self.say(f"alerts received: {self.watch.names() or 'none'}")
             self.say(f"report: {report}")
             self.say(files_left(work))

@@ -125,9 +125,7 @@ def main(argv: Sequence[str]) -> int:
     except (OSError, RuntimeError, ValueError) as error:
         print(f"stallwatch report: error: {error}", file=sys.stderr)
         return 1
-    chosen = prices.from_options(options)
-    if len(run.gpu_types) == 1:  # under `auto`, the type the agents priced the GPUs at
-        chosen = chosen.for_gpu(run.gpu_types[0])
-    options.out.write_text(render_html(run, chosen, options.input_bound_target, options.dataset_size))
+    options.out.write_text(render_html(run, prices.from_options(options), options.input_bound_target,
+                                       options.dataset_size))
     print(f"report: {options.out}")
     return 0

@@ -173,6 +173,7 @@ def _gpus(read: _Reader, scope: Scope, run: Run) -> None:
     if scope.job is not None:  # as the GPUs: the job's nodes'
         priced = {key: price for key, price in priced.items() if key.rsplit("/", 1)[0] in ran_on}
     run.gpu_types = tuple(sorted({key.rsplit("/", 1)[1] for key in priced}))
+    run.dataset_bytes = max(read.per_node(scope.select(c.DATASET_SIZE)).values(), default=None)
     if run.gpu_devices != 0:
         answer = read.prometheus.range(gpu_utilization_query(scope, read.step, read.end - read.start),
                                        read.start + read.step, read.end, read.step)

@@ -417,7 +417,11 @@ def _figures(run: Run) -> list[tuple[str, str, str]]:
 
 def render_html(run: Run, prices: Prices | None = None, input_bound_target: float = INPUT_BOUND_TARGET,
                 dataset_bytes: float | None = None) -> str:
+    """The report's page. `dataset_bytes` (--dataset-size) wins over the size the agents were given."""
     prices = prices or Prices()
+    if len(run.gpu_types) == 1:  # under `auto`, the type the agents priced the GPUs at
+        prices = prices.for_gpu(run.gpu_types[0])
+    dataset_bytes = run.dataset_bytes if dataset_bytes is None else dataset_bytes
     legend = " ".join(f'<span style="background:{colour}33;padding:2px 6px">{phase}</span>'
                       for phase, colour in PHASE_COLOURS.items())
     blocks = "".join(

@@ -74,6 +74,7 @@ class Run:
     # The correlator's forecast of the time to steady (seconds from the job's start; inf: never), at each instant
     # it was published while the job was cold.
     forecast_time_to_steady: Series = field(default_factory=Series.empty)
+    dataset_bytes: float | None = None  # as the agents were given it (Prometheus only)
     gpu_types: tuple[str, ...] = ()  # the GPU types the agents priced idle at (Prometheus only: the price gauge's)
     whatif: dict[str, float] = field(default_factory=dict)
     whatif_keys: float | None = None  # keys the what-if's curve tracks; None: it saw no read
