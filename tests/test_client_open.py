@@ -17,7 +17,14 @@ from torch.utils.data import DataLoader, Dataset
 from stallwatch.client import RecordedFile, monitor, open_recorded, reads, transport, wire
 from stallwatch.client.keys import read_key
 from stallwatch.client.torch import instrument
-from stallwatch.exporters.events_decode import MAX_EVENT_AGE_NS, Decoded, RejectedBatchError, decode, peek_events
+from stallwatch.exporters.events_decode import (
+    MAX_EPOCH_AGE_NS,
+    MAX_EVENT_AGE_NS,
+    Decoded,
+    RejectedBatchError,
+    decode,
+    peek_events,
+)
 from stallwatch.harness import wait_for
 
 HANG_S = 2.0
@@ -175,6 +182,32 @@ def test_a_steady_job_sends_no_datagram_of_open_records_alone(datagrams: Datagra
     assert datagrams.opens(wire.OPEN_HANDED)
 
 
+def test_a_loop_of_known_length_reports_its_progress_with_the_steps_it_sends(datagrams: Datagrams,
+                                                                           tmp_path: Path) -> None:
+    """Each epoch of a DataLoader over a map-style dataset (len() 16) and of `monitor(range(40))`: OPEN_EPOCH rides
+    with the steps, its count of steps taken rising within the length (the loop's end, not its progress, goes with
+    its last steps); an iterable without a length reports none."""
+    loader = instrument(DataLoader(Files(files(tmp_path, 64), delay_s=0.003), batch_size=4, num_workers=2),
+                        job="epochs", rank=0)
+    for _ in range(2):
+        for _ in loader:
+            time.sleep(0.02)
+    for _ in monitor(range(40), job="epochs", rank=0):
+        time.sleep(0.01)
+    for _ in monitor(iter(range(10)), job="epochs", rank=0):
+        time.sleep(0.01)
+    wait_for("the four loops' ends at the agent", lambda: len(datagrams.opens(wire.OPEN_ENDED)) == 4, 10)
+    loops: dict[int, list[dict[str, int]]] = {}
+    for record in datagrams.opens(wire.OPEN_EPOCH, worker=-1):
+        loops.setdefault(record["since_ns"], []).append(record)  # each loop by its start
+    assert [loop[0]["key"] for loop in loops.values()] == [16, 16, 40]  # the loaders' len(); no length, none
+    for loop in loops.values():
+        done = [record["batch"] for record in loop]
+        assert done == sorted(done) and done[0] > 0 and done[-1] <= loop[0]["key"]
+        assert all(r["key"] == loop[0]["key"] for r in loop)
+    assert all(len(d.steps) for d in datagrams.decoded if any(r["state"] == wire.OPEN_EPOCH for r in d.opens))
+
+
 def test_reads_in_a_monitored_loops_process_are_the_loops_job(datagrams: Datagrams, tmp_path: Path) -> None:
     """A loop with no loader workers (`monitor(job=...)`, reads in the same process): its reads carry the
     loop's job and rank, so the correlator joins them to its stalls (they went to `unknown` before); after
@@ -223,7 +256,8 @@ def encoded(opens: list[wire.Open], mono_ns: int = NOW, wall_ns: int = WALL) -> 
 
 
 def test_open_records_round_trip_and_move_with_the_clients_clock() -> None:
-    opens = [OPEN, (wire.OPEN_WAIT, -1, 0, NOW - 900, NOW - 10), (wire.OPEN_HANDED, 6, 0, NOW - 70, NOW - 10)]
+    opens = [OPEN, (wire.OPEN_WAIT, -1, 0, NOW - 900, NOW - 10), (wire.OPEN_HANDED, 6, 0, NOW - 70, NOW - 10),
+             (wire.OPEN_EPOCH, 40, 100, NOW - 2 * MAX_EVENT_AGE_NS, NOW - 10)]  # an epoch older than other spans
     decoded = decode(encoded(opens), NOW, WALL)
     assert [tuple(int(value) for value in record) for record in decoded.opens] == opens
     assert decoded.events == 1  # open records are not events
@@ -252,6 +286,8 @@ def test_version_2_batches_still_decode() -> None:
     ((wire.OPEN_READ, 7, 42, NOW - 10, NOW - 50), "bad_timestamp"),  # open since after it was looked at
     ((wire.OPEN_READ, 7, 42, NOW - 50, NOW + 1), "bad_timestamp"),  # looked at after the batch was sent
     ((wire.OPEN_WAIT, -1, 0, NOW - MAX_EVENT_AGE_NS - 1, NOW - 10), "bad_timestamp"),  # open too long to be true
+    ((wire.OPEN_EPOCH, 7, 100, NOW - MAX_EPOCH_AGE_NS - 1, NOW - 10), "bad_timestamp"),  # an epoch of a month
+    ((wire.OPEN_EPOCH, -2, 100, NOW - 50, NOW - 10), "bad_value"),
 ])
 def test_malformed_open_records_reject_the_batch(record: wire.Open, reason: str) -> None:
     with pytest.raises(RejectedBatchError) as rejected:

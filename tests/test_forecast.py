@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from stallwatch.correlator.forecast import NEVER, WarmupForecast
+from stallwatch.correlator.forecast import NEVER, Forecast, WarmupForecast
 from stallwatch.correlator.hold import Publication
 from stallwatch.correlator.metrics import CorrelatorMetrics
 from stallwatch.report.render import render_html
@@ -24,12 +24,14 @@ SECOND = 10**9
 
 
 def _fed(windows: list[tuple[int, int, int]], dataset: int | None = None, capacity: int | None = None,
-         item: int = MB, idle: float = 0.0, ranks: int = 1) -> WarmupForecast:
-    """A forecast fed one-second windows of (reads, hits, hub bytes) of a job of `ranks` ranks, reads of `item`
-    bytes each."""
+         item: int = MB, idle: float = 0.0, ranks: int = 1, steps: int = 0,
+         first_pass: list[tuple[float, int]] | None = None) -> WarmupForecast:
+    """A forecast fed one-second windows of (reads, hits, hub bytes) of a job of `ranks` ranks taking `steps` steps
+    a window, reads of `item` bytes each; `first_pass`: the job's progress reported in each window."""
     forecast = WarmupForecast(0.9, 10.0, dataset, capacity)
     for i, (reads, hits, hub_bytes) in enumerate(windows):
-        forecast.add(i * SECOND, (i + 1) * SECOND, reads, hits, reads * item, hub_bytes, idle, ranks)
+        forecast.add(i * SECOND, (i + 1) * SECOND, reads, hits, reads * item, hub_bytes, idle, ranks, steps,
+                     None if first_pass is None else first_pass[i])
     return forecast
 
 
@@ -74,6 +76,28 @@ def test_without_the_dataset_size_the_working_set_is_fitted_from_the_reuse_of_tw
     assert forecast.hub_bytes == pytest.approx((0.99 - 20 * MB / working_set) * working_set)
 
 
+def test_the_first_pass_ends_after_the_epochs_steps_left_at_the_pace_of_now() -> None:
+    # One rank, 2 steps a second of 100 an epoch, 5 MB a second all missed: a quarter through, 25 MB fetched.
+    progress = [(0.05 * (i + 1), 100) for i in range(5)]
+    forecast = _fed([(5, 0, 5 * MB)] * 5, idle=0.5, steps=2, first_pass=progress).forecast(5.0)
+    assert forecast is not None
+    assert forecast.time_to_steady_s == pytest.approx(5.0 + 0.75 * 100 / 2)  # 75 steps left at 2 a second
+    assert forecast.hub_bytes == pytest.approx(75 * MB)  # W = F / p = 100 MB
+    assert forecast.idle_gpu_seconds == pytest.approx(2.5 / 25 * 75)
+    # Two ranks that each take a whole pass and hit each other's fetches: half through, F = W (1 - 0.5^2); steady
+    # at p* = 1 - 0.1 = 0.9, the 40 steps left of 100 at 2 steps a second a rank (4 for the job).
+    both = _fed([(10, 2, 8 * MB)] * 5, ranks=2, steps=4, first_pass=[(0.5, 100)] * 5).forecast(5.0)
+    assert both is not None
+    working_set = 40 * MB / 0.75
+    assert both.time_to_steady_s == pytest.approx(5.0 + 0.4 * 100 / 2)
+    assert both.hub_bytes == pytest.approx(((1 - 0.1**2) - 0.75) * working_set)
+    # Once the pass is over, steady is due; fetching a third more again than the pass did, never.
+    over = [(0.25 * (i + 1), 100) for i in range(4)] + [(1.0, 100)] * 6
+    assert _fed([(5, 0, 5 * MB)] * 4 + [(5, 5, 0)] * 2, steps=2, first_pass=over[:6]).forecast(6.0) == Forecast(
+        6.0, 0.0, 0.0)
+    assert _fed([(5, 0, 5 * MB)] * 10, steps=2, first_pass=over).forecast(10.0) == Forecast(NEVER, NEVER, NEVER)
+
+
 def test_nothing_is_forecast_before_reuse_or_the_size_is_known() -> None:
     assert _fed([(5, 0, 5 * MB)] * 5).forecast(5.0) is None  # a pass reads nothing twice
     assert _fed([(5, 0, 5 * MB)] * 4 + [(5, 3, 2 * MB)], ranks=2).forecast(5.0) is None  # 3 hits say little
@@ -98,7 +122,9 @@ def test_a_third_into_the_warm_up_the_forecast_is_within_a_quarter_of_the_actual
 @pytest.mark.parametrize(("spec", "cache_bytes"), [
     (JobSpec(0, steps=800), 400 * MB // 2),  # thrash: the spoke holds half the working set
     (JobSpec(0, steps=600, new_item_fraction=1.0), 800 * MB),  # nothing read twice
-], ids=["thrash", "no-reuse"])
+    (JobSpec(0, steps=800, epoch_known=True), 400 * MB // 2),
+    (JobSpec(0, steps=600, new_item_fraction=1.0, epoch_known=True), 800 * MB),
+], ids=["thrash", "no-reuse", "thrash-epoch-progress", "no-reuse-epoch-progress"])
 def test_a_job_that_cannot_get_steady_is_told_never_once_it_has_fetched_more_than_the_spoke_holds(
         spec: JobSpec, cache_bytes: int) -> None:
     outcome = correlate(Scenario([spec], cache_bytes=cache_bytes, seed=2))

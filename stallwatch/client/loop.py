@@ -29,8 +29,9 @@ def tagged(number: int, batch: Any, handed_over_ns: int = -1) -> TaggedBatch:
     return (TAG, number, batch, handed_over_ns)
 
 
-def timed_steps(items: Iterator[Any], channel: Channel) -> Iterator[Any]:
-    """Yield what `items` yields, recording one step per item into `channel`.
+def timed_steps(items: Iterator[Any], channel: Channel, length: int | None = None) -> Iterator[Any]:
+    """Yield what `items` yields, recording one step per item into `channel`; `length`: the steps the loop will
+    take, when its loader knows (`len()`), reported with its progress (`wire.OPEN_EPOCH`).
 
     A step is the wait inside `next()` (wait_start..wait_end) and the work that follows until the
     loop asks for the next item (compute_end). The last step ends when the loop asks again and the
@@ -43,7 +44,7 @@ def timed_steps(items: Iterator[Any], channel: Channel) -> Iterator[Any]:
 
     While the loop waits in `next()`, the channel's flushes report the wait (`_OpenLoop`).
     """
-    loop = _OpenLoop()
+    loop = _OpenLoop(length)
     steps = _timed_steps(items, channel, loop)
     # Weak: a loop left unfinished is still collected, and so closed.
     loop.generator = weakref.ref(cast("GeneratorType[Any, None, None]", steps))
@@ -56,6 +57,7 @@ def _timed_steps(items: Iterator[Any], channel: Channel, loop: _OpenLoop) -> Gen
     clock, steps, flush_full = time.monotonic_ns, channel.steps, channel.flush_full
     index = 0
     wait_start = loop.start_ns = clock()
+    loop.steps_before = channel.steps_recorded()
     outer, channel.loop = channel.loop, loop  # once an epoch; a loop run inside another's step gives it back
     try:
         for item in items:  # _WAIT_LINE: the flush thread sees the wait here, so a step stores nothing for it
@@ -85,24 +87,37 @@ _WAIT_LINE = next(instruction.positions.lineno for instruction in dis.get_instru
 
 class _OpenLoop:
     """A `timed_steps` loop as its channel's flushes see it: waiting while its generator runs at
-    `_WAIT_LINE`, since the last step's compute end, or since the loop began before its first step."""
+    `_WAIT_LINE`, since the last step's compute end, or since the loop began before its first step; and, when
+    its length is known, how many of its steps it has taken."""
 
-    __slots__ = ("generator", "start_ns")
+    __slots__ = ("generator", "length", "start_ns", "steps_before")
 
-    def __init__(self) -> None:
+    def __init__(self, length: int | None = None) -> None:
         self.generator: weakref.ref[GeneratorType[Any, None, None]] | None = None
         self.start_ns = -1
+        self.length = length
+        self.steps_before = 0  # the channel's steps when the loop began (`Channel.steps_recorded`)
 
     def open_records(self, channel: Channel, as_of_ns: int) -> list[wire.Open]:
+        records = self._progress(channel, as_of_ns)
         generator = None if self.generator is None else self.generator()
         if generator is None or not generator.gi_running:
-            return []
+            return records
         frame = generator.gi_frame
         if frame is None or frame.f_lineno != _WAIT_LINE:
-            return []
+            return records
         # A loop's steps end after it began, and steps before it (another loop's) ended before it began.
         since = max(self.start_ns, channel.last_step_end())
-        return [(wire.OPEN_WAIT, -1, 0, since, as_of_ns)] if as_of_ns - since >= OPEN_AFTER_NS else []
+        if as_of_ns - since >= OPEN_AFTER_NS:
+            records.append((wire.OPEN_WAIT, -1, 0, since, as_of_ns))
+        return records
+
+    def _progress(self, channel: Channel, as_of_ns: int) -> list[wire.Open]:
+        """The epoch's progress, from the channel's count of steps: a step costs nothing more."""
+        if not self.length or self.start_ns < 0:
+            return []
+        done = min(channel.steps_recorded() - self.steps_before, self.length)
+        return [(wire.OPEN_EPOCH, done, self.length, self.start_ns, as_of_ns)]
 
 
 class Monitored(Generic[T]):
@@ -117,9 +132,19 @@ class Monitored(Generic[T]):
         return len(self._iterable)  # type: ignore[arg-type]  # raises as the wrapped loader would
 
     def __iter__(self) -> Iterator[T]:
-        steps = timed_steps(iter(self._iterable), self._channel)
+        steps = timed_steps(iter(self._iterable), self._channel, length_of(self._iterable))
         # Reads in this process during the loop (no loader workers) are the loop's job's, not the environment's.
         return steps if reads.bound() else _reading_as(steps, self._channel.source)
+
+
+def length_of(iterable: object) -> int | None:
+    """The steps an epoch of `iterable` takes, if it says (a DataLoader over a map-style dataset does; an
+    iterable-style one raises TypeError, and `len()` of anything else may raise anything)."""
+    try:
+        length = len(iterable)  # type: ignore[arg-type]
+    except Exception:  # a length it cannot give is no length
+        return None
+    return length if type(length) is int and length > 0 else None
 
 
 def _reading_as(steps: Iterator[T], source: wire.Source) -> Iterator[T]:

@@ -48,7 +48,7 @@ from torch.utils.data import DataLoader
 
 from stallwatch.client import capture, reads, wire
 from stallwatch.client.identity import source_from_environment
-from stallwatch.client.loop import TaggedBatch, tagged, timed_steps
+from stallwatch.client.loop import TaggedBatch, length_of, tagged, timed_steps
 from stallwatch.client.transport import sender
 
 L = TypeVar("L", bound=DataLoader[Any])
@@ -299,7 +299,7 @@ def _instrumented_class(base: type[DataLoader[Any]]) -> type[DataLoader[Any]]:
         source = _source(loader)
         view: DataLoader[Any] = object.__new__(view_class)
         object.__setattr__(view, "__dict__", loader.__dict__)  # one state: `_iterator`, resumption, epochs
-        steps = timed_steps(base.__iter__(view), sender().channel(source))
+        steps = timed_steps(base.__iter__(view), sender().channel(source), length_of(loader))
         if loader.num_workers > 0:
             _shut_down_at_exit(loader.__dict__.get("_iterator"))
             return steps

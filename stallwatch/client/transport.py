@@ -80,12 +80,13 @@ class Channel:
     """The events of one source, waiting to be sent, and who reports what the source has in flight."""
 
     __slots__ = ("dropped_total", "dropped_unreported", "ended_ns", "handed_reported", "last_end_ns", "loop", "owner",
-                 "reader", "reads", "source", "steps")
+                 "reader", "reads", "source", "steps", "steps_packed")
 
     def __init__(self, owner: Sender, source: wire.Source) -> None:
         self.owner = owner
         self.source = source
         self.steps: list[wire.Step] = []
+        self.steps_packed = 0  # steps taken from `steps` into batches, ever
         self.reads: list[wire.Read] = []
         self.dropped_unreported = 0
         self.dropped_total = 0
@@ -123,6 +124,10 @@ class Channel:
             self.loop = outer
         self.ended_ns = last_end_ns
         self.flush()
+
+    def steps_recorded(self) -> int:
+        """Steps recorded on the channel, ever (packed or waiting)."""
+        return self.steps_packed + len(self.steps)
 
     def last_step_end(self) -> int:
         """The compute end of the last step recorded (-1 none); under the sender's lock, so no one packs."""
@@ -259,6 +264,7 @@ class Sender:
             n_reads = min(len(channel.reads), wire.MAX_EVENTS - n_steps)
             steps, reads = channel.steps[:n_steps], channel.reads[:n_reads]
             del channel.steps[:n_steps], channel.reads[:n_reads]
+            channel.steps_packed += n_steps
             batch_opens: list[wire.Open] = []
             if not (channel.steps or channel.reads):
                 batch_opens, opens = opens, []

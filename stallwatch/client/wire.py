@@ -92,7 +92,11 @@ OPEN_BATCH = 2
 OPEN_READ = 3
 # A loader worker handed `batch` over at `since_ns`, its latest: the trainer's wait on it after that is delivery.
 OPEN_HANDED = 4
-OPEN_STATES = (OPEN_WAIT, OPEN_ENDED, OPEN_BATCH, OPEN_READ, OPEN_HANDED)
+# The trainer's loop, an epoch of `key` steps (its loader's len()), began at `since_ns` and has taken `batch` of
+# them: how far the job is through its pass over the data, for the agent's warm-up forecast. Sent only with the
+# steps a flush sends anyway. An epoch may run for days: its start may be older than other records' may.
+OPEN_EPOCH = 5
+OPEN_STATES = (OPEN_WAIT, OPEN_ENDED, OPEN_BATCH, OPEN_READ, OPEN_HANDED, OPEN_EPOCH)
 
 HEADER_V2_FIELDS = tuple(field for field in HEADER_FIELDS if field[0] != "n_open")
 HEADER = _layout(HEADER_FIELDS)

@@ -80,6 +80,8 @@ class JobWindow:
     waiting: bool = False  # a rank of the job was seen waiting in this window: it is alive, though it took no step
     direct_reads: int = 0  # reads that crossed no spoke (not in `reads`)
     read_bytes: int = 0  # bytes of the `reads`
+    first_pass: tuple[float, int] | None = None  # the job's progress through its first pass, its epoch's steps
+    read_lead: float | None = None  # batches its loaders read ahead of its steps (`passes.read_lead`)
 
 
 @dataclass
@@ -147,7 +149,8 @@ class WarmupTracker:
                 state.forecast = Forecast(state.time_to_steady_s, 0.0, 0.0)
             elif not state.direct:
                 state.forecaster.add(start_ns, end_ns, seen.reads, seen.hits, seen.read_bytes, seen.hub_bytes,
-                                     seen.stall_idle_gpu_seconds, state.ranks)
+                                     seen.stall_idle_gpu_seconds, state.ranks, seen.steps, seen.first_pass,
+                                     seen.read_lead)
                 state.forecast = state.forecaster.forecast((end_ns - state.first_event_ns) / 1e9)
         if state.phase == STEADY and phase != STEADY:
             if why == PACE:

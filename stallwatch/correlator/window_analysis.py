@@ -17,6 +17,7 @@ from stallwatch.correlator.attribution import Attribution, Reads, Steps, gpu_idl
 from stallwatch.correlator.cuts import CutSteps, EarlyBooking, attribute_cut, cut_at_windows
 from stallwatch.correlator.inflight import InFlight, in_flight
 from stallwatch.correlator.intervals import composite_key, distinct_rows
+from stallwatch.correlator.passes import FirstPasses, read_lead
 from stallwatch.correlator.results import GpuRow, JobRow, RankRow, Spans, WhatIfCurve, WindowResult, stalled_seconds
 from stallwatch.correlator.settings import CorrelatorSettings, seconds_to_ns
 from stallwatch.correlator.verdicts import LatencySplit, join_spoke
@@ -79,6 +80,7 @@ class WindowAnalyser:
         s = self.settings
         self.latency = LatencySplit()
         self.warmup = WarmupTracker(s.warmup, s.dataset_bytes, s.cache_capacity_bytes)
+        self.passes = FirstPasses()
         self.whatif = MissRatioCurve(sample_rate=s.whatif_sample_rate, max_keys=s.whatif_max_keys)
         self.cache_capacity_bytes = s.cache_capacity_bytes
         self._first_seen: dict[int, int] = {}
@@ -91,10 +93,12 @@ class WindowAnalyser:
         in_window = (raw["end_ns"] >= start) & (raw["end_ns"] < end)
         verdict = self._verdicts(raw, window, in_window)
         # The window's own reads, once: the jobs' counts, the what-if and the warm-up take only these.
-        own_reads = {name: raw[name][in_window] for name in ("job", "start_ns", "end_ns", "key", "bytes")}
+        own_reads = {name: raw[name][in_window] for name in ("job", "rank", "batch", "start_ns", "end_ns", "key",
+                                                             "bytes")}
         own_reads["verdict"] = verdict[in_window]
         steps = _steps(window.steps)
         flight = in_flight(window.context["open"])
+        self.passes.update(window.context["open"])
         received = Reads(raw["job"], raw["rank"], raw["batch"], raw["start_ns"], raw["end_ns"], verdict)
         reads = self._with_open_reads(received, flight, window)
         threshold = seconds_to_ns(s.stall_threshold_s)
@@ -141,6 +145,7 @@ class WindowAnalyser:
         retired = tuple(self.warmup.expire(end))
         for job in retired:
             self._first_seen.pop(job, None)
+        self.passes.forget(list(retired))
         curve = WhatIfCurve(self.whatif.sample_rate, self.whatif.keys) if self.whatif.references else None
         earlier = tuple(self._earlier_piece(cut, attribution, idle, n, piece_start, end - start)
                         for piece_start in np.unique(cut.window_start).tolist())
@@ -232,6 +237,8 @@ class WindowAnalyser:
         for job, first in self._earliest(steps, reads).items():
             self._first_seen[job] = min(self._first_seen.get(job, first), first)
         step_seconds = (steps.compute_end - steps.wait_start) / 1e9
+        leads = read_lead(steps.job, steps.rank, steps.batch, read_jobs, reads["rank"].astype(np.int64),
+                          reads["batch"].astype(np.int64))
         rows = []
         for job in sorted(set(self._first_seen) | set(self.warmup.jobs)):
             mine = steps.job == job
@@ -247,6 +254,8 @@ class WindowAnalyser:
                 hits=int(hits.sum()),
                 hub_bytes=int(reads["bytes"][misses].sum()),
                 read_bytes=int(reads["bytes"][misses | hits].sum()),
+                first_pass=self.passes.of(job),
+                read_lead=leads.get(job),
                 stall_idle_gpu_seconds=idle_by_job.get(job, 0.0),
                 stall_start_ns=steps.wait_start[mine & stalled],
                 stall_end_ns=steps.wait_end[mine & stalled],

@@ -15,6 +15,7 @@ span gives, not the last few seconds'.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -80,6 +81,17 @@ class WindowFile:
         whole = data[:data.rfind(b"\n") + 1]
         self._offset += len(whole)
         self._rows += [json.loads(line) for line in whole.splitlines() if line.strip()]
+
+    def forecast_after(self, seconds: float) -> float | None:
+        """The job's forecast of its time to steady in its first window ending `seconds` or more after its first
+        window began (inf: never); None if none was published then."""
+        rows = [(row["start_s"], row["end_s"], job) for row in self._rows for job in row["jobs"]
+                if job["job"] == self.job]
+        if not rows:
+            return None
+        began = rows[0][0]
+        told = next((job.get("forecast_time_to_steady_s") for _, end, job in rows if end >= began + seconds), None)
+        return math.inf if told == "never" else told
 
     def covers(self, until: float) -> bool:
         """Whether the windows up to `until` are out: a window that starts there or later is."""

@@ -189,7 +189,6 @@ class Demo:
         self.cut_at: float | None = None
         self.epochs: list[EpochFigures] = []
         self.time_to_steady: float | None = None  # the correlator's, once the demo has said it
-        self.forecasts: list[tuple[float, float]] = []  # (seconds since the start, the forecast then) until steady
         self._epoch_start = (0.0, 0.0, 0.0)  # unix time, the spoke's requests and hits then
         self._ended_epochs: list[EpochFigures] = []  # awaiting their windows, stall and compute not yet in
         self._epoch_lock = threading.Lock()
@@ -287,7 +286,7 @@ class Demo:
                 while not self.watch.alerts and time.monotonic() < deadline:
                     time.sleep(0.5)
             metrics = scrape(agent_url)
-            self._say_time_to_steady(metrics)
+            self._say_time_to_steady(metrics, windows)
             self.say(f"final, {status_line([(time.time(), metrics)])}")
             if while_running is not None:
                 while_running(prometheus.url if prometheus else None, agent_url)
@@ -345,24 +344,17 @@ class Demo:
                 self.epochs.append(figures)
                 self.say(epoch_line(figures))
 
-    def _say_time_to_steady(self, metrics: Samples) -> None:
+    def _say_time_to_steady(self, metrics: Samples, windows: WindowFile) -> None:
         """Once the correlator has found the job steady, say its time to steady (the report's figure too) and
-        what the forecast said a third of that time in; until then, note the forecasts as they come."""
-        def job_value(metric: str) -> float | None:
-            return next((v for (name, labels), v in metrics.items() if name == metric and (c.JOB_LABEL, JOB) in labels),
-                        None)
-        if self.time_to_steady is not None:
-            return
-        steady = job_value(c.WARMUP_TIME_TO_STEADY.name)
-        forecast = job_value(c.WARMUP_FORECAST_TIME_TO_STEADY.name)
-        if steady is None:
-            if forecast is not None:
-                self.forecasts.append((time.time() - self.live.started, forecast))
+        what the forecast said a third of that time into the job (its window file has both on the job's clock)."""
+        steady = next((v for (name, labels), v in metrics.items()
+                       if name == c.WARMUP_TIME_TO_STEADY.name and (c.JOB_LABEL, JOB) in labels), None)
+        if self.time_to_steady is not None or steady is None:
             return
         self.time_to_steady = steady
         self.say(f"  steady: time to steady {steady:.1f} s ({c.WARMUP_TIME_TO_STEADY.name}, as the report "
                  f"says), recognised {time.time() - self.live.started:.0f} s in")
-        told = next((f for at, f in self.forecasts if at >= steady / 3), None)
+        told = windows.forecast_after(steady / 3)
         if told is not None and not math.isinf(told):
             self.say(f"  forecast a third of the way in ({steady / 3:.0f} s): steady {told:.1f} s in, "
                      f"{(told - steady) / steady:+.0%} ({c.WARMUP_FORECAST_TIME_TO_STEADY.name})")
@@ -382,7 +374,7 @@ class Demo:
             self._say_epochs(windows)
             with contextlib.suppress(OSError, ValueError):
                 recent = [*recent[1 - RECENT_SCRAPES:], (time.time(), scrape(agent_url))]
-                self._say_time_to_steady(recent[-1][1])
+                self._say_time_to_steady(recent[-1][1], windows)
                 self.live.show(status_line(recent, self.watch.firing))
 
 

@@ -8,7 +8,8 @@ record counts add up to exactly the bytes received; the source and record values
 every timestamp is plausible: the batch was sent between `MAX_QUEUE_AGE_NS` ago and
 `FUTURE_SLACK_NS` from now, events end no later than it was sent and start at most
 `MAX_EVENT_AGE_NS` before, each span starts before it ends; an open record was open since no
-earlier than that, and looked at (`as_of_ns`) after its start and no later than the batch was sent.
+earlier than that (an epoch's progress, `wire.OPEN_EPOCH`: `MAX_EPOCH_AGE_NS`), and looked at (`as_of_ns`)
+after its start and no later than the batch was sent.
 
 Clocks: `time.monotonic_ns()` is one clock for all processes of a node, except in a container with
 its own time namespace. The header carries the client's monotonic and wall clocks read together;
@@ -33,6 +34,7 @@ REJECT_REASONS = (
 MAX_QUEUE_AGE_NS = 600 * 10**9
 FUTURE_SLACK_NS = 10**9
 MAX_EVENT_AGE_NS = 3600 * 10**9
+MAX_EPOCH_AGE_NS = 30 * 86400 * 10**9  # an epoch over a large dataset runs for hours or days
 CLOCK_TOLERANCE_NS = 2 * 10**9
 _SANE_NS = 2**62
 # Past these a value is a forgery or a bug, and summing a batch of them could wrap int64: a read of
@@ -140,14 +142,15 @@ def _check_values(rank: int, gpu: int, worker: int, steps: Records, reads: Recor
 def _check_times(sent_ns: int, steps: Records, reads: Records, opens: Records) -> None:
     """Every span in [sent_ns - MAX_EVENT_AGE_NS, sent_ns] and in order, on the client's own clock."""
     oldest = sent_ns - MAX_EVENT_AGE_NS
+    epoch = opens["state"] == wire.OPEN_EPOCH
     spans = (
-        (steps["wait_start_ns"], steps["wait_end_ns"]),
-        (steps["wait_end_ns"], steps["compute_end_ns"]),
-        (reads["start_ns"], reads["end_ns"]),
-        (opens["since_ns"], opens["as_of_ns"]),
+        (steps["wait_start_ns"], steps["wait_end_ns"], oldest),
+        (steps["wait_end_ns"], steps["compute_end_ns"], oldest),
+        (reads["start_ns"], reads["end_ns"], oldest),
+        (opens["since_ns"], opens["as_of_ns"], np.where(epoch, sent_ns - MAX_EPOCH_AGE_NS, oldest)),
     )
-    for start, end in spans:
-        if len(start) and ((start < oldest) | (start > end) | (end > sent_ns)).any():
+    for start, end, earliest in spans:
+        if len(start) and ((start < earliest) | (start > end) | (end > sent_ns)).any():
             raise RejectedBatchError("bad_timestamp", "event outside the batch's time range or ending before it starts")
     ready = steps["ready_ns"]
     if ((ready != -1) & ((ready < oldest) | (ready > sent_ns))).any():

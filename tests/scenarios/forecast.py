@@ -23,7 +23,7 @@ MB = 1 << 20
 @dataclass(frozen=True)
 class Case:
     spec: JobSpec
-    dataset_known: bool  # the agent is given the dataset's size; else the forecast fits it from the reuse it sees
+    dataset_known: bool  # the agent is given the dataset's size; else the epoch's progress or the reuse it sees
 
 
 CASES = {
@@ -35,6 +35,13 @@ CASES = {
                                                              False),
     "four ranks shuffling on their own (3.2 GB), fitted": Case(JobSpec(0, steps=3000, ranks=4, dataset_items=3200),
                                                               False),
+    "one rank, one pass (400 MB), epoch progress": Case(JobSpec(0, steps=1200, epoch_known=True), False),
+    "one rank, 3 workers, 20 ms compute, epoch progress": Case(
+        JobSpec(0, steps=1200, workers=3, compute_s=0.02, epoch_known=True), False),
+    "two ranks shuffling on their own (1.6 GB), epoch progress": Case(
+        JobSpec(0, steps=2400, ranks=2, dataset_items=1600, epoch_known=True), False),
+    "four ranks shuffling on their own (3.2 GB), epoch progress": Case(
+        JobSpec(0, steps=3000, ranks=4, dataset_items=3200, epoch_known=True), False),
 }
 SEEDS = tuple(range(1, 9))
 

@@ -58,6 +58,7 @@ class JobSpec:
     verdicts: str = "read"  # where the verdict is known: "read" (header), "spoke" (log) or "latency"
     clock_skew_s: float = 0.0  # each worker's clock is off by a fixed amount within ±this
     start_s: float = 0.0
+    epoch_known: bool = False  # the trainer reports its epoch's progress (a loader with a len(): OPEN_EPOCH)
 
 
 @dataclass(frozen=True)
@@ -252,6 +253,8 @@ def _open_records(state: _Rank) -> list[tuple]:
             rows.append((spec.job, state.rank, gpu, -1, wire.OPEN_WAIT, -1, 0, ws, flush))
             flush += FLUSH_S
     rows.append((spec.job, state.rank, gpu, -1, wire.OPEN_ENDED, -1, 0, state.compute_end, state.compute_end))
+    if spec.epoch_known:
+        rows += _epoch_records(state)
     if not spec.tagged:
         return rows
     for worker in range(spec.workers):
@@ -274,6 +277,26 @@ def _open_records(state: _Rank) -> list[tuple]:
                 done, k = max(handed)
                 rows.append((spec.job, state.rank, gpu, worker, wire.OPEN_HANDED, k, 0, done + skew, looked))
             flush += FLUSH_S
+    return rows
+
+
+def _epoch_records(state: _Rank) -> list[tuple]:
+    """The trainer's epoch progress at each flush that sends steps: an epoch is a pass over the dataset, its
+    loop begun at its first step's wait."""
+    spec = state.spec
+    length = spec.dataset_items // spec.reads_per_batch
+    ends = [ce for _, _, _, ce in state.steps]
+    rows: list[tuple] = []
+    flush, sent = spec.start_s + FLUSH_S, 0
+    while sent < len(ends):
+        done = bisect.bisect_right(ends, flush)
+        if done > sent:
+            epoch = min(done // length, (len(ends) - 1) // length)  # after its last step, the last epoch's end
+            began = state.steps[epoch * length][1] if epoch else spec.start_s
+            rows.append((spec.job, state.rank, state.gpu, -1, wire.OPEN_EPOCH, done - epoch * length, length,
+                         began, flush))
+            sent = done
+        flush += FLUSH_S
     return rows
 
 
