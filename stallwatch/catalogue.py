@@ -432,6 +432,10 @@ GPU_PRICE = gauge(
     "correlator", "gpu_price_dollars_per_second", "", ["gpu_type"],
     "The price of an idle GPU-second the cost series use: the GPU-hour price (--prices.*) over 3600.",
 )
+EPOCH_STEPS = gauge(
+    "correlator", "epoch_steps", "", [JOB_LABEL],
+    "Steps of an epoch of the job, as its trainers' loaders report it (their len()): the report's figures per epoch.",
+)
 DATASET_SIZE = gauge(
     "correlator", "dataset_size_bytes", "bytes", [],
     "The size of the dataset the node's jobs read, as the agent was given it (--correlator.dataset-size): the warm-up "

@@ -157,6 +157,27 @@ def test_sizing_scales_the_remote_fetches_by_the_miss_ratio_per_hour() -> None:
     assert "none of these capacities: even at 4&times; the job stays 9.1 % input-bound" in said
 
 
+def test_with_the_epochs_length_the_sizing_is_per_epoch_at_the_runs_pace(tmp_path: Path) -> None:
+    """Two ranks, 10 steps a second between them over the half hour, epochs of 500 steps a rank: an epoch takes
+    500 / 5 = 100 s, so each figure per epoch is the hour's times 100 / 3600. A recorded run of a job whose
+    trainers report their epoch's length (the scenario's 100 steps) carries it into the report."""
+    run = by_hand_run()
+    hourly = {row.factor: row for row in sizing(run, PRICES, gpu_known=True)}
+    run.ranks, run.epoch_steps = 2, 500
+    run.steps_per_second = Series(np.array([0.0]), np.array([10.0]), np.array([1800.0]))
+    assert run.epoch_seconds == pytest.approx(100.0)
+    for row in sizing(run, PRICES, gpu_known=True):
+        assert row.stall_seconds == pytest.approx(hourly[row.factor].stall_seconds * 100 / 3600)
+        assert row.egress_dollars == pytest.approx(hourly[row.factor].egress_dollars * 100 / 3600)
+        assert row.input_bound_ratio == hourly[row.factor].input_bound_ratio
+    page = render_html(run, PRICES, 0.2)
+    assert "per epoch (500 steps, as the job's loaders report: 100.0 s at the run's pace" in page
+    assert "<th>stall seconds per epoch</th>" in page
+    scenario = Scenario([JobSpec(0, steps=300, epoch_known=True)], cache_bytes=2000 * MB, seed=2)
+    recorded = run_from_windows(record(scenario, tmp_path / "windows.jsonl"))
+    assert recorded.epoch_steps == 100 and "<th>stall seconds per epoch</th>" in render_html(recorded, PRICES)
+
+
 @pytest.fixture(scope="module")
 def cold_then_warm(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Two ranks read a 400 MB dataset through a spoke that holds it all: misses the first epoch, hits after."""

@@ -84,6 +84,7 @@ class CorrelatorMetrics:
         self._warmup_idle: dict[str, float] = {}
         self._warmup_bytes: dict[str, float] = {}
         self._forecast: dict[str, Forecast] = {}
+        self._epoch_steps: dict[str, int] = {}
         self._regressions: dict[str, float] = {}
         self._job_stall: dict[str, float] = defaultdict(float)
         self._stamp: dict[str, float] = {}  # job -> unix time its series are published at
@@ -148,6 +149,8 @@ class CorrelatorMetrics:
                 self._warmup_bytes[job] = j.warmup_hub_bytes
                 if j.forecast is not None:
                     self._forecast[job] = j.forecast
+                if j.epoch_steps is not None:
+                    self._epoch_steps[job] = j.epoch_steps
                 self._regressions[job] = j.regressions
             for job_id, spans in result.stall_spans.items():
                 self._job_stall[name(job_id)] += stalled_seconds(spans)
@@ -199,6 +202,7 @@ class CorrelatorMetrics:
             for pair in [pair for pair in given if pair[0] == job]:
                 del given[pair]
         for per_job in (self._phase, self._time_to_steady, self._warmup_idle, self._warmup_bytes, self._forecast,
+                        self._epoch_steps,
                         self._regressions, self._job_stall, self._egress_cost, self._stamp, self._published):
             per_job.pop(job, None)
         for taken in self._taken.values():
@@ -226,6 +230,7 @@ class CorrelatorMetrics:
             (c.WARMUP_FORECAST_IDLE_GPU_SECONDS, {(j,): f.idle_gpu_seconds for j, f in self._forecast.items()}),
             (c.WARMUP_FORECAST_HUB_BYTES, {(j,): f.hub_bytes for j, f in self._forecast.items()}),
             (c.WARMUP_REGRESSIONS, {(j,): v for j, v in self._regressions.items()}),
+            (c.EPOCH_STEPS, {(j,): v for j, v in self._epoch_steps.items()}),
             (c.JOB_STALL_SECONDS, {(j,): v for j, v in self._job_stall.items()}),
             (c.WARMUP_PHASE, {(j, p): float(p == phase) for j, phase in self._phase.items() for p in PHASES}),
         ]

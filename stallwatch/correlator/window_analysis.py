@@ -266,7 +266,8 @@ class WindowAnalyser:
                                        complete=not window.final)
             rows.append(JobRow(job, state.phase, state.hit_ratio, seen.reads, seen.hub_bytes,
                                state.time_to_steady_s, state.idle_gpu_seconds, state.hub_bytes, state.regressions,
-                               stalled_seconds(spans[job]) if job in spans else 0.0, state.forecast))
+                               stalled_seconds(spans[job]) if job in spans else 0.0, state.forecast,
+                               seen.first_pass[1] if seen.first_pass else None))
         return tuple(rows)
 
     def _known_ranks(self, job: int) -> int:

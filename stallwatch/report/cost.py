@@ -3,7 +3,7 @@
 The sizing model (docs/cost.md): at a capacity C, the remote_fetch stall and the hub bytes scale with the miss
 ratio, (1 - h(C)) / (1 - h(1)), h being the what-if's estimated hit ratio and 1 the spoke's capacity now; the other
 causes' stalls stay as they were, and so does compute. The GPU idle in stalls scales the same way, cause by cause.
-Figures are per hour of the run: the report knows no epoch.
+Figures are per epoch when the job's trainers report its length (at the run's pace), else per hour of the run.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ HOUR = 3600.0
 
 @dataclass(frozen=True)
 class Capacity:
-    """One capacity of the what-if, per hour of the run."""
+    """One capacity of the what-if, per period: an epoch or an hour of the run (`period`)."""
 
     factor: str  # times the spoke's capacity, as the what-if labels it
     hit_ratio: float
@@ -34,12 +34,19 @@ def hit_ratio_now(run: Run) -> float | None:
     return next((ratio for factor, ratio in run.whatif.items() if float(factor) == 1.0), None)
 
 
+def period(run: Run) -> tuple[str, float]:
+    """What the sizing counts per: an epoch (its seconds at the run's pace) when the run knows one, else an hour."""
+    epoch = run.epoch_seconds
+    return ("hour", HOUR) if epoch is None else ("epoch", epoch)
+
+
 def sizing(run: Run, prices: Prices, gpu_known: bool) -> list[Capacity]:
-    """Each capacity of the run's what-if, smallest first; none without a what-if at the spoke's own capacity."""
+    """Each capacity of the run's what-if, smallest first, per `period`; none without a what-if at the spoke's own
+    capacity."""
     now = hit_ratio_now(run)
     if now is None or run.end <= run.start:
         return []
-    per_hour = HOUR / (run.end - run.start)
+    per_period = period(run)[1] / (run.end - run.start)
     missed_now = 1.0 - now
     rows = []
     for factor, hit_ratio in sorted(run.whatif.items(), key=lambda kv: float(kv[0])):
@@ -49,9 +56,9 @@ def sizing(run: Run, prices: Prices, gpu_known: bool) -> list[Capacity]:
         idle = sum(run.gpu_stall_idle_seconds.values()) + run.gpu_stall_idle_seconds[REMOTE_FETCH.name] * (misses - 1)
         worked = stall + run.compute_seconds
         rows.append(Capacity(
-            factor, hit_ratio, stall * per_hour, stall / worked if worked > 0 else None,
-            prices.gpu_cost(idle) * per_hour if gpu_known else None,
-            prices.egress_cost(run.hub_bytes * misses) * per_hour))
+            factor, hit_ratio, stall * per_period, stall / worked if worked > 0 else None,
+            prices.gpu_cost(idle) * per_period if gpu_known else None,
+            prices.egress_cost(run.hub_bytes * misses) * per_period))
     return rows
 
 

@@ -222,6 +222,8 @@ def _warmup(read: _Reader, scope: Scope, run: Run) -> None:
     hub = read.per_node(scope.select(c.WARMUP_HUB_BYTES))
     run.warmup_idle_gpu_seconds = sum(idle.values()) if idle else None
     run.warmup_hub_bytes = sum(hub.values()) if hub else None
+    epoch = read.per_node(scope.select(c.EPOCH_STEPS))
+    run.epoch_steps = int(max(epoch.values())) if epoch else None
     # The last node to be steady sets the job's time: so does its forecast.
     told = read.prometheus.range(by("", "max", scope.select(c.WARMUP_FORECAST_TIME_TO_STEADY)), read.start, read.end,
                                  read.step)

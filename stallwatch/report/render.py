@@ -17,7 +17,7 @@ import numpy as np
 from stallwatch import catalogue as c
 from stallwatch.mixin.config import Thresholds
 from stallwatch.prices import SET_BY_FLAG, Prices
-from stallwatch.report.cost import hit_ratio_now, sizing, smallest_under
+from stallwatch.report.cost import hit_ratio_now, period, sizing, smallest_under
 from stallwatch.report.run import FloatArray, Run, Series
 from stallwatch.report.stage import StageOrStream, Verdict, weigh
 
@@ -346,7 +346,7 @@ def _cost(run: Run, prices: Prices) -> str:
 
 def _sizing(run: Run, prices: Prices, target: float) -> tuple[str, str]:
     """Which capacity is enough (empty when none can be estimated), and the what-if's rows with each capacity's
-    stalls and dollars per hour."""
+    stalls and dollars per epoch or hour."""
     rows = sizing(run, prices, _gpu_unknown(run) is None)
     cells = {row.factor: (f"<td>{row.stall_seconds:,.1f} s</td><td>{_fmt(_percent(row.input_bound_ratio), ' %')}</td>"
                           f"<td>{_dollars(row.gpu_dollars)}</td><td>{_dollars(row.egress_dollars)}</td>")
@@ -384,12 +384,16 @@ def _whatif(run: Run, prices: Prices, target: float) -> str:
         rows = f'<tr><td colspan=6 id="whatif-none">no estimate: {html.escape(why)}</td></tr>'
         sized = ""
     combined = " (each node's estimate weighted by the reads it replayed)" if run.nodes > 1 and run.whatif else ""
-    return (f"<h2>What a different spoke would buy</h2><p>{c.CACHE_WHATIF_HIT_RATIO.name}{combined}; per hour of "
-            "the run (the report knows no epoch), the remote_fetch stalls, their GPU idle and the hub bytes scaled "
-            "by the miss ratio against the spoke's now, the other causes as they were (docs/cost.md).</p>"
+    per, seconds = period(run)
+    counted = (f"per epoch ({run.epoch_steps:,} steps, as the job's loaders report: {seconds:,.1f} s at the run's "
+               f"pace, {c.EPOCH_STEPS.name})" if per == "epoch" else
+               "per hour of the run (its trainers reported no epoch length)")
+    return (f"<h2>What a different spoke would buy</h2><p>{c.CACHE_WHATIF_HIT_RATIO.name}{combined}; {counted}, the "
+            "remote_fetch stalls, their GPU idle and the hub bytes scaled by the miss ratio against the spoke's now, "
+            "the other causes as they were (docs/cost.md).</p>"
             f"{sized}"
-            f'<table id="whatif"><tr><th>capacity</th><th>estimated hit ratio</th><th>stall seconds per hour</th>'
-            f"<th>input-bound</th><th>GPU idle in stalls, $ per hour</th><th>hub bytes, $ per hour</th></tr>"
+            f'<table id="whatif"><tr><th>capacity</th><th>estimated hit ratio</th><th>stall seconds per {per}</th>'
+            f"<th>input-bound</th><th>GPU idle in stalls, $ per {per}</th><th>hub bytes, $ per {per}</th></tr>"
             f"{rows}</table>")
 
 

@@ -75,6 +75,7 @@ class Run:
     # it was published while the job was cold.
     forecast_time_to_steady: Series = field(default_factory=Series.empty)
     dataset_bytes: float | None = None  # as the agents were given it (Prometheus only)
+    epoch_steps: int | None = None  # an epoch of the job, as its trainers' loaders report it
     gpu_types: tuple[str, ...] = ()  # the GPU types the agents priced idle at (Prometheus only: the price gauge's)
     whatif: dict[str, float] = field(default_factory=dict)
     whatif_keys: float | None = None  # keys the what-if's curve tracks; None: it saw no read
@@ -93,6 +94,14 @@ class Run:
     def hub_bytes(self) -> float:
         """Bytes fetched from the hub over the run: the hub throughput over the spans it holds for."""
         return self.hub_bytes_per_second.integral()
+
+    @property
+    def epoch_seconds(self) -> float | None:
+        """An epoch at the run's pace: its steps over each rank's steps a second, over the run."""
+        steps = self.steps_per_second.integral()
+        if not self.epoch_steps or steps <= 0 or self.end <= self.start:
+            return None
+        return self.epoch_steps * max(self.ranks, 1) * (self.end - self.start) / steps
 
     @property
     def steady_at(self) -> float | None:

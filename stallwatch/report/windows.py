@@ -110,6 +110,7 @@ class _Windows:
     phases: dict[str, tuple[array[int], array[int]]] = field(default_factory=dict)
     steady: dict[str, tuple[float, float, float, float]] = field(default_factory=dict)
     forecasts: dict[str, list[tuple[float, float]]] = field(default_factory=dict)  # job -> (window end, forecast)
+    epoch_steps: dict[str, int] = field(default_factory=dict)  # job -> its epoch's steps, as last reported
     jobs: set[str] = field(default_factory=set)  # every job named, in or out of the run
     ranks: set[tuple[str, int]] = field(default_factory=set)  # of the run's windows
     gpus: set[tuple[str, int]] = field(default_factory=set)  # (job, GPU) pairs of the run's windows
@@ -201,6 +202,9 @@ class _Windows:
         windows, phases = self.phases.setdefault(name, (array("q"), array("b")))
         windows.append(index)
         phases.append(c.PHASES.index(phase))
+        epoch = item.get("epoch_steps")
+        if epoch is not None and spanned_end is not None:
+            self.epoch_steps[name] = int(_number(epoch, "epoch_steps", at_most=2**40))
         forecast = item.get("forecast_time_to_steady_s")
         if forecast is not None and spanned_end is not None:
             told = math.inf if forecast == "never" else _number(forecast, "forecast_time_to_steady_s", at_most=2**40)
@@ -314,5 +318,6 @@ def _warmup(run: Run, windows: _Windows, order: np.ndarray, kept: np.ndarray, na
             run.phases.append((float(starts[index]), float(ends[index]), phase))
     if name in windows.steady:
         _, run.time_to_steady_seconds, run.warmup_idle_gpu_seconds, run.warmup_hub_bytes = windows.steady[name]
+    run.epoch_steps = windows.epoch_steps.get(name)
     if told := sorted(windows.forecasts.get(name, [])):
         run.forecast_time_to_steady = Series(np.array([t for t, _ in told]), np.array([v for _, v in told]))
