@@ -119,6 +119,13 @@ def test_a_run_never_steady_pays_its_residual_from_the_start() -> None:
     assert "The job never got steady" in said and "$8.1000 an hour from its start" in said
     assert "Staging wins for any job longer than 2.0 h; streaming only for a shorter one." in said
     assert "Staging wins for a dataset under 44.182 GB per hour the job runs" in said
+    # With the epoch's length (4 ranks, 8 steps a second between them over the hour: 2 a rank; 1,800-step epochs
+    # take 900 s) the break-even is in epochs too: 2.04 h is 8.1 epochs.
+    epochs = by_hand_run(steady=False)
+    epochs.ranks, epochs.epoch_steps = 4, 1800
+    epochs.steps_per_second = Series(np.array([0.0]), np.array([8.0]), np.array([3600.0]))
+    said = shown(render_html(epochs, PRICES, dataset_bytes=90e9), "stage-or-stream")
+    assert f"longer than 2.0 h ({16.5 / 8.1 * 3600 / 900:,.1f} epochs at the run's pace)" in said
 
 
 def test_what_the_run_cannot_give_is_named_never_printed_as_nan() -> None:

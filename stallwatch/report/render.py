@@ -222,9 +222,13 @@ def _staged(weighed: StageOrStream) -> str:
             f"{_dollars(copy.egress_dollars)} of egress.")
 
 
-def _verdict(weighed: StageOrStream) -> str:
+def _verdict(weighed: StageOrStream, epoch_seconds: float | None) -> str:
     said = ""
-    hours = None if weighed.break_even_hours is None else _duration(weighed.break_even_hours * 3600)
+    hours = None
+    if (until := weighed.break_even_hours) is not None:
+        hours = _duration(until * 3600)
+        if epoch_seconds:
+            hours += f" ({until * 3600 / epoch_seconds:,.1f} epochs at the run's pace)"
     if weighed.verdict is Verdict.STAGE_WINS:
         said = "Staging wins from the start: the copy costs no more than streaming's warm-up alone."
     elif weighed.verdict is Verdict.STREAM_WINS:
@@ -261,7 +265,7 @@ def _stage_or_stream(run: Run, prices: Prices, dataset_bytes: float | None) -> s
     elif weighed.verdict is Verdict.NO_REUSE:
         said = _no_reuse(weighed, bool(run.whatif))
     else:
-        said = " ".join(filter(None, (_streamed(weighed), _staged(weighed), _verdict(weighed))))
+        said = " ".join(filter(None, (_streamed(weighed), _staged(weighed), _verdict(weighed, run.epoch_seconds))))
     return f'<p id="stage-or-stream">Stage or stream: {said}</p>'
 
 
