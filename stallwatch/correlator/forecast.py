@@ -34,9 +34,12 @@ had (thrash), or reads nothing twice.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 NEVER = math.inf
 _MIN_FIT_HITS = 20  # reuse fitted only on this many hits: a handful of early hits says little about W
@@ -58,46 +61,56 @@ def _log_miss(ratio: float) -> float:
     return -math.log1p(-min(ratio, 0.999))
 
 
+class _Window(NamedTuple):
+    start_ns: int
+    end_ns: int
+    reads: int
+    hits: int
+    read_bytes: int
+    fill: float  # the job's hub bytes so far in the window's middle
+    hub_bytes: int
+    idle_gpu_seconds: float
+    steps: int
+
+
 @dataclass
 class _Recent:
-    """The last `horizon_ns` of windows: the job's read bytes a second now, and how its hits follow the fill."""
+    """The last `horizon_ns` of windows: the job's read bytes and steps a second now, and how its hits follow the
+    fill."""
 
     horizon_ns: int
-    # start, end, reads, hits, read bytes, the job's hub bytes so far in the window's middle, hub bytes, GPU idle,
-    # steps
-    windows: deque[tuple[int, int, int, int, int, float, int, float, int]] = field(default_factory=deque)
+    windows: deque[_Window] = field(default_factory=deque)
 
-    def add(self, start_ns: int, end_ns: int, reads: int, hits: int, read_bytes: int, fetched: float,
-            hub_bytes: int, idle_gpu_seconds: float, steps: int) -> None:
-        self.windows.append((start_ns, end_ns, reads, hits, read_bytes, fetched, hub_bytes, idle_gpu_seconds, steps))
-        while self.windows and self.windows[0][1] <= end_ns - self.horizon_ns:
+    def add(self, window: _Window) -> None:
+        self.windows.append(window)
+        while self.windows and self.windows[0].end_ns <= window.end_ns - self.horizon_ns:
             self.windows.popleft()
 
     def read_rate(self) -> float:
-        return self._rate(4)
+        return self._rate(self.windows, sum(w.read_bytes for w in self.windows))
 
     def step_rate(self) -> float:
         """Steps a second since the first window with a step: a job's start (its workers starting, their first
         reads) is no pace."""
-        first = next((i for i, w in enumerate(self.windows) if w[8]), None)
-        return 0.0 if first is None else self._rate(8, first)
+        stepping = list(itertools.dropwhile(lambda w: not w.steps, self.windows))
+        return self._rate(stepping, sum(w.steps for w in stepping))
 
-    def _rate(self, field: int, first: int = 0) -> float:
-        """The field's sum over the windows from `first`, a second."""
-        seconds = (self.windows[-1][1] - self.windows[first][0]) / 1e9 if self.windows else 0.0
-        return sum(w[field] for w in list(self.windows)[first:]) / seconds if seconds > 0 else 0.0
+    @staticmethod
+    def _rate(windows: Sequence[_Window], total: float) -> float:
+        """`total` over the windows' time, a second."""
+        seconds = (windows[-1].end_ns - windows[0].start_ns) / 1e9 if windows else 0.0
+        return total / seconds if seconds > 0 else 0.0
 
     def idle_per_hub_byte(self) -> float:
-        hub_bytes = sum(w[6] for w in self.windows)
-        return sum(w[7] for w in self.windows) / hub_bytes if hub_bytes else 0.0
+        hub_bytes = sum(w.hub_bytes for w in self.windows)
+        return sum(w.idle_gpu_seconds for w in self.windows) / hub_bytes if hub_bytes else 0.0
 
     def walk(self, working_set: float) -> float:
         """a, from each window's hit ratio against the fill in its middle (not the fill now: a hit ratio over
         several windows lags it), weighted by reads; 0 before the spoke holds a twentieth of W."""
-        filled = [(w[2], w[3] / w[2], w[5] / working_set) for w in self.windows
-                  if w[2] and 0.05 <= w[5] / working_set < 1]  # reads, hits / reads, fill
-        scale = sum(reads * _log_miss(f) for reads, _, f in filled)
-        return min(sum(reads * _log_miss(h) for reads, h, _ in filled) / scale, 1.0) if scale > 0 else 0.0
+        filled = [w for w in self.windows if w.reads and 0.05 <= w.fill / working_set < 1]
+        scale = sum(w.reads * _log_miss(w.fill / working_set) for w in filled)
+        return min(sum(w.reads * _log_miss(w.hits / w.reads) for w in filled) / scale, 1.0) if scale > 0 else 0.0
 
 
 class WarmupForecast:
@@ -130,7 +143,8 @@ class WarmupForecast:
         through its first pass it was, when its trainers report it; `read_lead`: how many batches its loaders had
         read ahead of its steps, when it read."""
         filled = self._fetched + hub_bytes / 2  # the spoke's fill in the middle of the window
-        self._recent.add(start_ns, end_ns, reads, hits, read_bytes, filled, hub_bytes, idle_gpu_seconds, steps)
+        self._recent.add(_Window(start_ns, end_ns, reads, hits, read_bytes, filled, hub_bytes, idle_gpu_seconds,
+                                 steps))
         self._ranks, self._first_pass = ranks, first_pass or self._first_pass
         if read_lead is not None:
             self._read_leads.append(read_lead)
