@@ -5,7 +5,7 @@ take. A rank's first pass is its first epoch of that length: the steps taken ove
 an epoch of the same length began later. Loops of another length (a validation loader) are not the pass. The
 warm-up forecast (`forecast.py`) reads the job's progress, the mean over its ranks (a synchronous job's ranks
 step together): one pass fetches the working set. A loader reads ahead of its trainer (its workers' prefetch), so
-the pass's reads end that many batches before its steps do (`read_lead`).
+the pass's reads end that many batches before its steps do (`window_analysis._read_lead`).
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ from dataclasses import dataclass
 import numpy as np
 
 from stallwatch.client import wire
-from stallwatch.correlator.intervals import I64
 from stallwatch.eventbatch import Columns
 
 
@@ -58,16 +57,3 @@ class FirstPasses:
         for key in [key for key in self._ranks if key[0] in jobs]:
             del self._ranks[key]
 
-
-def read_lead(step_job: I64, step_rank: I64, step_batch: I64, read_job: I64, read_rank: I64,
-              read_batch: I64) -> dict[int, float]:
-    """Per job, how many batches its loaders have read ahead of its steps in a window: per rank, its latest read's
-    batch less its latest step's (batches are numbered per trainer), the mean over the ranks that did both."""
-    leads: dict[int, list[int]] = {}
-    tagged = read_batch >= 0
-    for job, rank in set(zip(step_job.tolist(), step_rank.tolist(), strict=True)):
-        read = read_batch[tagged & (read_job == job) & (read_rank == rank)]
-        if read.size:
-            stepped = int(step_batch[(step_job == job) & (step_rank == rank)].max())
-            leads.setdefault(job, []).append(max(int(read.max()) - stepped, 0))
-    return {job: sum(values) / len(values) for job, values in leads.items()}

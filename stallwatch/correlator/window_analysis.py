@@ -7,7 +7,8 @@ per-event work is array work. The only Python loops run per job or per rank, nev
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+import functools
+from collections.abc import Callable, Mapping
 
 import numpy as np
 import numpy.typing as npt
@@ -17,7 +18,7 @@ from stallwatch.correlator.attribution import Attribution, Reads, Steps, gpu_idl
 from stallwatch.correlator.cuts import CutSteps, EarlyBooking, attribute_cut, cut_at_windows
 from stallwatch.correlator.inflight import InFlight, in_flight
 from stallwatch.correlator.intervals import composite_key, distinct_rows
-from stallwatch.correlator.passes import FirstPasses, read_lead
+from stallwatch.correlator.passes import FirstPasses
 from stallwatch.correlator.results import GpuRow, JobRow, RankRow, Spans, WhatIfCurve, WindowResult, stalled_seconds
 from stallwatch.correlator.settings import CorrelatorSettings, seconds_to_ns
 from stallwatch.correlator.verdicts import LatencySplit, join_spoke
@@ -45,6 +46,18 @@ def _spans(steps: Steps, stalled: npt.NDArray[np.bool_]) -> dict[int, Spans]:
     return {job: (steps.wait_start[mine], steps.wait_end[mine])
             for job in np.unique(steps.job[stalled]).tolist()
             for mine in [stalled & (steps.job == job)]}
+
+
+def _read_lead(mine: npt.NDArray[np.bool_], steps: Steps, read_mine: npt.NDArray[np.bool_],
+               read_batches: npt.NDArray[np.int64]) -> float | None:
+    """How many batches a job's loaders have read ahead of its steps in a window (`mine`, `read_mine`): its latest
+    read's batch less its latest step's (its ranks step together, each numbering its batches alike); None without
+    both. Asked only while the forecast wants it: the masks cost a steady job nothing."""
+    read = read_batches[read_mine]
+    read = read[read >= 0]
+    if not read.size or not mine.any():
+        return None
+    return float(max(int(read.max()) - int(steps.batch[mine].max()), 0))
 
 
 def _stalled(steps: Steps, threshold_ns: int) -> npt.NDArray[np.bool_]:
@@ -93,8 +106,7 @@ class WindowAnalyser:
         in_window = (raw["end_ns"] >= start) & (raw["end_ns"] < end)
         verdict = self._verdicts(raw, window, in_window)
         # The window's own reads, once: the jobs' counts, the what-if and the warm-up take only these.
-        own_reads = {name: raw[name][in_window] for name in ("job", "rank", "batch", "start_ns", "end_ns", "key",
-                                                             "bytes")}
+        own_reads = {name: raw[name][in_window] for name in ("job", "start_ns", "end_ns", "key", "bytes")}
         own_reads["verdict"] = verdict[in_window]
         steps = _steps(window.steps)
         flight = in_flight(window.context["open"])
@@ -131,7 +143,8 @@ class WindowAnalyser:
         spans = _spans(here, cut.stalled[:n])
         # Warm-up takes the GPU idle time of the stalls booked now, in whichever window they lie.
         idle_by_job = {job: float(idle[cut.steps.job == job].sum()) / 1e9 for job in np.unique(cut.steps.job).tolist()}
-        jobs = self._jobs(window, steps, stalled, own_reads, idle_by_job, spans, set(live.job.tolist()))
+        read_batches = functools.cache(lambda: raw["batch"][in_window])
+        jobs = self._jobs(window, steps, stalled, own_reads, read_batches, idle_by_job, spans, set(live.job.tolist()))
         # The what-if replays the reads that crossed a spoke: a spoke's size changes nothing for the others.
         crossed = np.flatnonzero(own_reads["verdict"] != Verdict.DIRECT)
         order = crossed[np.argsort(own_reads["end_ns"][crossed], kind="stable")]
@@ -229,21 +242,25 @@ class WindowAnalyser:
         return tuple(GpuRow(job, gpu, tuple(s)) for (job, gpu), s in zip(keys.tolist(), sums.tolist(), strict=True))
 
     def _jobs(self, window: WindowInput, steps: Steps, stalled: np.ndarray, reads: Columns,
-              idle_by_job: Mapping[int, float], spans: Mapping[int, Spans], waiting: set[int]) -> tuple[JobRow, ...]:
-        """Per job, the window's warm-up row; `reads` are the window's own, with their resolved `verdict`. Only the
-        reads that crossed a spoke count towards its hit ratio."""
+              read_batches: Callable[[], npt.NDArray[np.int64]], idle_by_job: Mapping[int, float],
+              spans: Mapping[int, Spans], waiting: set[int]) -> tuple[JobRow, ...]:
+        """Per job, the window's warm-up row; `reads` are the window's own, with their resolved `verdict`, and
+        `read_batches` their batches, taken only for a forecast that wants them. Only the reads that crossed a spoke
+        count towards its hit ratio."""
         read_jobs = reads["job"]
         missed, hit, direct = (reads["verdict"] == verdict for verdict in (Verdict.MISS, Verdict.HIT, Verdict.DIRECT))
         for job, first in self._earliest(steps, reads).items():
             self._first_seen[job] = min(self._first_seen.get(job, first), first)
         step_seconds = (steps.compute_end - steps.wait_start) / 1e9
-        leads = read_lead(steps.job, steps.rank, steps.batch, read_jobs, reads["rank"].astype(np.int64),
-                          reads["batch"].astype(np.int64))
         rows = []
         for job in sorted(set(self._first_seen) | set(self.warmup.jobs)):
             mine = steps.job == job
             read_mine = read_jobs == job
             misses, hits = read_mine & missed, read_mine & hit
+            cold = self._cold(job)  # the forecast's figures, wanted only until the job is steady
+            passing = self.passes.of(job)
+            first_pass = passing if cold else None
+            lead = _read_lead(mine, steps, read_mine, read_batches()) if first_pass else None
             seen = JobWindow(
                 steps=int(mine.sum()),
                 ranks=int(np.unique(steps.rank[mine]).size) or self._known_ranks(job),
@@ -253,9 +270,9 @@ class WindowAnalyser:
                 reads=int(misses.sum()) + int(hits.sum()),
                 hits=int(hits.sum()),
                 hub_bytes=int(reads["bytes"][misses].sum()),
-                read_bytes=int(reads["bytes"][misses | hits].sum()),
-                first_pass=self.passes.of(job),
-                read_lead=leads.get(job),
+                read_bytes=int(reads["bytes"][misses | hits].sum()) if cold else 0,
+                first_pass=first_pass,
+                read_lead=lead,
                 stall_idle_gpu_seconds=idle_by_job.get(job, 0.0),
                 stall_start_ns=steps.wait_start[mine & stalled],
                 stall_end_ns=steps.wait_end[mine & stalled],
@@ -267,8 +284,13 @@ class WindowAnalyser:
             rows.append(JobRow(job, state.phase, state.hit_ratio, seen.reads, seen.hub_bytes,
                                state.time_to_steady_s, state.idle_gpu_seconds, state.hub_bytes, state.regressions,
                                stalled_seconds(spans[job]) if job in spans else 0.0, state.forecast,
-                               seen.first_pass[1] if seen.first_pass else None))
+                               passing[1] if passing else None))
         return tuple(rows)
+
+    def _cold(self, job: int) -> bool:
+        """Not steady yet: the forecast still wants the job's figures."""
+        state = self.warmup.jobs.get(job)
+        return state is None or state.time_to_steady_s is None
 
     def _known_ranks(self, job: int) -> int:
         state = self.warmup.jobs.get(job)
