@@ -288,6 +288,9 @@ def test_version_2_batches_still_decode() -> None:
     ((wire.OPEN_WAIT, -1, 0, NOW - MAX_EVENT_AGE_NS - 1, NOW - 10), "bad_timestamp"),  # open too long to be true
     ((wire.OPEN_EPOCH, 7, 100, NOW - MAX_EPOCH_AGE_NS - 1, NOW - 10), "bad_timestamp"),  # an epoch of a month
     ((wire.OPEN_EPOCH, -2, 100, NOW - 50, NOW - 10), "bad_value"),
+    ((wire.OPEN_EPOCH, 0, 0, NOW - 50, NOW - 10), "bad_value"),  # an epoch of no steps
+    ((wire.OPEN_EPOCH, 101, 100, NOW - 50, NOW - 10), "bad_value"),  # more steps taken than it has
+    ((wire.OPEN_EPOCH, 1, 2**63, NOW - 50, NOW - 10), "bad_value"),
 ])
 def test_malformed_open_records_reject_the_batch(record: wire.Open, reason: str) -> None:
     with pytest.raises(RejectedBatchError) as rejected:

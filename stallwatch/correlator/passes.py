@@ -37,6 +37,8 @@ class FirstPasses:
         order = np.argsort(opens["as_of_ns"][epoch], kind="stable")
         columns = [opens[name][epoch][order].tolist() for name in ("job", "rank", "batch", "key", "since_ns")]
         for job, rank, done, length, since in zip(*columns, strict=True):
+            if length < 1:  # the decoder lets none through; a recorded or built batch might hold one
+                continue
             first = self._ranks.get((job, rank))
             if first is None:
                 self._ranks[(job, rank)] = _FirstEpoch(since, length, min(done / length, 1.0))

@@ -35,6 +35,7 @@ MAX_QUEUE_AGE_NS = 600 * 10**9
 FUTURE_SLACK_NS = 10**9
 MAX_EVENT_AGE_NS = 3600 * 10**9
 MAX_EPOCH_AGE_NS = 30 * 86400 * 10**9  # an epoch over a large dataset runs for hours or days
+MAX_EPOCH_STEPS = 2**40
 CLOCK_TOLERANCE_NS = 2 * 10**9
 _SANE_NS = 2**62
 # Past these a value is a forgery or a bug, and summing a batch of them could wrap int64: a read of
@@ -133,6 +134,10 @@ def _check_values(rank: int, gpu: int, worker: int, steps: Records, reads: Recor
         raise RejectedBatchError("bad_value", "batch below -1")
     if not np.isin(opens["state"], wire.OPEN_STATES).all():
         raise RejectedBatchError("bad_value", "unknown open state")
+    epochs = opens[opens["state"] == wire.OPEN_EPOCH]
+    length = epochs["key"]
+    if ((length < 1) | (length > MAX_EPOCH_STEPS) | (epochs["batch"] > length.astype(np.int64))).any():
+        raise RejectedBatchError("bad_value", "an epoch's steps out of range")
     if ((reads["bytes"] < 0) | (reads["bytes"] > MAX_READ_BYTES)).any():
         raise RejectedBatchError("bad_value", "read bytes out of range")
     if ((reads["verdict"] < wire.VERDICT_UNKNOWN) | (reads["verdict"] > wire.VERDICT_DIRECT)).any():
