@@ -336,7 +336,7 @@ def _cost(run: Run, prices: Prices) -> str:
     gpu = _gpu_unknown(run)
     idle = sum(run.gpu_stall_idle_seconds.values())
     of = f"job {html.escape(run.job)}" if run.job else "the run's jobs together"
-    hub = (f"{run.hub_bytes / 1e9:,.3f} GB" if run.spoke_reads else "none: no read crossed a spoke")
+    hub = (_gb(run.hub_bytes) if run.spoke_reads else "none: no read crossed a spoke")
     rows = (f'<tr><td style="text-align:left">GPU idle in stalls</td><td>{"&ndash;" if gpu else f"{idle:,.1f} s"}</td>'
             f'<td class="k" id="cost-gpu">{_dollars(None if gpu else prices.gpu_cost(idle))}</td></tr>'
             f'<tr><td style="text-align:left">bytes from the hub</td><td>{hub}</td>'
