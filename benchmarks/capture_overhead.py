@@ -1,10 +1,13 @@
 """What read capture costs, measured side by side in one run.
 
-1. A captured read: 64-byte reads of a file in the page cache, through the file `open()` returns with
-   capture off (plain) and on (captured, as a loader worker's), and the recording of one read event alone
-   (two clock reads and `reads.record_read`, what any recorded read pays). What capture adds beyond
-   recording its event is captured - plain - recording, per read.
-2. An open it skips: `open()` of a file of the Python installation (the path checked and skipped), of any
+1. A captured read: reads of a file in the page cache through the file `open()` returns with capture off
+   (plain) and on (captured, as a loader worker's), and the recording of one read event alone (two clock
+   reads and `reads.record_read`, what any recorded read pays). Reads of 16 KiB through a 4 KiB buffer
+   each reach the file system, an event each: what capture adds beyond recording its event is
+   captured - plain - recording, per read. Reads of 64 B are served by the buffer, an event a refill
+   (one in 64 here): captured - plain, per read, is what a decoder's small reads pay.
+2. An open it skips: `open()` of a file of the Python installation (the path checked and skipped: again, as
+   a process opens its files again, and for the first time, its prefixes tested), of any
    file in a process whose reads have no source (the trainer outside a loop without workers), and for
    comparison the open of a file it captures, each against the original `open()`.
 
@@ -33,26 +36,25 @@ from typing import IO, Any
 from benchmarks.client_overhead import DRAIN
 from stallwatch.client import capture, reads, transport, wire
 
-READ_SIZE = 64
+READ_SIZE = 64  # served by the buffer
 READS_PER_CHUNK = 8 * wire.MAX_EVENTS  # eight datagrams of events
+BUFFER_SIZE = 4096
+SYSTEM_READ_SIZE = 4 * BUFFER_SIZE  # larger than the buffer: each a read of the file system, and an event
+SYSTEM_READS_PER_CHUNK = wire.MAX_EVENTS
 SOURCE = wire.Source("bench", rank=0, worker=0)
 
 Side = Callable[[], int]  # runs a chunk, returns the nanoseconds it took
 
 
 def read_sides(path: str) -> dict[str, Side]:
-    """Each side reads (or records) READS_PER_CHUNK times; the files rewind untimed."""
-    plain = capture.original_open(path, "rb")  # open for the run
-    captured: Any = capture.capturing_open(path, "rb")
-    assert type(captured) is reads.RecordedFile
-
-    def reading(file: Any) -> Side:  # a file, or the captured one
+    """Each side reads (or records) a chunk; the files rewind untimed."""
+    def reading(file: Any, size: int, count: int) -> Side:
         def chunk() -> int:
             file.seek(0)
             read = file.read
             start = time.perf_counter_ns()
-            for _ in range(READS_PER_CHUNK):
-                read(READ_SIZE)
+            for _ in range(count):
+                read(size)
             return time.perf_counter_ns() - start
         return chunk
 
@@ -64,7 +66,17 @@ def read_sides(path: str) -> dict[str, Side]:
             record(path, offset, READ_SIZE, began, clock(), wire.VERDICT_DIRECT)
         return time.perf_counter_ns() - start
 
-    return {"plain": reading(plain), "captured": reading(captured), "recording": recording}
+    def opened(opener: Callable[..., IO[Any]]) -> IO[Any]:  # open for the run
+        file = opener(path, "rb", BUFFER_SIZE)
+        assert (type(file.raw) is reads.RecordedFileIO) == (opener is capture.capturing_open)  # type: ignore[attr-defined]
+        return file
+
+    plain, captured = opened(capture.original_open), opened(capture.capturing_open)
+    return {"plain": reading(plain, READ_SIZE, READS_PER_CHUNK),
+            "captured": reading(captured, READ_SIZE, READS_PER_CHUNK),
+            "plain system": reading(plain, SYSTEM_READ_SIZE, SYSTEM_READS_PER_CHUNK),
+            "captured system": reading(captured, SYSTEM_READ_SIZE, SYSTEM_READS_PER_CHUNK),
+            "recording": recording}
 
 
 def passthrough(file: Any, mode: str = "r", buffering: int = -1, encoding: str | None = None,
@@ -75,15 +87,21 @@ def passthrough(file: Any, mode: str = "r", buffering: int = -1, encoding: str |
 
 
 def open_sides(skipped: str, captured: str, opens: int) -> dict[str, Side]:
-    def opening(opener: Callable[..., IO[Any]], path: str, bound: bool) -> Side:
+    def opening(opener: Callable[..., IO[Any]], path: str, bound: bool, first: bool = False) -> Side:
         def chunk() -> int:
             if bound:
                 reads.bind_worker(SOURCE)
             else:
-                reads._context.source = None  # the trainer outside a loop without workers
+                reads.context.source = None  # the trainer outside a loop without workers
+            forget = capture._skipped_paths.clear  # both sides of a first open pay the clearing
             start = time.perf_counter_ns()
-            for _ in range(opens):
-                opener(path, "rb").close()
+            if first:
+                for _ in range(opens):
+                    forget()
+                    opener(path, "rb").close()
+            else:
+                for _ in range(opens):
+                    opener(path, "rb").close()
             return time.perf_counter_ns() - start
         return chunk
 
@@ -91,6 +109,8 @@ def open_sides(skipped: str, captured: str, opens: int) -> dict[str, Side]:
         "plain skipped file": opening(capture.original_open, skipped, True),
         "captured skipped file": opening(capture.capturing_open, skipped, True),
         "passthrough skipped file": opening(passthrough, skipped, True),
+        "plain skipped file, first": opening(capture.original_open, skipped, True, first=True),
+        "captured skipped file, first": opening(capture.capturing_open, skipped, True, first=True),
         "plain, no source": opening(capture.original_open, captured, False),
         "captured, no source": opening(capture.capturing_open, captured, False),
         "plain captured file": opening(capture.original_open, captured, True),
@@ -117,7 +137,7 @@ def median_difference(timings: dict[str, list[int]], side: str, *minus: str, per
 def measure(rounds: int, opens: int) -> dict[str, float]:
     with tempfile.TemporaryDirectory() as directory:
         data = Path(directory) / "sample.bin"
-        data.write_bytes(os.urandom(READS_PER_CHUNK * READ_SIZE))
+        data.write_bytes(os.urandom(max(READS_PER_CHUNK * READ_SIZE, SYSTEM_READS_PER_CHUNK * SYSTEM_READ_SIZE)))
         socket = str(Path(directory) / "events.sock")
         drain = subprocess.Popen([sys.executable, "-c", DRAIN, socket], stdout=subprocess.PIPE, text=True)
         gc.disable()
@@ -135,14 +155,21 @@ def measure(rounds: int, opens: int) -> dict[str, float]:
             drain.kill()
             drain.wait()
     per_read = {"per": READS_PER_CHUNK}
+    per_system_read = {"per": SYSTEM_READS_PER_CHUNK}
     return {
-        "plain read": median_difference(read, "plain", **per_read),
+        f"plain {SYSTEM_READ_SIZE // 1024} KiB read": median_difference(read, "plain system", **per_system_read),
         "recording an event": median_difference(read, "recording", **per_read),
-        "captured read": median_difference(read, "captured", **per_read),
-        "capture beyond recording, per read": median_difference(read, "captured", "plain", "recording", **per_read),
+        f"captured {SYSTEM_READ_SIZE // 1024} KiB read": median_difference(read, "captured system", **per_system_read),
+        "capture beyond recording, per read": statistics.median(
+            (read["captured system"][n] - read["plain system"][n]) / SYSTEM_READS_PER_CHUNK
+            - read["recording"][n] / READS_PER_CHUNK for n in range(len(read["recording"]))),
+        f"plain {READ_SIZE} B read (buffered)": median_difference(read, "plain", **per_read),
+        f"capture's cost, {READ_SIZE} B read (buffered)": median_difference(read, "captured", "plain", **per_read),
         "plain open": median_difference(opened, "plain skipped file", per=opens),
         "capture's cost, skipped file": median_difference(opened, "captured skipped file", "plain skipped file",
                                                           per=opens),
+        "capture's cost, skipped file first opened": median_difference(
+            opened, "captured skipped file, first", "plain skipped file, first", per=opens),
         "a Python open()'s least cost": median_difference(opened, "passthrough skipped file", "plain skipped file",
                                                           per=opens),
         "capture's cost, no source": median_difference(opened, "captured, no source", "plain, no source", per=opens),
@@ -161,9 +188,10 @@ def main() -> int:
           f"{args.opens:,} opens a side a round; CPU count {os.cpu_count()}):")
     for name, nanoseconds in figures.items():
         print(f"  {name:40s} {nanoseconds:9.0f} ns")
-    beyond, skipped = figures["capture beyond recording, per read"], figures["capture's cost, skipped file"]
+    beyond = figures["capture beyond recording, per read"]
+    skipped = max(figures["capture's cost, skipped file"], figures["capture's cost, skipped file first opened"])
     print(f"target: capture beyond recording <= 1000 ns a read: {'met' if beyond <= 1000 else 'MISSED'}; "
-          f"<= 100 ns an open it skips: {'met' if skipped <= 100 else 'MISSED'}")
+          f"<= 100 ns an open it skips, first or again: {'met' if skipped <= 100 else 'MISSED'}")
     return 0
 
 

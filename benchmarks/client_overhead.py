@@ -7,8 +7,10 @@
    another process, as the agent would.
 2. Throughput of a real DataLoader pipeline (2 persistent workers, a fixed CPU cost a sample and
    a batch, one recorded read a sample), plain and through `stallwatch.client.torch.instrument`,
-   with two kinds of sample work (`--decode`): small matrix products (light, so the client's share
-   shows) and a real JPEG decoded with Pillow. Several runs (`--runs`), each a fresh process
+   with three kinds of sample work (`--decode`): small matrix products (light, so the client's share
+   shows), a real JPEG decoded with Pillow, and the same JPEGs read from files with `open()` as
+   torchvision's ImageFolder reads them (`jpeg-files`: no recorded read in either loader, the
+   instrumented one's captured as `stallwatch run` captures them). Several runs (`--runs`), each a fresh process
    (`pipeline_runs`) of many short rounds of four epochs (ABBA / BAAB, `round_order`) after discarded
    warm-up rounds, both loaders built anew every few rounds (`pipeline_rounds`). Each run gives the
    median of its rounds' changes in throughput (samples/s) and in CPU time a sample (the trainer's
@@ -20,7 +22,7 @@
    (±0.5 %) is judged on the pipeline with real decoding; for the light synthetic one the benchmark
    prints the client's CPU a batch and the batch size in CPU from which it holds.
 
-    PYTHONPATH=. python benchmarks/client_overhead.py [--events N] [--decode matmul|jpeg|both] [--runs N]
+    PYTHONPATH=. python benchmarks/client_overhead.py [--events N] [--decode matmul|jpeg|jpeg-files|both] [--runs N]
         [--rounds R] [--samples S] [--rebuild-every K] [--warmup W] [--control]
 """
 
@@ -317,11 +319,12 @@ def jpeg_images(count: int = 64, size: int = 224) -> list[bytes]:
     return images
 
 
-DECODES = ("matmul", "jpeg")
+DECODES = ("matmul", "jpeg", "jpeg-files")
+BOTH = ("matmul", "jpeg")  # `--decode both`
 # Whether a decode is a real pipeline's work, on which the throughput target holds (DESIGN: "<= 0.5 %
 # training throughput loss on a real DataLoader pipeline"), or synthetic work chosen light so that
 # the client's fixed cost a batch shows: there the change is that cost over the batch's CPU time.
-REAL_DECODING = {"matmul": False, "jpeg": True}
+REAL_DECODING = {"matmul": False, "jpeg": True, "jpeg-files": True}
 TARGET_THROUGHPUT_CHANGE = 0.5  # %, either way
 BATCH = 64
 
@@ -344,14 +347,22 @@ def pipeline_rounds(
     `decode` is each sample's work in its
     worker: "matmul", 12 small matrix products (~20 µs, light: the client's share shows), or "jpeg", a
     real 224x224 JPEG decoded with Pillow (~0.4 ms, still light beside decoding and augmenting a
-    full-size photograph)."""
+    full-size photograph), or "jpeg-files", the same read from a file by `open()` and PIL, as
+    torchvision's ImageFolder reads it, with no recorded read of its own: the instrumented loader's
+    workers capture those reads (`instrument`'s default, what `stallwatch run` does to every loader)."""
     import torch
     from PIL import Image
     from torch.utils.data import DataLoader, Dataset
 
     from stallwatch.client.torch import instrument
 
-    images = jpeg_images() if decode == "jpeg" else []
+    images = jpeg_images() if decode in ("jpeg", "jpeg-files") else []
+    folder = tempfile.TemporaryDirectory()  # the files of "jpeg-files", in the page cache: CPU is compared
+    files = []
+    if decode == "jpeg-files":
+        for index, image in enumerate(images):
+            files.append(os.path.join(folder.name, f"{index}.jpg"))
+            Path(files[-1]).write_bytes(image)
 
     class Samples(Dataset[numpy.ndarray]):
         """In-memory samples with a recorded 'read' each (in both loaders: what is compared is what
@@ -366,6 +377,10 @@ def pipeline_rounds(
             return len(self.data)
 
         def __getitem__(self, index: int) -> numpy.ndarray:
+            if files:  # torchvision's `pil_loader`
+                with open(files[index % len(files)], "rb") as file:
+                    pixels = numpy.asarray(Image.open(file).convert("RGB"))
+                return pixels[::28, ::28].astype(numpy.float32).ravel()[:64] / 255 + self.data[index]
             with ReadSpan("/datasets/bench.bin", index * 256) as span:
                 sample: numpy.ndarray = self.data[index]
                 span.bytes = 256
@@ -425,6 +440,7 @@ def pipeline_rounds(
         measured.rounds.append(round_change(this_round))
         for side, result in this_round:
             (measured.plain if side == PLAIN else measured.compared).append(result)
+    folder.cleanup()
     return measured
 
 
@@ -485,7 +501,7 @@ def other_threads(epoch: Epoch) -> float:
 # serves (a JPEG round takes ~1.4 s). For the jpeg pipeline, forty runs of 30 rounds (~41 min): the runs'
 # medians spread by several points either way on a busy 2-core machine (a control's twelve runs: -2.91 ..
 # +1.06 %), so that the median of twelve runs was only good to about ±0.9 %, and of forty to ±0.5 %.
-PIPELINE_DEFAULTS = {"matmul": (4, 200, 2048, 10), "jpeg": (40, 30, 1024, 5)}
+PIPELINE_DEFAULTS = {"matmul": (4, 200, 2048, 10), "jpeg": (40, 30, 1024, 5), "jpeg-files": (40, 30, 1024, 5)}
 
 
 def print_pipeline(decode: str, samples: int, warmup: int, rebuild_every: int, control: bool, runs: list[Run]) -> None:
@@ -542,7 +558,7 @@ def main() -> int:
         print(json.dumps(pipeline_rounds(args.rounds, args.warmup, args.samples, args.control, args.one_run,
                                          args.rebuild_every)))
         return 0
-    decodes = DECODES if args.decode == "both" else (args.decode,)
+    decodes = BOTH if args.decode == "both" else (args.decode,)
     pipelines = {decode: tuple(given or default for given, default in zip(
         (args.runs, args.rounds, args.samples, args.rebuild_every), PIPELINE_DEFAULTS[decode], strict=True))
         for decode in decodes}

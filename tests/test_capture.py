@@ -121,7 +121,8 @@ def test_a_captured_binary_file_reads_exactly_as_the_file(content: bytes, buffer
     try:
         with reads.reads_as(SOURCE):
             captured: Any = open(path, "rb", buffering=buffering)  # noqa: SIM115
-        assert type(captured) is reads.RecordedFile
+        assert type(captured) is io.BufferedReader and type(captured.raw) is reads.RecordedFileIO
+        assert (captured.mode, captured.name) == (plain.mode, plain.name)
         assert replay(captured, steps, BINARY_ACTIONS) == replay(plain, steps, BINARY_ACTIONS)
     finally:
         capture.stop()
@@ -141,7 +142,8 @@ def test_a_captured_text_file_decodes_exactly_as_the_file(content: str, newline:
     try:
         with reads.reads_as(SOURCE):
             captured = open(path, encoding="utf-8", newline=newline)  # noqa: SIM115
-        assert isinstance(captured, io.TextIOWrapper) and type(captured.buffer) is reads.RecordedFile
+        assert type(captured) is io.TextIOWrapper and type(captured.buffer) is io.BufferedReader
+        assert type(captured.buffer.raw) is reads.RecordedFileIO
         assert (captured.mode, captured.encoding, captured.name) == (plain.mode, plain.encoding, plain.name)
         assert replay(captured, steps, TEXT_ACTIONS) == replay(plain, steps, TEXT_ACTIONS)
     finally:
@@ -150,16 +152,18 @@ def test_a_captured_text_file_decodes_exactly_as_the_file(content: str, newline:
         path.unlink()
 
 
-def test_each_read_is_an_event_at_its_offset_with_the_workers_batch(capturing: Path, datagrams: Datagrams,
-                                                                    tmp_path: Path) -> None:
+def test_each_read_of_the_file_system_is_an_event_at_its_offset_with_the_workers_batch(
+        capturing: Path, datagrams: Datagrams, tmp_path: Path) -> None:
+    """An event a read the buffer makes (its refills), none for the reads it serves from memory."""
     local, remote = tmp_path / "local.bin", capturing / "remote.bin"
     for path in (local, remote):
         path.write_bytes(bytes(range(256)) * 4)
     reads.set_batch(7)
-    with open(local, "rb") as f:  # a Path, as datasets pass them
-        f.read(100)
+    with open(local, "rb", buffering=256) as f:  # a Path, as datasets pass them
+        f.read(100)  # the buffer's first 256 bytes
+        f.read(100)  # served by the buffer
         f.seek(512)
-        f.readinto(bytearray(24))
+        assert isinstance(f, io.BufferedReader) and f.readinto(bytearray(24)) == 24  # the buffer refilled from 512
     with open(str(remote), encoding="latin-1") as text:
         text.read()
     reads.set_batch(-1)
@@ -167,8 +171,8 @@ def test_each_read_is_an_event_at_its_offset_with_the_workers_batch(capturing: P
     wait_for("the reads", lambda: len(datagrams.rows("reads")) >= 3, 10)
     events = [(d.source.job, d.source.rank, d.source.worker, row["batch"], row["key"], row["bytes"], row["verdict"])
               for d in datagrams.decoded for row in d.reads]
-    expected = [(str(local), 0, 100, wire.VERDICT_DIRECT), (str(local), 512, 24, wire.VERDICT_DIRECT),
-                (str(remote), 0, 1024, wire.VERDICT_UNKNOWN)]  # text: the whole file in one read of its buffer
+    expected = [(str(local), 0, 256, wire.VERDICT_DIRECT), (str(local), 512, 256, wire.VERDICT_DIRECT),
+                (str(remote), 0, 1024, wire.VERDICT_UNKNOWN)]  # text: the whole file, one read to its end
     assert events == [("capture", 2, 1, 7, read_key(path, offset), size, verdict)
                       for path, offset, size, verdict in expected]
 
@@ -189,6 +193,21 @@ def test_files_it_skips_are_the_originals_and_record_nothing(capturing: Path, tm
     finally:
         for f in opened:
             f.close()
+
+
+def test_a_path_skipped_once_is_skipped_again_and_a_relative_one_judged_where_it_is_opened(
+        capturing: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Skipped absolute paths are remembered; a relative name means another file once the directory moves."""
+    for _ in range(2):
+        with open(os.__file__, "rb") as f:
+            assert type(f) is io.BufferedReader
+    monkeypatch.chdir(os.path.dirname(os.__file__))
+    with open("os.py", "rb") as f:
+        assert type(f) is io.BufferedReader
+    (tmp_path / "os.py").write_bytes(b"data")
+    monkeypatch.chdir(tmp_path)
+    with open("os.py", "rb") as f:
+        assert type(f.raw) is reads.RecordedFileIO and f.read() == b"data"
 
 
 def test_a_process_whose_reads_have_no_source_is_not_captured(tmp_path: Path) -> None:
@@ -260,7 +279,7 @@ def test_opening_fails_and_refuses_to_pickle_as_the_file_does(capturing: Path, t
         refused = [outcome(lambda: pickle.dumps(plain)), outcome(lambda: copy.copy(plain))]
     capture.start({})
     with open(path, "rb") as captured:
-        assert type(captured).__name__ == "RecordedFile"
+        assert type(captured.raw) is reads.RecordedFileIO
         assert [outcome(lambda: pickle.dumps(captured)), outcome(lambda: copy.copy(captured))] == refused
     assert refused[0][0] is TypeError
 
@@ -269,21 +288,21 @@ def test_a_forked_child_reads_on_where_the_parent_was_and_records_as_itself(capt
                                                                            tmp_path: Path) -> None:
     path = tmp_path / "shared.bin"
     path.write_bytes(bytes(range(200)))
-    with open(path, "rb") as f:
-        f.read(50)
+    with open(path, "rb", buffering=16) as f:
+        f.read(48)  # a multiple of the buffer: read from the file system, nothing left in the buffer
         transport.sender().flush_all()
         wait_for("the parent's read", lambda: len(datagrams.rows("reads")) == 1, 10)
         child = os.fork()
         if child == 0:
             reads.bind_worker(wire.Source("capture", rank=2, worker=5))
-            ok = f.read() == bytes(range(50, 200))
+            ok = f.read() == bytes(range(48, 200))
             transport.sender().flush_all()
             os._exit(0 if ok else 1)
         _, status = os.waitpid(child, 0)
     assert os.waitstatus_to_exitcode(status) == 0
     wait_for("the child's read", lambda: len(datagrams.rows("reads")) >= 2, 10)
     (child_read,) = [row for d in datagrams.decoded if d.source.worker == 5 for row in d.reads]
-    assert (child_read["key"], child_read["bytes"]) == (read_key(str(path), 50), 150)
+    assert (child_read["key"], child_read["bytes"]) == (read_key(str(path), 48), 152)
 
 
 def test_recording_that_fails_never_reaches_the_reader(capturing: Path, tmp_path: Path) -> None:
@@ -306,6 +325,6 @@ def test_the_cost_benchmark_measures_every_side() -> None:
     """benchmarks/capture_overhead.py, one short round: every figure it prints is measured (the figures
     themselves are the benchmark's to judge, never a test's), and it leaves the process as it found it."""
     figures = measure(rounds=1, opens=50)
-    assert len(figures) == 9 and all(math.isfinite(value) for value in figures.values()), figures
-    assert figures["captured read"] > 0 and figures["recording an event"] > 0
+    assert len(figures) == 12 and all(math.isfinite(value) for value in figures.values()), figures
+    assert figures["captured 16 KiB read"] > 0 and figures["recording an event"] > 0
     assert not capture.installed() and not reads.bound()

@@ -20,6 +20,7 @@ from benchmarks.client_overhead import (
     Run,
     client_cost_per_batch,
     cpu_seconds,
+    jpeg_images,
     median_of_runs,
     pipeline_rounds,
     pipeline_runs,
@@ -28,6 +29,9 @@ from benchmarks.client_overhead import (
     spread,
     verdict,
 )
+from stallwatch.client import transport
+from stallwatch.harness import wait_for
+from tests.test_client_open import Datagrams
 
 
 def test_rounds_balance_places_and_predecessors() -> None:
@@ -113,7 +117,8 @@ def test_the_target_is_judged_on_the_real_pipeline_only(throughput: float, met: 
     assert "19.2 µs" in synthetic and "3.8 ms" in synthetic and "60 µs a sample" in synthetic
 
 
-@pytest.mark.parametrize(("control", "decode"), [(False, "matmul"), (True, "matmul"), (False, "jpeg")])
+@pytest.mark.parametrize(("control", "decode"), [(False, "matmul"), (True, "matmul"), (False, "jpeg"),
+                                                (False, "jpeg-files")])
 def test_pipeline_runs_real_loaders_and_pairs_every_epoch(control: bool, decode: str) -> None:
     rounds, plain, compared = pipeline_rounds(rounds=3, warmup=1, samples=256, control=control, decode=decode,
                                               rebuild_every=2)  # a second pair of loaders for the third round
@@ -122,6 +127,23 @@ def test_pipeline_runs_real_loaders_and_pairs_every_epoch(control: bool, decode:
         assert epoch.seconds > epoch.step_seconds > 0 and epoch.cpu_seconds >= epoch.trainer_cpu_seconds > 0
         assert epoch.trainer_cpu_seconds >= epoch.main_thread_cpu_seconds > 0
     assert all(math.isfinite(value) for change in rounds for value in change)
+
+
+def test_the_files_pipeline_captures_the_instrumented_loaders_reads_alone(tmp_path: Path) -> None:
+    """`jpeg-files`: each sample's file read through `open()`, captured in the instrumented loader's workers
+    only, every byte of it (the plain loader's reads would double the bytes)."""
+    received = Datagrams(str(tmp_path / "events.sock"))
+    transport.configure(str(tmp_path / "events.sock"))
+    try:
+        pipeline_rounds(rounds=1, warmup=0, samples=128, decode="jpeg-files", rebuild_every=1)
+        every_file_twice = 2 * sum(map(len, jpeg_images()))  # 128 samples an epoch, 64 files
+        instrumented_epochs = 2
+        wait_for("the captured reads", lambda: sum(row["bytes"] for row in received.rows("reads"))
+                 >= instrumented_epochs * every_file_twice, 20)
+        assert sum(row["bytes"] for row in received.rows("reads")) == instrumented_epochs * every_file_twice
+    finally:
+        transport.sender().close()
+        received.close()
 
 
 def test_each_run_is_a_fresh_process_whose_rounds_come_back(tmp_path: Path) -> None:

@@ -1,13 +1,16 @@
 """Read capture: the files a loader reads through `open()` recorded, with no change to the code that reads.
 
 `start()` puts `capturing_open` in place of `builtins.open` and `io.open` (what `open()`, `Path.open`,
-`Path.read_bytes`, NumPy's `np.load`, `torch.load` and PIL's `Image.open` call). A file it captures is the
-file `open()` returns, read through `reads.RecordedFile`: one read event a read call, with its key, bytes,
-start, end and the batch it serves. It captures a file opened for reading only (no `+`, buffered), by
-path, while this process's reads have a source (a loader worker, or a loop without workers during its
-epoch, `reads.bound`), and not under the Python installation or kernel pseudo-files (`skipped_prefixes`):
-the interpreter's own imports go through `io.open_code` and are never seen. Every other open returns
-the original's object untouched.
+`Path.read_bytes`, NumPy's `np.load`, `torch.load` and PIL's `Image.open` call). A file it captures is
+what `open()` would have returned, the same buffer (and text layer) of the same types, over a
+`RecordedFileIO` in place of the `FileIO` beneath: one read event a read the file system answers (a
+buffer's refill, a read larger than the buffer, a read to the end), with its key, bytes, start, end and
+the batch it serves. The reads the buffer serves from memory (a decoder's many small reads of a header:
+38 for a JPEG through PIL) cost what they did and are in the event of the refill that brought them.
+It captures a file opened for reading only (no `+`, buffered), by path, while this process's reads have
+a source (a loader worker, or a loop without workers during its epoch, `reads.bound`), and not under
+the Python installation or kernel pseudo-files (`skipped_prefixes`): the interpreter's own imports go
+through `io.open_code` and are never seen. Every other open is the original's.
 
 A file under a spoke's mount (`SPOKE_MOUNTS_ENV`: mount points, `os.pathsep`-separated) is a spoke read
 with its verdict left to the agent; any other crossed no spoke (`wire.VERDICT_DIRECT`, booked
@@ -26,7 +29,8 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import IO, Any
 
 from stallwatch.client import remote, wire
-from stallwatch.client.reads import RecordedFile, bound
+from stallwatch.client.reads import RecordedFileIO
+from stallwatch.client.reads import context as _reading
 
 # "0" turns read capture off, for `instrument` and `stallwatch run` alike.
 CAPTURE_ENV = "STALLWATCH_CAPTURE_READS"
@@ -41,16 +45,16 @@ def enabled(env: Mapping[str, str] = os.environ) -> bool:
 
 
 def _folders(paths: Iterable[str]) -> tuple[str, ...]:
-    """Each path as a prefix of what lies under it (`/data/` does not take in `/database`), those inside
-    another left out: each open that is not skipped tries them all."""
-    folders = sorted({os.path.join(os.path.abspath(path), "") for path in paths if path})
+    """Each path as a prefix of what lies under it (`/data/` does not take in `/database`), in the order
+    given, those inside another left out: `str.startswith` tries them in turn, so the likeliest first."""
+    folders = list(dict.fromkeys(os.path.join(os.path.abspath(path), "") for path in paths if path))
     return tuple(folder for folder in folders if not any(folder.startswith(other) for other in folders
                                                           if other != folder))
 
 
 def skipped_prefixes() -> tuple[str, ...]:
     """Where reads are never captured: the Python installation (prefixes, standard library, site-packages)
-    and kernel pseudo-files."""
+    and kernel pseudo-files, the environment's prefix first (where installed packages' data files lie)."""
     installation = [sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix, *site.getsitepackages(),
                     site.getusersitepackages()]
     installation += [sysconfig.get_path(name) for name in ("stdlib", "platstdlib", "purelib", "platlib")]
@@ -70,39 +74,62 @@ class _Settings:
 
 
 _settings = _Settings()
+# Absolute paths found under a skipped folder: an installation's files are few, and a process that opens
+# one often opens it again.
+SKIPPED_PATHS_KEPT = 4096
+_skipped_paths: set[str] = set()
 
 
 def capturing_open(file: Any, mode: str = "r", buffering: int = -1, encoding: str | None = None,
                    errors: str | None = None, newline: str | None = None, closefd: bool = True,
                    opener: Callable[[str, int], int] | None = None) -> IO[Any]:
     """`open()`, whose file records its reads when it is one to capture (the module's rules)."""
-    opened = original_open(file, mode, buffering, encoding, errors, newline, closefd, opener)
-    # Cheapest refusals first: most opens a process skips are refused by the first two tests.
-    if not bound() or (type(file) is str and file.startswith(_settings.skipped)):
-        return opened
-    if "r" not in mode or "+" in mode or buffering == 0 or isinstance(file, int):  # no path to key a descriptor by
-        return opened
+    captured = None
     try:
-        path = os.path.abspath(os.fsdecode(file)) if type(file) is not str or not file.startswith(os.sep) else file
-        if path.startswith(_settings.skipped):
-            return opened
-        verdict = wire.VERDICT_UNKNOWN if path.startswith(_settings.mounts) else wire.VERDICT_DIRECT
+        # Cheapest refusals first, inline (a call costs more than a test): a process whose reads have no
+        # source, and a path skipped before (a set's lookup costs a fraction of testing the folders).
+        if _reading.source is not None and file not in _skipped_paths:
+            captured = _to_capture(file, mode, buffering, encoding is None and errors is None and newline is None)
+    except Exception:  # never into the reader (an unhashable path-like, say): the file is opened uncaptured
+        captured = None
+    if captured is None:
+        return original_open(file, mode, buffering, encoding, errors, newline, closefd, opener)
+    # Built as `open()` builds it (raising as it does), with the recorded raw file beneath.
+    raw = RecordedFileIO(os.fspath(file), captured[0], captured[1], closefd, opener)
+    try:
+        line_buffering = "b" not in mode and (buffering == 1 or (buffering < 0 and raw.isatty()))
+        if buffering == 1 or buffering < 0:
+            blksize = raw._blksize  # type: ignore[attr-defined]  # the file system's, as `open()` reads it
+            buffering = blksize if blksize > 1 else io.DEFAULT_BUFFER_SIZE
+        buffered = io.BufferedReader(raw, buffering)
         if "b" in mode:
-            return RecordedFile(opened, path, verdict, 0)  # type: ignore[return-value]  # reads as the file does
-        return _recorded_text(opened, path, verdict, mode, newline)  # type: ignore[arg-type]
-    except Exception:  # never into the reader: the file is read uncaptured
-        return opened
+            return buffered
+        text = io.TextIOWrapper(buffered, encoding, errors, newline, line_buffering)
+        text.mode = mode  # type: ignore[misc]  # as open() sets it
+        return text
+    except BaseException:
+        raw.close()
+        raise
 
 
-def _recorded_text(opened: io.TextIOWrapper, path: str, verdict: int, mode: str, newline: str | None,
-                   ) -> io.TextIOWrapper:
-    """The text file `opened` reading through a recorded buffer, decoding as it would have."""
-    text = io.TextIOWrapper(RecordedFile(opened.buffer, path, verdict, 0),  # type: ignore[arg-type]
-                            encoding=opened.encoding, errors=opened.errors, line_buffering=opened.line_buffering,
-                            newline=newline)
-    opened.detach()  # the buffer is the new wrapper's alone: the old one would close it when collected
-    text.mode = mode  # type: ignore[misc]  # as open() sets it
-    return text
+def _to_capture(file: Any, mode: str, buffering: int, no_text_arguments: bool) -> tuple[str, int] | None:
+    """The path and verdict of a file `capturing_open` records, None for one it leaves to the original."""
+    if type(file) is str and file.startswith(_settings.skipped):  # absolute: every skipped folder is
+        if len(_skipped_paths) < SKIPPED_PATHS_KEPT:
+            _skipped_paths.add(file)
+        return None
+    # Read only, buffered (1 is a text file's line buffering), a path to key its reads by, and arguments
+    # `open()` takes (it raises for the rest, and is left to).
+    if mode not in _READ_MODES or buffering == 0 or isinstance(file, int) or (
+            "b" in mode and (buffering == 1 or not no_text_arguments)):
+        return None
+    path = os.path.abspath(os.fsdecode(file)) if type(file) is not str or not file.startswith(os.sep) else file
+    if path.startswith(_settings.skipped):
+        return None
+    return path, wire.VERDICT_UNKNOWN if path.startswith(_settings.mounts) else wire.VERDICT_DIRECT
+
+
+_READ_MODES = frozenset({"r", "rb", "rt", "br", "tr"})
 
 
 def installed() -> bool:
@@ -115,6 +142,7 @@ def start(env: Mapping[str, str] = os.environ) -> bool:
     if not enabled(env):
         return False
     _settings.skipped, _settings.mounts = skipped_prefixes(), spoke_mounts(env)
+    _skipped_paths.clear()
     builtins.open = io.open = capturing_open  # type: ignore[assignment]
     remote.start(env)
     return True

@@ -23,6 +23,7 @@ import time
 import urllib.request
 from collections.abc import Callable, Iterator, Sized
 from threading import get_ident
+from time import monotonic_ns
 from types import TracebackType
 from typing import IO, Any, ParamSpec, SupportsIndex, TypeVar
 
@@ -115,46 +116,46 @@ class _ReadContext:
         self.reading = {}
 
 
-_context = _ReadContext()
-os.register_at_fork(after_in_child=_context._forget)
+context = _ReadContext()
+os.register_at_fork(after_in_child=context._forget)
 
 
 def bind_worker(source: wire.Source) -> None:
     """Send this process's reads as `source` (job, rank, gpu and loader worker id)."""
-    _context.source = source
-    _context.bind(sender().channel(source))
+    context.source = source
+    context.bind(sender().channel(source))
 
 
 def bound() -> bool:
     """Whether this process's reads already have a source (a loader worker's, or one the caller chose)."""
-    return _context.source is not None
+    return context.source is not None
 
 
 @contextlib.contextmanager
 def reads_as(source: wire.Source) -> Iterator[None]:
     """Send this process's reads as `source` inside the block; the previous source and batch after it."""
-    saved = _context.source, _context.channel, _context.batch
+    saved = context.source, context.channel, context.batch
     bind_worker(source)
     try:
         yield
     finally:
-        _context.source, _context.channel, _context.batch = saved
+        context.source, context.channel, context.batch = saved
 
 
 def set_batch(batch: int) -> None:
     """The batch index the following reads serve, being built from now on (-1: unknown, none being built)."""
-    _context.batch = batch
-    _context.building = None if batch == -1 else (batch, time.monotonic_ns())
+    context.batch = batch
+    context.building = None if batch == -1 else (batch, time.monotonic_ns())
 
 
 def handed_over(batch: int, at_ns: int) -> None:
     """The batch was finished and handed over at `at_ns` (`time.monotonic_ns()`); none is being built."""
-    _context.handed = (batch, at_ns)
-    _context.building = None
+    context.handed = (batch, at_ns)
+    context.building = None
 
 
 def current_batch() -> int:
-    return _context.batch
+    return context.batch
 
 
 def record_read(
@@ -162,29 +163,35 @@ def record_read(
 ) -> None:
     """Record one read that already happened."""
     try:
-        _context.target().read((_context.batch, read_key(location, offset), nbytes, start_ns, end_ns, verdict))
+        context.target().read((context.batch, read_key(location, offset), nbytes, start_ns, end_ns, verdict))
     except Exception:  # never into the reader; the event is lost
         return
 
 
 def timed_read(location: str, offset: int, verdict: int, start_ns: int, count: Callable[[T], int],
-               read: Callable[[Any], T], argument: Any) -> tuple[T, int]:
-    """`read(argument)` recorded as one read of `location` at `offset`, started at `start_ns` (0: now): its
-    result and the bytes `count` finds in it; -1 bytes when it ran inside another recorded read of this
+               read: Callable[[Any, Any], T], target: Any, argument: Any) -> tuple[T, int]:
+    """`read(target, argument)` recorded as one read of `location` at `offset`, started at `start_ns` (0: now):
+    its result and the bytes `count` finds in it; -1 bytes when it ran inside another recorded read of this
     thread (a `ReadSpan`, a wrapper of the same file), which is the event. A read that raises is not recorded.
-    One argument, not *args: a captured file's every read passes here (benchmarks/capture_overhead.py)."""
-    thread, reading = get_ident(), _context.reading
+    A method and its object, not a bound method (`call` calls one): a captured file's every read of the file
+    system passes here, and makes none (benchmarks/capture_overhead.py)."""
+    thread, reading = get_ident(), context.reading
     if thread in reading:
-        return read(argument), -1
-    start = start_ns or time.monotonic_ns()
+        return read(target, argument), -1
+    start = start_ns or monotonic_ns()
     reading[thread] = (location, offset, start)
     try:
-        result = read(argument)
+        result = read(target, argument)
     finally:
         reading.pop(thread, None)  # a ReadSpan inside it may have ended it already
     nbytes = count(result)
-    record_read(location, offset, nbytes, start, time.monotonic_ns(), verdict)
+    record_read(location, offset, nbytes, start, monotonic_ns(), verdict)
     return result, nbytes
+
+
+def call(read: Callable[[Any], T], argument: Any) -> T:
+    """`timed_read`'s `read` for a bound method or any one-argument callable."""
+    return read(argument)
 
 
 class ReadSpan:
@@ -206,13 +213,13 @@ class ReadSpan:
 
     def __enter__(self) -> ReadSpan:
         self._start = start = time.monotonic_ns()
-        _context.reading[get_ident()] = (self.location, self.offset, start)
+        context.reading[get_ident()] = (self.location, self.offset, start)
         return self
 
     def __exit__(
         self, kind: type[BaseException] | None, error: BaseException | None, traceback: TracebackType | None
     ) -> None:
-        _context.reading.pop(get_ident(), None)
+        context.reading.pop(get_ident(), None)
         record_read(self.location, self.offset, self.bytes, self._start, time.monotonic_ns(), self.verdict)
 
     @staticmethod
@@ -247,7 +254,8 @@ class RecordedFile:
         self._position = position if position is not None else raw.tell() if raw.seekable() else 0
 
     def _recorded(self, read: Callable[[Any], T], argument: Any, count: Callable[[T], int]) -> T:
-        result, nbytes = timed_read(self._path, self._position, self._verdict, 0, count, read, argument)
+        result: T
+        result, nbytes = timed_read(self._path, self._position, self._verdict, 0, count, call, read, argument)
         if nbytes > 0:  # -1: inside another recorded read, which keeps its own position
             self._position += nbytes
         return result
@@ -259,10 +267,10 @@ class RecordedFile:
         return self._recorded(self._file.read1, size, len)  # type: ignore[attr-defined,no-any-return]
 
     def readinto(self, buffer: Any) -> int:
-        return self._recorded(self._file.readinto, buffer, _count)  # type: ignore[attr-defined,no-any-return]
+        return self._recorded(self._file.readinto, buffer, count_read)  # type: ignore[attr-defined,no-any-return]
 
     def readinto1(self, buffer: Any) -> int:
-        return self._recorded(self._file.readinto1, buffer, _count)  # type: ignore[attr-defined,no-any-return]
+        return self._recorded(self._file.readinto1, buffer, count_read)  # type: ignore[attr-defined,no-any-return]
 
     def readline(self, size: int | None = -1) -> bytes:
         return self._recorded(self._file.readline, size, len)
@@ -298,12 +306,60 @@ class RecordedFile:
         self._file.close()
 
 
-def _count(count: int | None) -> int:
+def count_read(count: int | None) -> int:
+    """The bytes a `readinto` read: None (nothing ready, non-blocking) read none."""
     return count or 0
 
 
 def _total_length(lines: list[bytes]) -> int:
     return sum(map(len, lines))
+
+
+class RecordedFileIO(io.FileIO):
+    """A `FileIO` opened for reading whose reads are recorded, one event a call that reads the file:
+    `readinto` (a buffer's refill, or a read larger than the buffer), `readall`, `read`.
+
+    Tracks its own position (a `tell()` would cost a system call a read); seeks pass through it."""
+
+    def __init__(self, file: Any, path: str, verdict: int, closefd: bool = True,
+                 opener: Callable[[str, int], int] | None = None) -> None:
+        super().__init__(file, "r", closefd, opener)
+        self._location, self._verdict = path, verdict
+        self._position = 0 if opener is None else super().tell()  # an opener's descriptor may have moved
+
+    def readinto(self, buffer: Any, /) -> int:  # the buffer's reads: `_recorded` inline, a call less
+        count, nbytes = timed_read(self._location, self._position, self._verdict, 0, count_read, _FILE_READINTO, self,
+                                   buffer)
+        if nbytes > 0:
+            self._position += nbytes
+        return count
+
+    def readall(self) -> bytes:
+        return self._recorded(_read_all, None, len)
+
+    def read(self, size: int | None = -1, /) -> bytes:
+        return self._recorded(_FILE_READ, size, _length)
+
+    def _recorded(self, read: Callable[[Any, Any], T], argument: Any, count: Callable[[T], int]) -> T:
+        result, nbytes = timed_read(self._location, self._position, self._verdict, 0, count, read, self, argument)
+        if nbytes > 0:  # -1: inside another recorded read, which keeps its own position
+            self._position += nbytes
+        return result
+
+    def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
+        self._position = super().seek(offset, whence)
+        return self._position
+
+
+_FILE_READINTO, _FILE_READ = io.FileIO.readinto, io.FileIO.read
+
+
+def _read_all(file: io.FileIO, _: None) -> bytes:
+    return io.FileIO.readall(file)
+
+
+def _length(data: bytes | None) -> int:
+    return 0 if data is None else len(data)
 
 
 # Not the builtin as called: read capture (`stallwatch.client.capture`) may replace that with its own.

@@ -37,7 +37,15 @@ from urllib.parse import urlsplit
 from stallwatch.client import wire
 from stallwatch.client.bootstrap import after_import
 from stallwatch.client.keys import range_start
-from stallwatch.client.reads import RecordedFile, bound, record_read, timed_read, verdict_from_headers
+from stallwatch.client.reads import (
+    RecordedFile,
+    RecordedFileIO,
+    bound,
+    call,
+    record_read,
+    timed_read,
+    verdict_from_headers,
+)
 
 SPOKE_URLS_ENV = "STALLWATCH_SPOKE_URLS"  # spokes' URLs (prefixes), separated by spaces or commas
 _DEFAULT_PORTS = {"http": 80, "https": 443}
@@ -102,7 +110,7 @@ class _Body:
 
     def read(self, count: Callable[[Any], int], read: Callable[[Any], Any], argument: Any) -> Any:
         start, self.sent = self.sent, 0  # the first read waited for the headers too
-        result, nbytes = timed_read(self.location, self.position, self.verdict, start, count, read, argument)
+        result, nbytes = timed_read(self.location, self.position, self.verdict, start, count, call, read, argument)
         self.position += max(nbytes, 0)
         return result
 
@@ -203,7 +211,8 @@ def _file_read(original: Callable[..., Any]) -> Callable[..., Any]:
             (location, verdict), offset = _where(self), self.loc
         except Exception:  # never into the reader: this read is uncaptured
             return original(self, *args, **kwargs)
-        return timed_read(location, offset, verdict, 0, len, lambda file: original(file, *args, **kwargs), self)[0]
+        return timed_read(location, offset, verdict, 0, len, lambda file, _: original(file, *args, **kwargs), self,
+                          None)[0]
     return read
 
 
@@ -248,10 +257,27 @@ def _patch_webdataset(webdataset: ModuleType) -> None:
         _patch(schemes, scheme, _shard_opener)
 
 
+# numpy: a local file's seam, here with the others ----------------------------------------------------------
+
+
+def _array_file(original: Callable[[Any], bool]) -> Callable[[Any], bool]:
+    def isfileobj(f: Any) -> bool:  # a captured file: read through `read()`, as NumPy reads other file objects
+        return original(f) and type(getattr(f, "raw", None)) is not RecordedFileIO
+    return isfileobj
+
+
+def _patch_numpy(numpy: ModuleType) -> None:
+    """`np.load` reads the array of a real file (`isfileobj`) with `fromfile`, C reading the descriptor past
+    the buffer and its raw file: a captured file's array would go unrecorded."""
+    module = sys.modules.get("numpy.lib._format_impl") or sys.modules["numpy.lib.format"]  # NumPy 2, 1
+    _patch(module.__dict__, "isfileobj", _array_file)
+
+
 SEAMS: dict[str, Callable[[ModuleType], None]] = {
     "urllib3": _patch_urllib3,
     "fsspec": _patch_fsspec,
     "webdataset": _patch_webdataset,
+    "numpy": _patch_numpy,
 }
 
 
