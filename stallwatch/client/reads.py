@@ -1,4 +1,5 @@
-"""Recording dataset reads: a file wrapper, an HTTP GET, and a span for any other reader.
+"""Recording dataset reads: a file wrapper, a raw file (read capture's), an HTTP GET, and a span for any
+other reader.
 
 Each read becomes one event: its key (`stallwatch.client.keys.read_key` of the path or URL and the byte
 offset, so the agent can join it to the spoke's log without a path ever leaving the node), bytes,

@@ -16,6 +16,9 @@ a source (`reads.bound`), each through `reads.timed_read`: one event a read call
   store happen inside it. A file class with a `read` of its own (fsspec's `HTTPFile`, which fetches a
   whole file before its base's read) has that one recorded, from its first file on.
 - webdataset: a shard opened over http(s) is read from curl's pipe; each read of the pipe.
+- numpy, a local file's seam kept with these: `np.load` reads the array of a file `capture` captured
+  through `read()`, as it reads any file object but a real file (whose descriptor `fromfile` would read in
+  C, unrecorded).
 
 The verdict is the reply's cache header's (`reads.verdict_from_headers`) where the reader sees one; else a
 read through a spoke (`SPOKE_URLS_ENV`, URL prefixes) is left to the agent, any other crossed no spoke
