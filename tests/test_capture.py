@@ -10,6 +10,7 @@ import math
 import os
 import pickle
 import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -175,6 +176,19 @@ def test_each_read_of_the_file_system_is_an_event_at_its_offset_with_the_workers
                 (str(remote), 0, 1024, wire.VERDICT_UNKNOWN)]  # text: the whole file, one read to its end
     assert events == [("capture", 2, 1, 7, read_key(path, offset), size, verdict)
                       for path, offset, size, verdict in expected]
+
+
+def test_a_read_that_finds_the_end_at_once_is_no_event(capturing: Path, datagrams: Datagrams,
+                                                       tmp_path: Path) -> None:
+    """A read past the buffer reads until the file system has no more: that last, empty read is no event."""
+    path = tmp_path / "item.bin"
+    path.write_bytes(b"w" * 1000)
+    with open(path, "rb", buffering=256) as f:
+        assert len(f.read(2000)) == 1000
+    transport.sender().flush_all()
+    wait_for("the read", lambda: len(datagrams.rows("reads")) >= 1, 10)
+    time.sleep(0.3)  # a second event would have come with the first
+    assert [(row["key"], row["bytes"]) for row in datagrams.rows("reads")] == [(read_key(str(path), 0), 1000)]
 
 
 def test_files_it_skips_are_the_originals_and_record_nothing(capturing: Path, tmp_path: Path) -> None:

@@ -169,13 +169,17 @@ def record_read(
         return
 
 
+EMPTY_READ_NS = 1_000_000  # an empty read this long waited for something (a reply that never came): an event
+
+
 def timed_read(location: str, offset: int, verdict: int, start_ns: int, count: Callable[[T], int],
                read: Callable[[Any, Any], T], target: Any, argument: Any) -> tuple[T, int]:
     """`read(target, argument)` recorded as one read of `location` at `offset`, started at `start_ns` (0: now):
     its result and the bytes `count` finds in it; -1 bytes when it ran inside another recorded read of this
-    thread (a `ReadSpan`, a wrapper of the same file), which is the event. A read that raises is not recorded.
-    A method and its object, not a bound method (`call` calls one): a captured file's every read of the file
-    system passes here, and makes none (benchmarks/capture_overhead.py)."""
+    thread (a `ReadSpan`, a wrapper of the same file), which is the event. A read that raises is not recorded,
+    nor one that found the end at once (no bytes within `EMPTY_READ_NS`: the last of most files' reads,
+    it neither read nor waited). A method and its object, not a bound method (`call` calls one): a captured
+    file's every read of the file system passes here, and makes none (benchmarks/capture_overhead.py)."""
     thread, reading = get_ident(), context.reading
     if thread in reading:
         return read(target, argument), -1
@@ -185,8 +189,9 @@ def timed_read(location: str, offset: int, verdict: int, start_ns: int, count: C
         result = read(target, argument)
     finally:
         reading.pop(thread, None)  # a ReadSpan inside it may have ended it already
-    nbytes = count(result)
-    record_read(location, offset, nbytes, start, monotonic_ns(), verdict)
+    nbytes, end = count(result), monotonic_ns()
+    if nbytes or end - start >= EMPTY_READ_NS:
+        record_read(location, offset, nbytes, start, end, verdict)
     return result, nbytes
 
 
