@@ -112,6 +112,9 @@ def capturing_open(file: Any, mode: str = "r", buffering: int = -1, encoding: st
         raise
 
 
+_READ_MODES = frozenset({"r", "rb", "rt", "br", "tr"})
+
+
 def _to_capture(file: Any, mode: str, buffering: int, no_text_arguments: bool) -> tuple[str, int] | None:
     """The path and verdict of a file `capturing_open` records, None for one it leaves to the original."""
     if type(file) is str and file.startswith(_settings.skipped):  # absolute: every skipped folder is
@@ -128,8 +131,6 @@ def _to_capture(file: Any, mode: str, buffering: int, no_text_arguments: bool) -
         return None
     return path, wire.VERDICT_UNKNOWN if path.startswith(_settings.mounts) else wire.VERDICT_DIRECT
 
-
-_READ_MODES = frozenset({"r", "rb", "rt", "br", "tr"})
 
 
 def installed() -> bool:

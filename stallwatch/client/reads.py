@@ -260,10 +260,7 @@ class RecordedFile:
         self._position = position if position is not None else raw.tell() if raw.seekable() else 0
 
     def _recorded(self, read: Callable[[Any], T], argument: Any, count: Callable[[T], int]) -> T:
-        result: T
-        result, nbytes = timed_read(self._path, self._position, self._verdict, 0, count, call, read, argument)
-        if nbytes > 0:  # -1: inside another recorded read, which keeps its own position
-            self._position += nbytes
+        result: T = _read_on(self, count, call, read, argument)
         return result
 
     def read(self, size: int | None = -1) -> bytes:
@@ -330,27 +327,21 @@ class RecordedFileIO(io.FileIO):
     def __init__(self, file: Any, path: str, verdict: int, closefd: bool = True,
                  opener: Callable[[str, int], int] | None = None) -> None:
         super().__init__(file, "r", closefd, opener)
-        self._location, self._verdict = path, verdict
+        self._path, self._verdict = path, verdict
         self._position = 0 if opener is None else super().tell()  # an opener's descriptor may have moved
 
-    def readinto(self, buffer: Any, /) -> int:  # the buffer's reads: `_recorded` inline, a call less
-        count, nbytes = timed_read(self._location, self._position, self._verdict, 0, count_read, _FILE_READINTO, self,
+    def readinto(self, buffer: Any, /) -> int:  # the buffer's reads: `_read_on` inline, a call less
+        count, nbytes = timed_read(self._path, self._position, self._verdict, 0, count_read, _FILE_READINTO, self,
                                    buffer)
         if nbytes > 0:
             self._position += nbytes
         return count
 
     def readall(self) -> bytes:
-        return self._recorded(_read_all, None, len)
+        return _read_on(self, len, _read_all, self, None)
 
     def read(self, size: int | None = -1, /) -> bytes:
-        return self._recorded(_FILE_READ, size, _length)
-
-    def _recorded(self, read: Callable[[Any, Any], T], argument: Any, count: Callable[[T], int]) -> T:
-        result, nbytes = timed_read(self._location, self._position, self._verdict, 0, count, read, self, argument)
-        if nbytes > 0:  # -1: inside another recorded read, which keeps its own position
-            self._position += nbytes
-        return result
+        return _read_on(self, _length, _FILE_READ, self, size)
 
     def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
         self._position = super().seek(offset, whence)
@@ -358,6 +349,16 @@ class RecordedFileIO(io.FileIO):
 
 
 _FILE_READINTO, _FILE_READ = io.FileIO.readinto, io.FileIO.read
+
+
+def _read_on(file: RecordedFile | RecordedFileIO, count: Callable[[T], int], read: Callable[[Any, Any], T],
+             target: Any, argument: Any) -> T:
+    """A recorded file's `read(target, argument)` at the file's position, which moves on by the bytes read."""
+    result: T
+    result, nbytes = timed_read(file._path, file._position, file._verdict, 0, count, read, target, argument)
+    if nbytes > 0:  # -1: inside another recorded read, which keeps its own position
+        file._position += nbytes
+    return result
 
 
 def _read_all(file: io.FileIO, _: None) -> bytes:
