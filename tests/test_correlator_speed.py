@@ -32,10 +32,10 @@ def test_the_vectorised_correlator_keeps_ten_times_the_per_event_pipelines_rate_
         f"{naive_rate / 1e6:.3f} M events/s, under {LEAST_RATIO:.0f}x")
 
 
-@pytest.mark.parametrize("m", [3, 200, 256, 257, 600])
-def test_the_dominance_sum_compares_pairs_for_few_points_and_merges_for_many_alike(m: int) -> None:
-    """The what-if's `earlier_and_larger` switches from a pairwise comparison to merge passes past 256 points;
-    both give the brute-force sum."""
+@pytest.mark.parametrize("m", [3, 64, 65, 200, 1280, 1281, 2000])
+def test_the_dominance_sum_in_blocks_for_few_points_and_merges_for_many_alike(m: int) -> None:
+    """The what-if's `earlier_and_larger` works in blocks of 64 points up to 1,280 points (one block: a
+    pairwise comparison), by merge passes past them; both give the brute-force sum."""
     rng = np.random.default_rng(m)
     values = rng.permutation(4 * m)[:m].astype(np.int64)
     weights = rng.integers(1, 1 << 30, m).astype(np.float64)

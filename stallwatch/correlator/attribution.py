@@ -123,17 +123,21 @@ def attribute(steps: Steps, reads: Reads, threshold_ns: int, stalled: npt.NDArra
     end = np.clip(reads.end[read_of], ws[step_of], we[step_of])
     # From its batch's first read on, the worker is busy with it (clipped to the wait, as the reads are).
     # Nested by priority: the misses, then the misses and the reads that crossed no spoke (only when any did).
-    subsets = (reads.verdict == Verdict.MISS,) + ((reads.verdict != Verdict.HIT,)
-                                                  if (reads.verdict == Verdict.DIRECT).any() else ())
-    tagged_cover, tagged_subsets, busy_from = covered_and_subsets(
-        step_of, start, end, tuple(subset[read_of] for subset in subsets), m)
+    # Masks of the joined reads only: a window's context holds several times as many.
+    with_direct = bool((reads.verdict == Verdict.DIRECT).any())
+
+    def subsets(rows: I64) -> tuple[npt.NDArray[np.bool_], ...]:
+        verdict = reads.verdict[rows]
+        return (verdict == Verdict.MISS,) + ((verdict != Verdict.HIT,) if with_direct else ())
+
+    tagged_cover, tagged_subsets, busy_from = covered_and_subsets(step_of, start, end, subsets(read_of), m)
     on_path = busy_from != np.iinfo(np.int64).max
     busy = np.where(on_path, we - busy_from, 0)
 
     # Overlap fallback for stalls with no read of their batch.
     fallback = ~on_path
     overlap_cover = np.zeros(m, dtype=np.int64)
-    overlap_subsets = tuple(np.zeros(m, dtype=np.int64) for _ in subsets)
+    overlap_subsets = tuple(np.zeros(m, dtype=np.int64) for _ in tagged_subsets)
     if len(reads) and fallback.any():
         which = np.flatnonzero(fallback)
         # One packing for both sides so equal (job, rank) gets equal keys.
@@ -144,8 +148,7 @@ def attribute(steps: Steps, reads: Reads, threshold_ns: int, stalled: npt.NDArra
         stall_of = which[step_of]
         start = np.clip(reads.start[read_of], ws[stall_of], we[stall_of])
         end = np.clip(reads.end[read_of], ws[stall_of], we[stall_of])
-        overlap_cover, overlap_subsets, _ = covered_and_subsets(
-            stall_of, start, end, tuple(subset[read_of] for subset in subsets), m)
+        overlap_cover, overlap_subsets, _ = covered_and_subsets(stall_of, start, end, subsets(read_of), m)
 
     cover = np.where(on_path, tagged_cover, overlap_cover)
     covers = [np.where(on_path, tagged, overlap) for tagged, overlap in zip(tagged_subsets, overlap_subsets,

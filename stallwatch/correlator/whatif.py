@@ -94,11 +94,11 @@ class MissRatioCurve:
             self._feed(keys[first:first + FEED_SLICE], sizes[first:first + FEED_SLICE])
 
     def _feed(self, keys: npt.NDArray[np.uint64], sizes: npt.NDArray[np.int64]) -> None:
-        fetched = sizes > 0
-        self.failed += int(fetched.size - fetched.sum())
-        hashes, sizes = _mix(keys[fetched]), sizes[fetched].astype(np.int64)
-        chosen = self._sampled(hashes)
-        hashes, sizes = hashes[chosen], sizes[chosen]
+        fetched = np.flatnonzero(sizes > 0)
+        self.failed += int(sizes.size - fetched.size)
+        hashes = _mix(keys[fetched])
+        sampled = self._sampled(hashes)  # places, not masks: a window samples a few of its thousands of reads
+        hashes, sizes = hashes[sampled], sizes[fetched[sampled]].astype(np.int64)
         places = self._places(hashes)
         unseen = _distinct(hashes[places < 0])
         if self._keys.size + unseen.size > self._max_keys:
@@ -111,10 +111,11 @@ class MissRatioCurve:
             places = self._places(hashes)
         self._reference(hashes, sizes, places)
 
-    def _sampled(self, hashes: npt.NDArray[np.uint64]) -> npt.NDArray[np.bool_]:
+    def _sampled(self, hashes: npt.NDArray[np.uint64]) -> npt.NDArray[np.int64]:
+        """The places of the sampled hashes."""
         if self._threshold >= _FULL:
-            return np.ones(hashes.size, dtype=bool)
-        return hashes < np.uint64(self._threshold)
+            return np.arange(hashes.size)
+        return np.flatnonzero(hashes < np.uint64(self._threshold))
 
     def _places(self, hashes: npt.NDArray[np.uint64]) -> npt.NDArray[np.int64]:
         """Each hash's place in the recency order of the tracked keys; -1 for a key not tracked."""
