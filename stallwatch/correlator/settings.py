@@ -23,7 +23,7 @@ class CorrelatorSettings:
     # How long past the watermark a window waits for a GPU's next utilization sample (drivers skip a
     # second of samples at times; the agent polls every 0.5 s).
     gpu_gap_s: float = 2.0
-    # Per kind. Bounds the window store's memory (a read is 51 bytes, about half once compacted) and with it
+    # Per kind. Bounds the window store's memory (a read is 51 bytes, about half once merged) and with it
     # each close's working memory: 6 s of events at the nominal 50k events/s, four times the window and
     # lateness, with the lookback; older context is kept while there is room. Past it, a flood's batches
     # are shed and counted.

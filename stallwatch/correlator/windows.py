@@ -60,7 +60,7 @@ _OFFSET_DTYPES = (np.uint8, np.uint16, np.uint32)
 
 @dataclass
 class _Chunk:
-    """Buffered events of one kind. A compacted chunk stores an integer column as unsigned offsets from its
+    """Buffered events of one kind. A merged chunk stores an integer column as unsigned offsets from its
     minimum, in the narrowest dtype that holds its range (a second of timestamps fits in 4 bytes, a job
     id in 1): about half the bytes of the contract's dtypes, restored exactly on the way out."""
 
@@ -69,7 +69,6 @@ class _Chunk:
     columns: Columns
     bases: dict[str, int] = field(default_factory=dict)  # column -> the value its offsets start from
     merged: bool = False
-    compact: bool = False
     events: int = field(init=False)
 
     def __post_init__(self) -> None:
@@ -100,24 +99,20 @@ def _unmerged_tail(chunks: list[_Chunk]) -> int:
 
 
 def _merge(kind: str, chunks: list[_Chunk]) -> _Chunk:
-    """One chunk of the given ones' rows in order."""
-    columns = {name: np.concatenate([chunk.column(kind, name) for chunk in chunks]) for name in SCHEMAS[kind].columns}
-    return _Chunk(min(c.low for c in chunks), max(c.high for c in chunks), columns, merged=True)
-
-
-def _compacted(chunk: _Chunk) -> _Chunk:
-    """A merged chunk with its integer columns narrowed where their range allows."""
+    """One chunk of the given ones' rows in order, integer columns narrowed where their range allows."""
     columns: Columns = {}
     bases: dict[str, int] = {}
-    for name, values in chunk.columns.items():
-        columns[name] = values
+    for name in SCHEMAS[kind].columns:
+        values = np.concatenate([chunk.column(kind, name) for chunk in chunks])
         if values.dtype.kind in "iu" and values.dtype.itemsize > 1:
             low, high = int(values.min()), int(values.max())
             narrow = next((d for d in _OFFSET_DTYPES if high - low <= np.iinfo(d).max), None)
             if narrow is not None and np.dtype(narrow).itemsize < values.dtype.itemsize:
-                columns[name] = (values - values.dtype.type(low)).astype(narrow)
+                values -= values.dtype.type(low)
+                values = values.astype(narrow)
                 bases[name] = low
-    return _Chunk(chunk.low, chunk.high, columns, bases, merged=True, compact=True)
+        columns[name] = values
+    return _Chunk(min(c.low for c in chunks), max(c.high for c in chunks), columns, bases, merged=True)
 
 
 @dataclass(frozen=True)
@@ -321,13 +316,7 @@ class EventTimeWindows:
             context[kind] = _gather(parts, kind)
         self.closed_until = end
         keep_from = end - self.retention_ns
-        # Context past the reach of the next windows' lookback is compacted: kept for a long stall, seldom read.
-        # The younger chunks are handed over window after window, and restoring them each time cost more
-        # than their bytes save.
-        old = end - self.lookback_ns - 2 * self.window_ns
         for kind in CONTEXT_KINDS:
-            chunks = self._buffers[kind]
-            if any(c.high < keep_from or (c.merged and not c.compact and c.high < old) for c in chunks):
-                self._keep(kind, [_compacted(c) if c.merged and not c.compact and c.high < old else c
-                                  for c in chunks if c.high >= keep_from])
+            if any(c.high < keep_from for c in self._buffers[kind]):
+                self._keep(kind, [c for c in self._buffers[kind] if c.high >= keep_from])
         return WindowInput(start, end, mine, context, final, watermark_ns, later_steps)
