@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry, generate_latest
 
 from stallwatch import catalogue
+from stallwatch.client import wire
 from stallwatch.correlator.attribution import Reads, Steps, attribute, gpu_idle_in_stalls
 from stallwatch.correlator.eventfile import EventFileError, EventFileWriter, read_events, recorded_wall_offset
 from stallwatch.correlator.intervals import composite_key, overlap_join, union_length
@@ -349,6 +350,38 @@ def test_merged_compact_chunks_hand_over_exactly_what_came_in(spread_s: float) -
     for name, column in reads.items():
         assert closed.context["read"][name].dtype == SCHEMAS["read"].columns[name]
         assert np.array_equal(closed.context["read"][name], column), name
+
+
+def test_a_window_is_handed_the_reads_its_stalls_may_need_and_not_the_rest_of_the_lookback() -> None:
+    """Before the window and its earliest stall, only the reads of an awaited batch and of a rank reported
+    waiting are handed over: the other reads of the lookback are evidence for no stall of the window."""
+    second = 10**9
+    windows = EventTimeWindows(window_ns=second, lateness_ns=0, lookback_ns=2 * second, retention_ns=60 * second,
+                               max_buffered_events=1_000, stall_threshold_ns=1_000_000)
+    start = BASE_NS + 10 * second  # the window [start, start + 1 s)
+    reads = [(0, 5, start - 1500 * 10**6),  # rank 0's awaited batch, read long before its wait
+             (0, 3, start - 1500 * 10**6),  # an earlier batch of rank 0: evidence for nothing here
+             (1, 9, start - 1500 * 10**6),  # rank 1, reported waiting
+             (2, 4, start - 1200 * 10**6),  # rank 2, neither
+             (2, 4, start + 300 * 10**6)]  # in the window
+    end = np.array([at for _, _, at in reads])
+    windows.add("read", {"job": np.zeros(5, np.int32), "rank": np.array([r for r, _, _ in reads], np.int32),
+                         "worker": np.zeros(5, np.int16), "batch": np.array([b for _, b, _ in reads]),
+                         "key": np.arange(5, dtype=np.uint64), "bytes": np.full(5, 4096), "start_ns": end - 10**6,
+                         "end_ns": end, "verdict": np.zeros(5, np.int8)})
+    wait_start = start + 100 * 10**6
+    windows.add("step", {"job": np.zeros(1, np.int32), "rank": np.zeros(1, np.int32), "gpu": np.zeros(1, np.int16),
+                         "batch": np.array([5]), "wait_start_ns": np.array([wait_start]),
+                         "wait_end_ns": np.array([wait_start + 200 * 10**6]),
+                         "compute_end_ns": np.array([wait_start + 250 * 10**6]), "ready_ns": np.array([-1])})
+    windows.add("open", {"job": np.zeros(1, np.int32), "rank": np.ones(1, np.int32), "gpu": np.ones(1, np.int16),
+                         "worker": np.full(1, -1, np.int16), "state": np.array([wire.OPEN_WAIT], np.int8),
+                         "batch": np.array([9]), "key": np.zeros(1, np.uint64), "since_ns": np.array([start]),
+                         "as_of_ns": np.array([start + 400 * 10**6])})
+    (window,) = [w for w in windows.flush() if w.start_ns == start]
+    handed = sorted(zip(window.context["read"]["rank"].tolist(), window.context["read"]["batch"].tolist(),
+                        window.context["read"]["end_ns"].tolist(), strict=True))
+    assert handed == sorted([reads[0], reads[2], reads[4]])
 
 
 def test_event_batches_are_built_to_the_contract() -> None:

@@ -14,7 +14,9 @@ A closing window hands over its steps, the steps buffered for later windows, and
 the reads, spoke requests, GPU samples and open records (what the clients had in flight) from `lookback`
 before its earliest stall (a wait past `stall_threshold`, of its steps, of a buffered step or reported
 open; else from its start) up to the newest at hand, because a stall can reach back past the window's
-start (a 30 s hub outage) and a batch's reads precede its wait.
+start (a 30 s hub outage) and a batch's reads precede its wait. Of the reads that ended before the
+window and its earliest stall, only those of a stalled step's batch or of a rank reported waiting go:
+no stall of the window can take the others as evidence.
 Buffered context older than `retention` before the closed edge is let go.
 
 Memory is bounded by count as well as by time: each kind holds at most `max_buffered_events`. A batch
@@ -37,6 +39,7 @@ import numpy.typing as npt
 
 from stallwatch.client import wire
 from stallwatch.correlator.attribution import is_stall
+from stallwatch.correlator.intervals import I64, equal_join_columns
 from stallwatch.eventbatch import SCHEMAS, Columns
 
 CONTEXT_KINDS = ("read", "spoke_request", "gpu_util", "open")
@@ -74,14 +77,14 @@ class _Chunk:
     def __post_init__(self) -> None:
         self.events = int(next(iter(self.columns.values())).size)
 
-    def column(self, kind: str, name: str, rows: npt.NDArray[np.bool_] | None = None) -> npt.NDArray[Any]:
-        """One column in the contract's dtype, of all rows or of the masked ones."""
+    def column(self, kind: str, name: str, rows: npt.NDArray[Any] | None = None) -> npt.NDArray[Any]:
+        """One column in the contract's dtype, of all rows or of the chosen ones (a mask, or places)."""
         stored = self.columns[name] if rows is None else self.columns[name][rows]
         if name not in self.bases:
             return stored
         # Restored on every call, never kept: the compact columns are what keeps a flood's store small.
         dtype = SCHEMAS[kind].columns[name]
-        values = stored.astype(dtype)
+        values: npt.NDArray[Any] = stored.astype(dtype)
         values += dtype.type(self.bases[name])
         return values
 
@@ -134,6 +137,26 @@ def _gather(parts: list[tuple[_Chunk, npt.NDArray[np.bool_] | None]], kind: str)
         return parts[0][0].columns
     return {name: np.concatenate([chunk.column(kind, name, rows) for chunk, rows in parts]) if parts
             else np.zeros(0, dtype=dtype) for name, dtype in SCHEMAS[kind].columns.items()}
+
+
+def _evidence(chunk: _Chunk, times: npt.NDArray[np.int64], kept: npt.NDArray[np.bool_], since_ns: int,
+              awaited: tuple[I64, ...] | None, waiting: set[tuple[int, int]]) -> npt.NDArray[np.bool_]:
+    """Which of a chunk's reads (ended at `times`) count for a window's stalls: every one that ended at `since_ns`
+    or later, and of the `kept` before it, those of an `awaited` (batch, job, rank) or of a `waiting` (job, rank)."""
+    evidence = times >= since_ns
+    rows = np.flatnonzero(kept & ~evidence)
+    if rows.size == 0:
+        return evidence
+    if awaited is not None:  # the batch first: it leaves out most of the rows at once
+        batch = chunk.column("read", "batch", rows)
+        near = np.flatnonzero((batch >= awaited[0].min()) & (batch <= awaited[0].max()))
+        columns = (batch[near], chunk.column("read", "job", rows[near]), chunk.column("read", "rank", rows[near]))
+        evidence[rows[near[equal_join_columns(awaited, columns)[1]]]] = True
+    if waiting:
+        job, rank = chunk.column("read", "job", rows), chunk.column("read", "rank", rows)
+        for waiting_job, waiting_rank in waiting:
+            evidence[rows[(job == waiting_job) & (rank == waiting_rank)]] = True
+    return evidence
 
 
 def _select(columns: Columns, mask: npt.NDArray[np.bool_]) -> Columns:
@@ -254,10 +277,8 @@ class EventTimeWindows:
             closed.append(self._close(final=final, watermark_ns=END_OF_INPUT))
         return closed
 
-    def _stall_starts(self, steps: Columns) -> npt.NDArray[np.int64]:
-        starts: npt.NDArray[np.int64] = steps["wait_start_ns"][
-            is_stall(steps["wait_start_ns"], steps["wait_end_ns"], self.stall_threshold_ns)]
-        return starts
+    def _stalled(self, steps: Columns) -> Columns:
+        return _select(steps, is_stall(steps["wait_start_ns"], steps["wait_end_ns"], self.stall_threshold_ns))
 
     def _open_wait_starts(self, since_ns: int) -> npt.NDArray[np.int64]:
         """Where the waits reported open at or after `since_ns` began: stalls still under way (cuts.py)."""
@@ -265,6 +286,17 @@ class EventTimeWindows:
                                & (chunk.column("open", "state") == wire.OPEN_WAIT))
                   for chunk in self._buffers["open"] if chunk.high >= since_ns]
         return np.concatenate(starts) if starts else np.zeros(0, dtype=np.int64)
+
+    def _waiting_ranks(self, since_ns: int) -> set[tuple[int, int]]:
+        """The (job, rank) of every wait reported open at or after `since_ns`."""
+        ranks: set[tuple[int, int]] = set()
+        for chunk in self._buffers["open"]:
+            if chunk.high >= since_ns:
+                rows = ((chunk.column("open", "as_of_ns") >= since_ns)
+                        & (chunk.column("open", "state") == wire.OPEN_WAIT))
+                jobs, ranks_here = chunk.column("open", "job", rows), chunk.column("open", "rank", rows)
+                ranks.update(zip(jobs.tolist(), ranks_here.tolist(), strict=True))
+        return ranks
 
     def _skip_empty(self, limit_ns: int) -> None:
         """Jump over a stretch with no buffered event at all instead of closing windows one by one."""
@@ -295,20 +327,31 @@ class EventTimeWindows:
         later_steps = _gather([(chunk, None) for chunk in later], "step")
         # Steps of later windows whose waits began already may be booked now too (cuts.py). Only a stall
         # needs reads from before the window (its batch's): without one, the window's own are enough.
-        stalls = [self._stall_starts(steps) for steps in (mine, later_steps) if steps]
-        stalls.append(self._open_wait_starts(start))
-        earliest_need = min((int(s.min()) - self.lookback_ns for s in stalls if s.size), default=start)
-        horizon = max(min(earliest_need, start), start - self.retention_ns)
+        stalled = [self._stalled(steps) for steps in (mine, later_steps) if steps]
+        starts = [steps["wait_start_ns"] for steps in stalled] + [self._open_wait_starts(start)]
+        earliest = min((int(s.min()) for s in starts if s.size), default=None)  # the earliest stall's start
+        since = start if earliest is None else min(earliest, start)
+        horizon = max(start if earliest is None else since - self.lookback_ns, start - self.retention_ns)
+        # Before `since`, a read is evidence only for a stall awaiting its batch, or for a rank reported waiting
+        # (whose batch the analysis learns from what it has in flight): the rest of the lookback, most of it, is
+        # left out.
+        stalled = [steps for steps in stalled if steps["batch"].size]
+        awaited = (tuple(np.concatenate([steps[name] for steps in stalled]).astype(np.int64)
+                         for name in ("batch", "job", "rank")) if stalled else None)
+        waiting = self._waiting_ranks(horizon)
         context: dict[str, Columns] = {}
         for kind in CONTEXT_KINDS:
             parts = []
             for chunk in self._buffers[kind]:
                 if chunk.high < horizon:
                     continue
-                keep = (chunk.column(kind, SCHEMAS[kind].event_time) >= horizon if chunk.low < horizon
-                        else np.ones(chunk.events, dtype=bool))
+                sifted = kind == "read" and chunk.low < since
+                times = chunk.column(kind, SCHEMAS[kind].event_time) if chunk.low < horizon or sifted else None
+                keep = np.ones(chunk.events, dtype=bool) if times is None else times >= horizon
                 if kind in BEGIN:
                     keep &= BEGIN[kind](chunk) < end
+                if sifted and times is not None:
+                    keep &= _evidence(chunk, times, keep, since, awaited, waiting)
                 if keep.all():
                     parts.append((chunk, None))
                 elif keep.any():
