@@ -412,7 +412,9 @@ def test_a_stalls_seconds_land_in_a_real_prometheus_at_their_event_time(tmp_path
     during = [at - start_wall for at, value in samples if 0.0 < value < stall_s - 0.02]
     assert len(during) >= 2 and min(during) <= 1.0  # first booked within 1 s of the stall's start
     reached = next(at - start_wall for at, value in samples if value >= stall_s - 0.02)
-    assert stall_s <= reached <= stall_s + 1.0  # all of it booked within 1 s of its end
+    # All of it booked within 1 s of its end; no sooner than its end, but for the 20 ms the values are compared to
+    # (the two clocks' offset is read once, after the run: a CI run saw the last window end 4.6 ms "early").
+    assert stall_s - 0.02 <= reached <= stall_s + 1.0
     # Every sample was taken: nothing out of order, no timestamp sent again with another value.
     for rejected in ("prometheus_target_scrapes_sample_out_of_order_total",
                      "prometheus_target_scrapes_sample_duplicate_timestamp_total"):
