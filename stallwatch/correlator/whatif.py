@@ -106,8 +106,8 @@ class MissRatioCurve:
             distinct = np.sort(np.concatenate((self._sorted, unseen)))
             self._threshold = int(distinct[self._max_keys * 7 // 8])
             self._drop_keys_from(self._threshold)
-            chosen = hashes < np.uint64(self._threshold)
-            hashes, sizes = hashes[chosen], sizes[chosen]
+            kept = self._sampled(hashes)
+            hashes, sizes = hashes[kept], sizes[kept]
             places = self._places(hashes)
         self._reference(hashes, sizes, places)
 

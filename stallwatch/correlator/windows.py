@@ -280,23 +280,13 @@ class EventTimeWindows:
     def _stalled(self, steps: Columns) -> Columns:
         return _select(steps, is_stall(steps["wait_start_ns"], steps["wait_end_ns"], self.stall_threshold_ns))
 
-    def _open_wait_starts(self, since_ns: int) -> npt.NDArray[np.int64]:
-        """Where the waits reported open at or after `since_ns` began: stalls still under way (cuts.py)."""
-        starts = [chunk.column("open", "since_ns", (chunk.column("open", "as_of_ns") >= since_ns)
-                               & (chunk.column("open", "state") == wire.OPEN_WAIT))
+    def _open_waits(self, since_ns: int, *names: str) -> list[npt.NDArray[Any]]:
+        """Columns of the waits reported open at or after `since_ns`: stalls still under way (cuts.py)."""
+        chosen = [(chunk, (chunk.column("open", "as_of_ns") >= since_ns)
+                   & (chunk.column("open", "state") == wire.OPEN_WAIT))
                   for chunk in self._buffers["open"] if chunk.high >= since_ns]
-        return np.concatenate(starts) if starts else np.zeros(0, dtype=np.int64)
-
-    def _waiting_ranks(self, since_ns: int) -> set[tuple[int, int]]:
-        """The (job, rank) of every wait reported open at or after `since_ns`."""
-        ranks: set[tuple[int, int]] = set()
-        for chunk in self._buffers["open"]:
-            if chunk.high >= since_ns:
-                rows = ((chunk.column("open", "as_of_ns") >= since_ns)
-                        & (chunk.column("open", "state") == wire.OPEN_WAIT))
-                jobs, ranks_here = chunk.column("open", "job", rows), chunk.column("open", "rank", rows)
-                ranks.update(zip(jobs.tolist(), ranks_here.tolist(), strict=True))
-        return ranks
+        return [np.concatenate([chunk.column("open", name, rows) for chunk, rows in chosen]) if chosen
+                else np.zeros(0, dtype=SCHEMAS["open"].columns[name]) for name in names]
 
     def _skip_empty(self, limit_ns: int) -> None:
         """Jump over a stretch with no buffered event at all instead of closing windows one by one."""
@@ -328,7 +318,7 @@ class EventTimeWindows:
         # Steps of later windows whose waits began already may be booked now too (cuts.py). Only a stall
         # needs reads from before the window (its batch's): without one, the window's own are enough.
         stalled = [self._stalled(steps) for steps in (mine, later_steps) if steps]
-        starts = [steps["wait_start_ns"] for steps in stalled] + [self._open_wait_starts(start)]
+        starts = [steps["wait_start_ns"] for steps in stalled] + self._open_waits(start, "since_ns")
         earliest = min((int(s.min()) for s in starts if s.size), default=None)  # the earliest stall's start
         since = start if earliest is None else min(earliest, start)
         horizon = max(start if earliest is None else since - self.lookback_ns, start - self.retention_ns)
@@ -338,7 +328,7 @@ class EventTimeWindows:
         stalled = [steps for steps in stalled if steps["batch"].size]
         awaited = (tuple(np.concatenate([steps[name] for steps in stalled]).astype(np.int64)
                          for name in ("batch", "job", "rank")) if stalled else None)
-        waiting = self._waiting_ranks(horizon)
+        waiting = set(zip(*(column.tolist() for column in self._open_waits(horizon, "job", "rank")), strict=True))
         context: dict[str, Columns] = {}
         for kind in CONTEXT_KINDS:
             parts = []
