@@ -8,7 +8,8 @@ span gives, not the last few seconds'.
   `stallwatch_stall_seconds_total` and `stallwatch_compute_seconds_total` over the epoch. The correlator
   books them window by window, stamped with the window's end, and publishes a window only after its
   lateness: they come from the agent's window file (`--correlator.record-windows`, each window's
-  increments), the windows whose middle falls in the epoch, once the window after its end is out;
+  increments), the windows whose middle falls in the epoch (the run's last epoch: all from its start on),
+  once the window after its end is out;
 - the warm-up phases the correlator recognised in those windows.
 """
 

@@ -191,6 +191,7 @@ class Demo:
         self.time_to_steady: float | None = None  # the correlator's, once the demo has said it
         self._epoch_start = (0.0, 0.0, 0.0)  # unix time, the spoke's requests and hits then
         self._ended_epochs: list[EpochFigures] = []  # awaiting their windows, stall and compute not yet in
+        self._epoch_running = 0  # the trainer's latest epoch: those before it are not the run's last
         self._epoch_lock = threading.Lock()
 
     def say(self, text: str) -> None:
@@ -313,6 +314,7 @@ class Demo:
                 match = PROGRESS.match(line)
                 if match:
                     epoch, step, steps = (int(g) for g in match.groups())
+                    self._epoch_running = epoch
                     self.live.progress(epoch, step, steps)
                     if step == steps:  # its reads are done, the next epoch's begin after this step
                         self._epoch_ended(epoch, step, scrape(agent_url), time.time() + self.s.step_seconds)
@@ -335,11 +337,15 @@ class Demo:
         self._epoch_from(ended, samples)
 
     def _say_epochs(self, windows: WindowFile, final: bool = False) -> None:
-        """Say the ended epochs whose windows are all out (`final`: all of them, the run is over)."""
+        """Say the ended epochs whose windows are all out (`final`: all of them, the run is over). The run's
+        last epoch takes every window from its start: the window holding its last step may have its middle
+        after the step's end, and nothing follows it."""
         with self._epoch_lock:
-            while self._ended_epochs and (final or windows.covers(self._ended_epochs[0].ended)):
+            while self._ended_epochs and (final or (windows.covers(self._ended_epochs[0].ended)
+                                                    and self._ended_epochs[0].epoch < self._epoch_running)):
                 epoch = self._ended_epochs.pop(0)
-                stall, compute, phases = windows.booked(epoch.started, epoch.ended)
+                last = final and not self._ended_epochs
+                stall, compute, phases = windows.booked(epoch.started, math.inf if last else epoch.ended)
                 figures = dataclasses.replace(epoch, stall_seconds=stall, compute_seconds=compute, phases=phases)
                 self.epochs.append(figures)
                 self.say(epoch_line(figures))
