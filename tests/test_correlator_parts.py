@@ -20,7 +20,7 @@ from stallwatch import catalogue
 from stallwatch.client import wire
 from stallwatch.correlator.attribution import Reads, Steps, attribute, gpu_idle_in_stalls
 from stallwatch.correlator.eventfile import EventFileError, EventFileWriter, read_events, recorded_wall_offset
-from stallwatch.correlator.intervals import composite_key, overlap_join, union_length
+from stallwatch.correlator.intervals import composite_key, covered_and_subsets, overlap_join, union_length
 from stallwatch.correlator.live import LiveCorrelator
 from stallwatch.correlator.metrics import whatif_spoke_label
 from stallwatch.correlator.pipeline import CorrelatorPipeline
@@ -47,6 +47,30 @@ def test_union_length_matches_brute_force(rows: list[tuple[int, int, int]]) -> N
     end = start + np.array([d for _, _, d in rows], dtype=np.int64)
     expected = [len({t for g, s, d in rows if g == k for t in range(s, s + d)}) for k in range(4)]
     assert union_length(group, start, end, 4).tolist() == expected
+
+
+@settings(max_examples=120, deadline=None)
+@given(rows=intervals, flags=st.lists(st.booleans(), min_size=40, max_size=40),
+       order=st.sampled_from(["given", "end", "start"]))
+def test_covered_and_subsets_match_brute_force_in_any_row_order(
+        rows: list[tuple[int, int, int]], flags: list[bool], order: str) -> None:
+    """A worker's reads come in end order, others in start order or neither: each takes its own path."""
+    if order != "given":
+        rows = sorted(rows, key=lambda r: r[1] + r[2] if order == "end" else r[1])
+    group = np.array([g for g, _, _ in rows], dtype=np.int64)
+    start = np.array([s for _, s, _ in rows], dtype=np.int64)
+    end = start + np.array([d for _, _, d in rows], dtype=np.int64)
+    chosen = np.array(flags[:len(rows)], dtype=bool)
+    cover, (chosen_cover,), first = covered_and_subsets(group, start, end, (chosen,), 4)
+
+    def covered(k: int, only_chosen: bool) -> int:
+        return len({t for i, (g, s, d) in enumerate(rows) if g == k and (chosen[i] or not only_chosen)
+                    for t in range(s, s + d)})
+
+    assert cover.tolist() == [covered(k, False) for k in range(4)]
+    assert chosen_cover.tolist() == [covered(k, True) for k in range(4)]
+    assert first.tolist() == [min((s for g, s, _ in rows if g == k), default=np.iinfo(np.int64).max)
+                              for k in range(4)]
 
 
 @settings(max_examples=60, deadline=None)
