@@ -20,7 +20,13 @@ from stallwatch import catalogue
 from stallwatch.client import wire
 from stallwatch.correlator.attribution import Reads, Steps, attribute, gpu_idle_in_stalls
 from stallwatch.correlator.eventfile import EventFileError, EventFileWriter, read_events, recorded_wall_offset
-from stallwatch.correlator.intervals import composite_key, covered_and_subsets, overlap_join, union_length
+from stallwatch.correlator.intervals import (
+    composite_key,
+    covered_and_subsets,
+    distinct_ids,
+    overlap_join,
+    union_length,
+)
 from stallwatch.correlator.live import LiveCorrelator
 from stallwatch.correlator.metrics import whatif_spoke_label
 from stallwatch.correlator.pipeline import CorrelatorPipeline
@@ -71,6 +77,16 @@ def test_covered_and_subsets_match_brute_force_in_any_row_order(
     assert chosen_cover.tolist() == [covered(k, True) for k in range(4)]
     assert first.tolist() == [min((s for g, s, _ in rows if g == k), default=np.iinfo(np.int64).max)
                               for k in range(4)]
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.integers(-3, 3) | st.integers(-2**31, 2**31 - 1), max_size=30),
+       st.sampled_from([np.int16, np.int32, np.int64]))
+def test_distinct_ids_are_the_distinct_values_in_order(values: list[int], dtype: type) -> None:
+    column: np.ndarray = np.array(values, dtype=np.int64).astype(dtype)  # wrapped into narrower types
+    assert distinct_ids(column) == sorted(set(column.tolist()))
+    wide = np.arange(-20_000, 20_000, dtype=np.int16)  # a range dense enough for the table, past int16 from its low
+    assert distinct_ids(wide) == wide.tolist()
 
 
 @settings(max_examples=60, deadline=None)

@@ -17,7 +17,7 @@ from stallwatch.catalogue import CAUSES
 from stallwatch.correlator.attribution import Attribution, Reads, Steps, gpu_idle_in_stalls, is_stall
 from stallwatch.correlator.cuts import CutSteps, EarlyBooking, attribute_cut, cut_at_windows
 from stallwatch.correlator.inflight import InFlight, in_flight
-from stallwatch.correlator.intervals import composite_key, distinct_rows
+from stallwatch.correlator.intervals import composite_key, distinct_ids, distinct_rows
 from stallwatch.correlator.passes import FirstPasses
 from stallwatch.correlator.results import GpuRow, JobRow, RankRow, Spans, WhatIfCurve, WindowResult, stalled_seconds
 from stallwatch.correlator.settings import CorrelatorSettings, seconds_to_ns
@@ -301,7 +301,7 @@ class WindowAnalyser:
         """Per job, the earliest wait or read start. A loop per job: no sort of the window's reads."""
         earliest: dict[int, int] = {}
         for jobs, times in ((steps.job, steps.wait_start), (reads["job"], reads["start_ns"])):
-            for job in np.unique(jobs).tolist():
+            for job in distinct_ids(jobs):
                 first = int(times[jobs == job].min())
                 earliest[job] = min(earliest.get(job, first), first)
         return earliest
