@@ -44,20 +44,24 @@ def test_an_epoch_takes_the_windows_of_its_own_span_once_they_are_out(tmp_path: 
 
 def test_the_runs_last_epoch_takes_the_window_of_its_last_step_whose_middle_comes_after_it(tmp_path: Path) -> None:
     # Epoch 1 runs 100.0 to 102.0, epoch 2 (the run's last, ended on its last step) 102.0 to 104.0; the
-    # window of that step runs 103.9 to 104.4, its middle after the epoch's end.
+    # window of that step runs 103.9 to 104.4, its middle after the epoch's end; then one with no step.
     path = tmp_path / "windows.jsonl"
     lines = [window(100.0, 0.4, 0.1, "cold"), window(101.6, 0.0, 0.4, "cold"), window(102.0, 0.1, 0.3, "steady"),
-             window(103.9, 0.0, 0.3, "steady")]
+             window(103.9, 0.0, 0.3, "steady"), window(104.4, 0.0, 0.0, "steady")]
     path.write_text("".join(json.dumps(line) + "\n" for line in lines))
     windows = WindowFile(path, "demo")
     windows.read()
     demo = Demo(Settings(quiet=True, workdir=tmp_path))
+    demo._trainer_until = 103.0  # the trainer stops on its first step boundary from here
     demo._epoch_from(100.0, {})
-    demo._epoch_running = 2
+    demo._epoch_running = 1
     demo._epoch_ended(1, 2, {}, 102.0)
+    demo._say_epochs(windows)  # epoch 2's first batch not yet in (an outage): epoch 1 ended before the deadline
+    assert [e.epoch for e in demo.epochs] == [1]
+    demo._epoch_running = 2
     demo._epoch_ended(2, 2, {}, 104.0)
     demo._say_epochs(windows)
-    assert [e.epoch for e in demo.epochs] == [1]  # epoch 2 may be the run's last: held back while it runs
+    assert windows.covers(104.0) and [e.epoch for e in demo.epochs] == [1]  # epoch 2 may be the run's last
     demo._say_epochs(windows, final=True)
     booked = [seconds for e in demo.epochs for seconds in (e.stall_seconds, e.compute_seconds)]
     assert booked == pytest.approx([0.4, 0.5, 0.1, 0.6])

@@ -192,6 +192,7 @@ class Demo:
         self._epoch_start = (0.0, 0.0, 0.0)  # unix time, the spoke's requests and hits then
         self._ended_epochs: list[EpochFigures] = []  # awaiting their windows, stall and compute not yet in
         self._epoch_running = 0  # the trainer's latest epoch: those before it are not the run's last
+        self._trainer_until = math.inf  # no earlier than this does the trainer stop: an epoch ended before is not last
         self._epoch_lock = threading.Lock()
 
     def say(self, text: str) -> None:
@@ -266,6 +267,7 @@ class Demo:
             windows = WindowFile(work / "windows.jsonl", JOB)
             started = self.live.begin()
             self._epoch_from(started, scrape(agent_url))
+            self._trainer_until = time.time() + s.training_seconds  # its deadline counts from later, once loaded
             trainer = subprocess.Popen(
                 [sys.executable, "-m", "stallwatch.demo.trainer", *source, "--shards", str(s.shards),
                  "--batch-size", str(s.batch_size), "--workers", str(s.workers), "--step-seconds",
@@ -341,14 +343,19 @@ class Demo:
         last epoch takes every window from its start: the window holding its last step may have its middle
         after the step's end, and nothing follows it."""
         with self._epoch_lock:
-            while self._ended_epochs and (final or (windows.covers(self._ended_epochs[0].ended)
-                                                    and self._ended_epochs[0].epoch < self._epoch_running)):
+            while self._ended_epochs and (final or self._may_say(self._ended_epochs[0], windows)):
                 epoch = self._ended_epochs.pop(0)
                 last = final and not self._ended_epochs
                 stall, compute, phases = windows.booked(epoch.started, math.inf if last else epoch.ended)
                 figures = dataclasses.replace(epoch, stall_seconds=stall, compute_seconds=compute, phases=phases)
                 self.epochs.append(figures)
                 self.say(epoch_line(figures))
+
+    def _may_say(self, epoch: EpochFigures, windows: WindowFile) -> bool:
+        """Whether an ended epoch's line may be said before the run is over: its windows are out, and it is not
+        the run's last (the next has begun, or it ended before the trainer's deadline: an outage that holds up
+        the next epoch's first batch does not hold up this line)."""
+        return windows.covers(epoch.ended) and (epoch.epoch < self._epoch_running or epoch.ended < self._trainer_until)
 
     def _say_time_to_steady(self, metrics: Samples, windows: WindowFile) -> None:
         """Once the correlator has found the job steady, say its time to steady (the report's figure too) and
