@@ -94,6 +94,18 @@ def is_stall(wait_start: I64, wait_end: I64, threshold_ns: int) -> npt.NDArray[n
     return stalled
 
 
+def _clipped(reads: Reads, rows: I64, low: I64, high: I64) -> tuple[I64, I64]:
+    """The chosen reads' starts and ends clipped to [low, high] (per row), in place of their gathered copies:
+    `np.clip` takes as much again over a window's reads."""
+    clipped = []
+    for times in (reads.start, reads.end):
+        values = times[rows]
+        np.maximum(values, low, out=values)
+        np.minimum(values, high, out=values)
+        clipped.append(values)
+    return clipped[0], clipped[1]
+
+
 def attribute(steps: Steps, reads: Reads, threshold_ns: int, stalled: npt.NDArray[np.bool_] | None = None
               ) -> Attribution:
     """`stalled`, when given, says which rows are stalls instead of the threshold: a piece of a long stall cut
@@ -119,8 +131,7 @@ def attribute(steps: Steps, reads: Reads, threshold_ns: int, stalled: npt.NDArra
         (steps.batch[tagged_rows], steps.job[tagged_rows], steps.rank[tagged_rows]),
         (reads.batch, reads.job, reads.rank))
     step_of = tagged[tagged_of]
-    start = np.clip(reads.start[read_of], ws[step_of], we[step_of])
-    end = np.clip(reads.end[read_of], ws[step_of], we[step_of])
+    start, end = _clipped(reads, read_of, ws[step_of], we[step_of])
     # From its batch's first read on, the worker is busy with it (clipped to the wait, as the reads are).
     # Nested by priority: the misses, then the misses and the reads that crossed no spoke (only when any did).
     # Masks of the joined reads only: a window's context holds several times as many.
@@ -146,8 +157,7 @@ def attribute(steps: Steps, reads: Reads, threshold_ns: int, stalled: npt.NDArra
         step_of, read_of = overlap_join(owner[:which.size], ws[which], we[which],
                                         owner[which.size:], reads.start, reads.end)
         stall_of = which[step_of]
-        start = np.clip(reads.start[read_of], ws[stall_of], we[stall_of])
-        end = np.clip(reads.end[read_of], ws[stall_of], we[stall_of])
+        start, end = _clipped(reads, read_of, ws[stall_of], we[stall_of])
         overlap_cover, overlap_subsets, _ = covered_and_subsets(stall_of, start, end, subsets(read_of), m)
 
     cover = np.where(on_path, tagged_cover, overlap_cover)
