@@ -54,15 +54,17 @@ def assert_the_agent_saw_every_rank(agent: AgentProcess, job: str, served: dict[
         metrics = scrape(agent.url)
         return all(
             metrics.get(("stallwatch_loader_wait_seconds_count", labels(rank))) == len(ids) // BATCH
-            # One read of each sample's file (under 4 KiB); the empty read that ends it is no event.
-            and metrics.get(("stallwatch_dataset_reads_total", labels(rank, verdict="unknown"))) == len(ids)
+            and metrics.get(("stallwatch_dataset_read_bytes_total", labels(rank))) == SAMPLE_BYTES * len(ids)
             for rank, ids in served.items()
         )
 
     wait_for(f"every rank's steps and reads of {job} at the agent", arrived, 30, agent.process, agent.log)
     metrics = scrape(agent.url)
     for rank, ids in served.items():
-        assert metrics[("stallwatch_dataset_read_bytes_total", labels(rank))] == SAMPLE_BYTES * len(ids)
+        # One read of each sample's file (under 4 KiB) with its bytes. The empty read that ends it is an event
+        # only when it took 1 ms or more (EMPTY_READ_NS): on a busy machine a few are preempted that long.
+        reads = metrics[("stallwatch_dataset_reads_total", labels(rank, verdict="unknown"))]
+        assert len(ids) <= reads <= 2 * len(ids), (rank, reads)  # at most the data read and the empty one
         assert metrics[("stallwatch_step_compute_seconds_count", labels(rank))] == len(ids) // BATCH
 
 
