@@ -180,7 +180,7 @@ def _shift_groups_apart(group: I64, start: I64, end: I64) -> tuple[I64, I64]:
 def covered_and_subsets(group: I64, start: I64, end: I64, subsets: tuple[npt.NDArray[np.bool_], ...],
                         n_groups: int) -> tuple[I64, tuple[I64, ...], I64]:
     """Per group, union lengths of all intervals and of each `subsets` mask's, and its earliest start (int64's
-    maximum for a group without intervals), sorting only once.
+    maximum for a group without intervals), all from one ordering of the rows.
 
     The rows are put in group order by a radix sort of the group numbers (a tenth of a sort by start). A
     worker's reads come in the order they ended, so within a group they are then mostly in end order already:
