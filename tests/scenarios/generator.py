@@ -379,7 +379,8 @@ def _arrange(
 ) -> list[EventBatch]:
     """Rows -> batches of 100 ms of arrival time per kind, every row delayed by up to `max_delay`. A source that
     reports what it has open sends its reads with the next report, as the client does (one flush, one
-    datagram): a report that no longer has a read open comes with or after that read."""
+    datagram): a report that no longer has a read open comes with or after that read. A GPU's samples arrive
+    in the order they were taken, as the agent's own collector hands them on."""
     slices: dict[tuple[int, str], list[tuple]] = defaultdict(list)
     reports: dict[tuple[int, int, int], list[float]] = defaultdict(list)  # per source, the times it reported
     arrival: dict[tuple[int, int, int, float], float] = {}
@@ -392,6 +393,8 @@ def _arrange(
         for before, after in itertools.pairwise(times):
             arrival[(*source, after)] = max(arrival[(*source, after)], arrival[(*source, before)])
 
+    gpu_arrival: dict[int, float] = {}  # per GPU, its latest sample's arrival
+
     def arrives(kind: str, row: tuple, at: float) -> float:
         if kind == "open":
             return arrival[(row[0], row[1], row[3], at)]
@@ -399,7 +402,10 @@ def _arrange(
         if flushes and at <= flushes[-1]:
             report = flushes[bisect.bisect_left(flushes, at)]
             return arrival[(row[0], row[1], row[2], report)]
-        return at + rng.uniform(0, max_delay)
+        delayed = at + rng.uniform(0, max_delay)
+        if kind == "gpu_util":  # the agent's gpu collector hands a GPU's samples on in the order it read them
+            delayed = gpu_arrival[row[2]] = max(delayed, gpu_arrival.get(row[2], delayed))
+        return delayed
 
     for kind, rows in (("step", steps), ("read", reads), ("spoke_request", spoke), ("gpu_util", gpu),
                        ("open", opened)):
