@@ -36,6 +36,7 @@ import os
 import ssl
 import threading
 import time
+from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -69,6 +70,40 @@ _CHECK_QUEUE_SECONDS = 5.0
 RELOAD_WAIT_S = 1.0
 
 
+class _Turns:
+    """One holder at a time, handed on in the order they asked. threading's Lock and Semaphore let a newcomer
+    take a just-released slot ahead of a thread that waited for it, so a guesser's next check could overtake a
+    scrape again and again until its wait ran out."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._held = False
+        self._waiting: deque[threading.Lock] = deque()
+
+    def acquire(self, timeout: float) -> bool:
+        with self._lock:
+            if not self._held:
+                self._held = True
+                return True
+            turn = threading.Lock()
+            turn.acquire()
+            self._waiting.append(turn)
+        if turn.acquire(timeout=timeout):
+            return True
+        with self._lock:
+            if turn in self._waiting:
+                self._waiting.remove(turn)
+                return False
+        return True  # handed over just as the wait ran out: the slot is ours
+
+    def release(self) -> None:
+        with self._lock:
+            if self._waiting:
+                self._waiting.popleft().release()  # still held: by the next in line
+            else:
+                self._held = False
+
+
 @dataclass
 class BasicAuth:
     users: Mapping[str, bytes]
@@ -78,7 +113,7 @@ class BasicAuth:
     # (half of one: a failed check holds the slot as long again), never every core the scrapes need. Each
     # client queues for that slot one check at a time: a guesser on many connections waits behind itself,
     # and a scraper from another address is next after at most one of its checks.
-    _checking: threading.Semaphore = field(default_factory=lambda: threading.Semaphore(1))
+    _checking: _Turns = field(default_factory=_Turns)
     _clients: dict[str, list[Any]] = field(default_factory=dict)  # address -> [its lock, checks using it]
 
     def allows(self, authorization: str | None, client: str = "") -> bool:
@@ -120,7 +155,7 @@ class BasicAuth:
             if not turn[0].acquire(timeout=_CHECK_QUEUE_SECONDS):
                 return False
             try:
-                if not self._checking.acquire(timeout=_CHECK_QUEUE_SECONDS):
+                if not self._checking.acquire(_CHECK_QUEUE_SECONDS):
                     return False
                 try:
                     started = time.monotonic()
