@@ -30,6 +30,7 @@ import itertools
 import json
 import os
 import tempfile
+import threading
 import time
 import urllib.parse
 import urllib.request
@@ -162,23 +163,34 @@ def idle_span(samples: list[Sample]) -> Span:
 
 def train(loader: Any, trace: Path, block_at: float,
           settled: Callable[[tuple[float, float]], bool]) -> tuple[float, tuple[float, float]]:
-    """Steady steps, the scripted stall, then steps until `settled(longest wait)` (asked once a second);
-    when training started, and the longest wait."""
+    """Steady steps, the scripted stall, then steps until `settled(longest wait)` (asked once a second, on a
+    thread of its own: the queries take longer than a step on a busy machine, and the GPU would idle through
+    them, moving the idle span's end); when training started, and the longest wait."""
     started = time.time()
-    longest, asked = (0.0, 0.0), 0.0
+    longest = (0.0, 0.0)
+    done, stop = threading.Event(), threading.Event()
+
+    def ask() -> None:
+        while not stop.wait(1.0):
+            if longest[1] > block_at + STALL_S and settled(longest):  # the scripted wait is over
+                done.set()
+                return
+
+    asking = threading.Thread(target=ask, name="settled", daemon=True)
+    asking.start()
     batches = iter(loader)
-    while True:
-        wait_start = time.time()
-        next(batches)
-        step_start = time.time()
-        ComputeTrace.append_span(trace, step_start, step_start + STEP_S)
-        if step_start - wait_start > longest[1] - longest[0]:
-            longest = (wait_start, step_start)
-        if step_start > block_at + STALL_S and step_start - asked >= 1.0:
-            asked = step_start  # inside the step: the GPU computes while Prometheus is asked
-            if settled(longest) or step_start > block_at + STALL_S + SETTLE_S:
-                break
-        time.sleep(max(0.0, step_start + STEP_S - time.time()))
+    try:
+        while not done.is_set() and time.time() < block_at + STALL_S + SETTLE_S:
+            wait_start = time.time()
+            next(batches)
+            step_start = time.time()
+            ComputeTrace.append_span(trace, step_start, step_start + STEP_S)
+            if step_start - wait_start > longest[1] - longest[0]:
+                longest = (wait_start, step_start)
+            time.sleep(max(0.0, step_start + STEP_S - time.time()))
+    finally:
+        stop.set()
+        asking.join()
     del batches  # its workers stop
     return started, longest
 
