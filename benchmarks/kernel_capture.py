@@ -13,7 +13,8 @@ and what the page-cache tracepoints see that capture in Python cannot (a memory-
    system calls of this process (all that Python-level capture could see: the header) against the
    file's pages the `filemap:mm_filemap_fault` and `mm_filemap_map_pages` tracepoints report.
 
-Needs root and bpftrace (Debian: `apt-get install bpftrace`); without them it says so and exits 0.
+Needs root, bpftrace (Debian: `apt-get install bpftrace`) and tracefs mounted; without them it says so and
+exits 0.
 
     python benchmarks/kernel_capture.py [--reads 100000] [--rounds 7] [--dir DIR]
 """
@@ -38,6 +39,7 @@ import numpy as np
 READ_SIZE = 16 * 1024
 FILE_SIZE = 64 * 1024 * 1024
 ATTACH_TIMEOUT_S = 30.0
+TRACEFS = ("/sys/kernel/tracing", "/sys/kernel/debug/tracing")
 
 # Keeps the reads of process $1: each one's start, descriptor and offset at entry, an event at exit.
 CAPTURE = """
@@ -71,6 +73,8 @@ def unavailable() -> str | None:
         return "needs root (BPF programs)"
     if shutil.which("bpftrace") is None:
         return "needs bpftrace (apt-get install bpftrace)"
+    if not any(Path(folder, "events", "syscalls").is_dir() for folder in TRACEFS):
+        return "needs tracefs, where the tracepoints are listed (mount -t tracefs nodev /sys/kernel/tracing)"
     return None
 
 
