@@ -168,10 +168,10 @@ def train(loader: Any, trace: Path, block_at: float,
     them, moving the idle span's end); when training started, and the longest wait."""
     started = time.time()
     longest = (0.0, 0.0)
-    done, stop = threading.Event(), threading.Event()
+    done = threading.Event()  # settled, or training over
 
     def ask() -> None:
-        while not stop.wait(1.0):
+        while not done.wait(1.0):
             if longest[1] > block_at + STALL_S and settled(longest):  # the scripted wait is over
                 done.set()
                 return
@@ -189,7 +189,7 @@ def train(loader: Any, trace: Path, block_at: float,
                 longest = (wait_start, step_start)
             time.sleep(max(0.0, step_start + STEP_S - time.time()))
     finally:
-        stop.set()
+        done.set()
         asking.join()
     del batches  # its workers stop
     return started, longest
