@@ -35,6 +35,7 @@ import pynvml
 from stallwatch.exporters.nvml_api import DeviceHandle, EventSet
 
 Timeline = Callable[[float], float]
+SAMPLE_PERIOD_S = 1 / 6  # the driver's utilization sample period (the real one's is 1/6 to 1 s)
 
 
 def constant(percent: float) -> Timeline:
@@ -232,7 +233,7 @@ class FakeNVML:
         self,
         gpus: Iterable[FakeGpu] = (),
         clock: Callable[[], float] = time.time,
-        sample_period: float = 1 / 6,
+        sample_period: float = SAMPLE_PERIOD_S,
         sample_buffer: int = 120,
         pcie_latency: float = 0.02,
         library_present: bool = True,
