@@ -61,7 +61,8 @@ STALL_S = 6.0  # how long __getitem__ blocks
 SETTLE_S = 30.0  # at most this long after the stall for the correlator's series to reach Prometheus
 RESOLUTION_S = 0.5  # query_range step
 TOLERANCE_S = 1.0  # the alignment asked for
-# A run of `gap_samples` missing driver samples, one more missing either side, and a sample's jitter.
+# The driver's longest silence: `gap_samples` missing samples in a row (gap_samples + 1 periods between the
+# samples either side), one more missing either side, and a sample's jitter.
 DRIVER_SILENCE_S = (DriverSampling.gap_samples + 2 + 1 + DriverSampling.jitter) * SAMPLE_PERIOD_S
 NOISE_S = 0.4  # stall seconds a steady interval may book (waits above the 1 ms threshold on a busy node)
 IDLE_RATIO = 0.05  # utilization at or below this is idle
