@@ -246,6 +246,22 @@ def test_an_epochs_progress_goes_with_a_wait_reported_while_it_lasts(datagrams: 
         assert (records[wire.OPEN_EPOCH]["batch"], records[wire.OPEN_EPOCH]["key"]) == (0, 5)  # 0 of 5 steps
 
 
+def test_a_loop_reading_in_this_process_names_no_batch_handed_over_before_it(datagrams: Datagrams,
+                                                                             tmp_path: Path) -> None:
+    """A loader without workers hands its batches over in this process; a later loop of another job here (reading
+    in this process too) has none handed over yet: the open records its flushes send during its first wait name
+    no batch of the loader's."""
+    for _ in instrument(DataLoader(Files(files(tmp_path, 8)), batch_size=4), job="first", rank=0):
+        pass
+    for _ in monitor(SlowStart(0.6), job="second", rank=0):
+        pass
+    wait_for("both loops' ends at the agent", lambda: len(datagrams.opens(wire.OPEN_ENDED)) == 2, 10)
+    second = [(int(r["state"]), int(r["batch"])) for d in datagrams.decoded if d.source.job == "second"
+              for r in d.opens]
+    assert wire.OPEN_WAIT in {state for state, _ in second}, second  # its flushes sent open records
+    assert not [record for record in second if record[0] == wire.OPEN_HANDED], second
+
+
 def test_a_loops_end_whose_flush_gave_up_goes_with_the_next_flush(datagrams: Datagrams) -> None:
     """Another thread holds the sender as the first loop ends, longer than a loop's flush waits (50 ms): that
     flush gives up, never holding the trainer. The loop's end goes with the flush thread's next flush, while

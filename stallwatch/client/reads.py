@@ -134,13 +134,15 @@ def bound() -> bool:
 
 @contextlib.contextmanager
 def reads_as(source: wire.Source) -> Iterator[None]:
-    """Send this process's reads as `source` inside the block; the previous source and batch after it."""
-    saved = context.source, context.channel, context.batch
+    """Send this process's reads as `source` inside the block, from no batch built or handed over yet (another
+    source's are not its); the previous source and its work after it."""
+    saved = context.source, context.channel, context.batch, context.building, context.handed
     bind_worker(source)
+    context.batch, context.building, context.handed = -1, None, None
     try:
         yield
     finally:
-        context.source, context.channel, context.batch = saved
+        context.source, context.channel, context.batch, context.building, context.handed = saved
 
 
 def set_batch(batch: int) -> None:
