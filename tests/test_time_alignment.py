@@ -63,7 +63,7 @@ RESOLUTION_S = 0.5  # query_range step
 TOLERANCE_S = 1.0  # the alignment asked for
 # The driver's longest silence: `gap_samples` missing samples in a row (gap_samples + 1 periods between the
 # samples either side), one more missing either side, and a sample's jitter.
-DRIVER_SILENCE_S = (DriverSampling.gap_samples + 2 + 1 + DriverSampling.jitter) * SAMPLE_PERIOD_S
+DRIVER_SILENCE_S = (DriverSampling.gap_samples + 1 + 2 + DriverSampling.jitter) * SAMPLE_PERIOD_S
 NOISE_S = 0.4  # stall seconds a steady interval may book (waits above the 1 ms threshold on a busy node)
 IDLE_RATIO = 0.05  # utilization at or below this is idle
 
@@ -97,8 +97,12 @@ class Run:
     windows: Path  # the correlator's record of every window it closed
     started: float
     ended: float
-    wait: tuple[float, float]  # the trainer's longest wait for a batch: (T0, T1)
-    waits: list[tuple[float, float]]  # every wait for a batch, as (start, end)
+    waits: list[tuple[float, float]]  # every wait of the trainer's for a batch, as (start, end)
+
+    @property
+    def wait(self) -> tuple[float, float]:
+        """The trainer's longest wait for a batch: (T0, T1)."""
+        return max(self.waits, key=lambda wait: wait[1] - wait[0])
 
     @property
     def stalled_s(self) -> float:
@@ -237,7 +241,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Run]:
             finally:
                 transport.sender().close()
             time.sleep(2.0)  # the last scrapes
-            yield Run(prom.url, windows, started, time.time(), max(waits, key=lambda w: w[1] - w[0]), waits)
+            yield Run(prom.url, windows, started, time.time(), waits)
         finally:
             prom.close()
     finally:
