@@ -246,3 +246,16 @@ def test_the_demos_live_line_shows_a_stall_from_the_last_scrapes() -> None:
     forgotten = {stall("remote_fetch"): 300.0, stall("delivery"): 5.0, compute: 50.0}
     began_again = {stall("remote_fetch"): 0.5, stall("delivery"): 3.0, compute: 1.0}
     assert "stalled  88% delivery" in status_line([(100.0, forgotten), (104.0, began_again)])
+
+
+def test_the_demos_live_line_forecasts_only_until_the_job_is_first_steady() -> None:
+    """Once steady, the forecast's gauge holds the actual time to steady: after an outage sends the job back to
+    `transition`, the line must not read it as a forecast ("steady 12 s in" through a minute's cut)."""
+    job = ("training_job", "demo")
+    transition = {(c.WARMUP_PHASE.name, (("phase", "transition"), job)): 1.0,
+                  (c.WARMUP_PHASE.name, (("phase", "steady"), job)): 0.0,
+                  (c.WARMUP_FORECAST_TIME_TO_STEADY.name, (job,)): 12.3}
+    assert "forecast: steady 12 s in" in status_line([(100.0, transition)])
+    regressed = {**transition, (c.WARMUP_TIME_TO_STEADY.name, (job,)): 12.3}
+    line = status_line([(100.0, regressed)])
+    assert "recognised phase transition" in line and "forecast" not in line

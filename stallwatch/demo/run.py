@@ -146,7 +146,8 @@ def _since(recent: Sequence[Scrape], name: str, **labels: str) -> float:
 def status_line(recent: Sequence[Scrape], firing: Collection[str] = ()) -> str:
     """What the agent's last scrapes say: the hit ratio, the input-bound ratio (stall over stall plus
     compute seconds booked), the share of the time the ranks stalled and its main cause, the phase the
-    correlator recognises now, and the alerts firing. Over the scrapes' span, so a stall shows while it
+    correlator recognises now (with its forecast of the time to steady, until the job is first steady), and
+    the alerts firing. Over the scrapes' span, so a stall shows while it
     lasts (the correlator books it window by window); one scrape: since the start, without the stalled
     share. Each says which span it is over."""
     served, hits = _since(recent, c.SPOKE_REQUESTS.name), _since(recent, c.SPOKE_REQUESTS.name, result="hit")
@@ -162,7 +163,10 @@ def status_line(recent: Sequence[Scrape], firing: Collection[str] = ()) -> str:
     phase = next((dict(ls)["phase"] for (n, ls), v in metrics.items() if n == c.WARMUP_PHASE.name and v == 1), "-")
     parts.append(f"recognised phase {phase:10}")
     forecast = next((v for (n, _), v in metrics.items() if n == c.WARMUP_FORECAST_TIME_TO_STEADY.name), None)
-    if phase != "steady" and forecast is not None:
+    # Once the job was steady the forecast's gauge holds the actual time to steady: after a regression (an
+    # outage) it is no forecast of what comes next, and is not shown.
+    been_steady = any(n == c.WARMUP_TIME_TO_STEADY.name for n, _ in metrics)
+    if phase != "steady" and forecast is not None and not been_steady:
         parts.append("forecast: never steady" if math.isinf(forecast) else f"forecast: steady {forecast:.0f} s in")
     if firing:
         parts.append(f"FIRING {', '.join(sorted(firing))}")
