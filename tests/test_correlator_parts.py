@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry, generate_latest
 
@@ -37,7 +37,7 @@ from stallwatch.correlator.verdicts import LatencySplit
 from stallwatch.correlator.wallclock import wall_offset_ns
 from stallwatch.correlator.warmup import JobWindow, WarmupTracker
 from stallwatch.correlator.whatif import FEED_SLICE, MissRatioCurve
-from stallwatch.correlator.windows import MERGE_EVENTS, EventTimeWindows
+from stallwatch.correlator.windows import MERGE_EVENTS, EventTimeWindows, _Chunk, _merge
 from stallwatch.eventbatch import SCHEMAS, EventBatch, Interner, MalformedEventBatchError, Verdict
 from tests.scenarios.generator import BASE_NS, JobSpec, LruCache, Scenario, exact_lru_hit_ratio, generate
 
@@ -390,6 +390,22 @@ def test_merged_compact_chunks_hand_over_exactly_what_came_in(spread_s: float) -
     for name, column in reads.items():
         assert closed.context["read"][name].dtype == SCHEMAS["read"].columns[name]
         assert np.array_equal(closed.context["read"][name], column), name
+
+
+@given(st.lists(st.integers(-2**40, 2**40), min_size=1, max_size=40), st.integers(-2**41, 2**41))
+@example([0, 255], 255)  # a row at the top of its narrow dtype, compared at that top
+@example([7, 7 + 65_535], 65_535)
+@example([0, 2**32 - 1], 2**32 - 1)
+def test_a_compact_column_compares_as_its_restored_values_do(offsets: list[int], threshold_offset: int) -> None:
+    """A window's time and batch tests run on the stored offsets, never restored: they must agree with the
+    restored column at every threshold, below the column's base, past its narrow dtype's top, and between."""
+    values = BASE_NS + np.array(offsets, dtype=np.int64)
+    columns = {name: np.zeros(values.size, dtype=dtype) for name, dtype in SCHEMAS["read"].columns.items()}
+    columns["end_ns"] = values
+    chunk = _merge("read", [_Chunk(int(values.min()), int(values.max()), columns)])
+    threshold = BASE_NS + threshold_offset
+    for edge in (threshold, int(values.min()), int(values.max()), int(values.max()) + 1):
+        assert np.array_equal(chunk.at_least("end_ns", edge), chunk.column("read", "end_ns") >= edge)
 
 
 def test_a_window_is_handed_the_reads_its_stalls_may_need_and_not_the_rest_of_the_lookback() -> None:
