@@ -74,12 +74,12 @@ class LatencySplit:
     def learn(self, duration_ns: I64) -> None:
         if duration_ns.size == 0:
             return
-        # In place: one float array per window's reads rather than one per operation.
-        scaled = np.maximum(duration_ns, 1).astype(np.float64)
+        # In place: one float array per window's reads rather than one per operation. Single precision: its
+        # logarithm costs a fifth of a double's, and errs by about 1e-6 decades where a bin is 0.05 wide.
+        scaled = np.maximum(duration_ns, 1).astype(np.float32)
         np.log10(scaled, out=scaled)
         scaled -= _LOG_LO
-        scaled /= _LOG_HI - _LOG_LO
-        scaled *= _BINS
+        scaled *= _BINS / (_LOG_HI - _LOG_LO)
         bins = np.clip(scaled.astype(np.int64), 0, _BINS - 1)
         self._counts *= self._decay_per_read ** duration_ns.size
         self._counts += np.bincount(bins, minlength=_BINS)
