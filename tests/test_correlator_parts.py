@@ -24,6 +24,7 @@ from stallwatch.correlator.intervals import (
     composite_key,
     covered_and_subsets,
     distinct_ids,
+    equal_join_columns,
     overlap_join,
     union_length,
 )
@@ -87,6 +88,23 @@ def test_distinct_ids_are_the_distinct_values_in_order(values: list[int], dtype:
     assert distinct_ids(column) == sorted(set(column.tolist()))
     wide = np.arange(-20_000, 20_000, dtype=np.int16)  # a range dense enough for the table, past int16 from its low
     assert distinct_ids(wide) == wide.tolist()
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.tuples(*[st.integers(-2, 6)] * 3), max_size=12, unique=True),
+       st.lists(st.tuples(*[st.integers(-3, 8)] * 3), max_size=40), st.integers(0, 2**62))
+def test_equal_join_columns_matches_brute_force(left: list[tuple[int, int, int]], right: list[tuple[int, int, int]],
+                                               far: int) -> None:
+    """A window's stalls (distinct (batch, job, rank)) joined to its reads: the table path (keys in a small
+    range) and the packed path (a batch `far` away makes the table too sparse) find the same pairs."""
+    expected = {(a, b) for a, row in enumerate(left) for b, other in enumerate(right) if row == other}
+    for shift in (0, far):
+        def columns(rows: list[tuple[int, int, int]], dtype: type, shift: int = shift) -> list[np.ndarray]:
+            batches = [r[0] + (shift if r[0] > 4 else 0) for r in rows]
+            return [np.array(batches, dtype=np.int64)] + [np.array([r[k] for r in rows], dtype=dtype)
+                                                          for k in (1, 2)]
+        i, j = equal_join_columns(columns(left, np.int64), columns(right, np.int32))
+        assert sorted(zip(i.tolist(), j.tolist(), strict=True)) == sorted(expected)
 
 
 @settings(max_examples=60, deadline=None)

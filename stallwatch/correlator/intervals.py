@@ -120,22 +120,23 @@ def equal_join_columns(left: Sequence[I64], right: Sequence[npt.NDArray[np.integ
         packed = composite_key(*(np.concatenate((a, b)) for a, b in zip(left, right, strict=True)))
         return equal_join(packed[:left[0].size], packed[left[0].size:])
     rows = np.flatnonzero((right[0] >= lows[0]) & (right[0] < lows[0] + spans[0]))
-    for column, low, span in zip(right[1:], lows[1:], spans[1:], strict=True):  # on the rows left: few
-        values = column[rows]
-        rows = rows[(values >= low) & (values < low + span)]
-    left_key = np.zeros(left[0].size, dtype=np.int64)
     right_key = right[0][rows].astype(np.int64) - lows[0]
+    for column, low, span in zip(right[1:], lows[1:], spans[1:], strict=True):  # on the rows left: few
+        values = column[rows].astype(np.int64)  # each column gathered once, for its test and for the key
+        values -= low
+        inside = (values >= 0) & (values < span)
+        if not inside.all():
+            rows, right_key, values = rows[inside], right_key[inside], values[inside]
+        right_key *= span  # in place: the right side is long
+        right_key += values
+    left_key = np.zeros(left[0].size, dtype=np.int64)
     for a, low, span in zip(left, lows, spans, strict=True):
         left_key = left_key * span + (a - low)
-    for b, low, span in zip(right[1:], lows[1:], spans[1:], strict=True):  # in place: the right side is long
-        right_key *= span
-        right_key += b[rows].astype(np.int64, copy=False)
-        right_key -= low
     table = np.full(math.prod(spans), -1, dtype=np.int64)
     table[left_key] = np.arange(left_key.size)
     found = table[right_key]
     hit = found >= 0
-    return found[hit], rows[hit]
+    return (found, rows) if hit.all() else (found[hit], rows[hit])
 
 
 def overlap_join(
