@@ -257,6 +257,27 @@ def test_whatif_folds_a_window_a_slice_at_a_time_with_the_same_distances() -> No
         assert whole.hit_ratio(capacity) == pytest.approx(small.hit_ratio(capacity), abs=1e-12)
 
 
+@pytest.mark.parametrize(("distinct", "references"), [(500, 80_000), (60_000, 80_000), (60_000, FEED_SLICE)])
+def test_whatif_fed_references_out_of_order_with_their_times_is_the_whatif_of_them_in_order(
+        distinct: int, references: int) -> None:
+    """A window's reads come in no time order: fed with their times, they are sampled and folded exactly as the
+    same references fed in time order, failed fetches counted alike, in one slice or several, every key sampled
+    or the rate lowered."""
+    rng = np.random.default_rng(5)
+    keys = rng.integers(0, distinct, references).astype(np.uint64)
+    sizes = np.where(rng.random(keys.size) < 0.03, 0, rng.integers(1, 1 << 20, keys.size)).astype(np.int64)
+    times = np.cumsum(rng.integers(1, 1_000, keys.size))
+    shuffled = rng.permutation(keys.size)
+    in_order, out_of_order = MissRatioCurve(max_keys=4_096), MissRatioCurve(max_keys=4_096)
+    in_order.feed(keys, sizes)
+    out_of_order.feed(keys[shuffled], sizes[shuffled], times[shuffled])
+    assert (distinct < 4_096) == (in_order.sample_rate == 1.0)
+    assert (out_of_order.references, out_of_order.failed, out_of_order.sample_rate) == (
+        in_order.references, in_order.failed, in_order.sample_rate)
+    for capacity in (2**20, 2**26, 2**30, 2**34):
+        assert out_of_order.hit_ratio(capacity) == in_order.hit_ratio(capacity)
+
+
 @settings(max_examples=40, deadline=None)
 @given(keys=st.lists(st.integers(0, 12), max_size=80), seed=st.integers(0, 3))
 def test_reuse_distances_are_an_exact_lru_at_every_capacity(keys: list[int], seed: int) -> None:

@@ -86,10 +86,23 @@ class MissRatioCurve:
         """Estimated references seen (sampled ones scaled by 1/R)."""
         return self._total
 
-    def feed(self, keys: npt.NDArray[np.uint64], sizes: npt.NDArray[np.int64]) -> None:
+    def feed(self, keys: npt.NDArray[np.uint64], sizes: npt.NDArray[np.int64],
+             times: npt.NDArray[np.int64] | None = None) -> None:
         """References in time order, a slice at a time: the tracked keys carry the recency order from one slice
         to the next, so the distances are the same, and the work arrays stay the size of a slice (one window
-        of a flood holds hundreds of thousands of reads)."""
+        of a flood holds hundreds of thousands of reads). With `times` (each reference's), references in any
+        order: in one slice, those not sampled are left out first, so only the sampled few are sorted; the
+        references of several slices are all sorted, since the rate may fall between slices."""
+        if times is not None and keys.size <= FEED_SLICE:
+            fetched = sizes > 0
+            self.failed += int(sizes.size - np.count_nonzero(fetched))
+            rows = np.flatnonzero(fetched)
+            rows = rows[self._sampled(_mix(keys[rows]))]
+            rows = rows[np.argsort(times[rows], kind="stable")]
+            keys, sizes = keys[rows], sizes[rows]
+        elif times is not None:
+            order = np.argsort(times, kind="stable")
+            keys, sizes = keys[order], sizes[order]
         for first in range(0, keys.size, FEED_SLICE):
             self._feed(keys[first:first + FEED_SLICE], sizes[first:first + FEED_SLICE])
 

@@ -148,8 +148,7 @@ class WindowAnalyser:
         jobs = self._jobs(window, steps, stalled, own_reads, read_batches, idle_by_job, spans, set(live.job.tolist()))
         # The what-if replays the reads that crossed a spoke: a spoke's size changes nothing for the others.
         crossed = np.flatnonzero(own_reads["verdict"] != Verdict.DIRECT)
-        order = crossed[np.argsort(own_reads["end_ns"][crossed], kind="stable")]
-        self.whatif.feed(own_reads["key"][order], own_reads["bytes"][order])
+        self.whatif.feed(own_reads["key"][crossed], own_reads["bytes"][crossed], own_reads["end_ns"][crossed])
         whatif: dict[float, float] = {}
         if self.cache_capacity_bytes:
             for factor in WHATIF_FACTORS:
