@@ -194,20 +194,22 @@ def covered_and_subsets(group: I64, start: I64, end: I64, subsets: tuple[npt.NDA
     order = np.argsort(group.astype(np.uint16) if n_groups <= 2**16 else group, kind="stable")
     g, s, e = group[order], shifted_start[order], shifted_end[order]
     leads = np.flatnonzero(np.concatenate(([True], g[1:] != g[:-1])))  # each group's first row
-    first[g[leads]] = np.minimum.reduceat(start[order], leads)
+    # A group's shift is the same on all its rows: its earliest start is its least shifted start less the shift.
+    first[g[leads]] = np.minimum.reduceat(s, leads) - (s[leads] - start[order[leads]])
     chosen = tuple(subset[order] for subset in subsets)
     if not bool((s[1:] >= s[:-1]).all()):
         if bool((e[1:] >= e[:-1]).all()):  # groups are disjoint stretches: this is end order within each
             g, s, e, chosen = g[::-1], -e[::-1], -s[::-1], tuple(c[::-1] for c in chosen)
-        else:
+            leads = (g.size - np.append(leads[1:], g.size))[::-1]  # the groups' stretches, mirrored
+        else:  # by start, the groups keep their stretches, and their rows
             by_start = np.argsort(s, kind="stable")  # runs of sorted starts: faster stable
             g, s, e, chosen = g[by_start], s[by_start], e[by_start], tuple(c[by_start] for c in chosen)
-    return (sorted_union_length(g, s, e, n_groups),
+    return (sorted_union_length(g, s, e, n_groups, leads),
             tuple(sorted_union_length(g[rows], s[rows], e[rows], n_groups)  # places: a scattered mask selects slowly
                   for rows in map(np.flatnonzero, chosen)), first)
 
 
-def sorted_union_length(group: I64, start: I64, end: I64, n_groups: int) -> I64:
+def sorted_union_length(group: I64, start: I64, end: I64, n_groups: int, leads: I64 | None = None) -> I64:
     """`union_length` for intervals already shifted apart by group and sorted by start.
 
     An interval adds only what lies past the furthest end seen so far; since groups occupy disjoint
@@ -220,6 +222,7 @@ def sorted_union_length(group: I64, start: I64, end: I64, n_groups: int) -> I64:
     added[0] -= start[0]
     added[1:] -= np.maximum(start[1:], np.maximum.accumulate(end)[:-1])
     np.maximum(added, 0, out=added)
-    leads = np.flatnonzero(np.concatenate(([True], group[1:] != group[:-1])))  # the groups are in order
+    if leads is None:  # each group's first row, unless the caller knows them: the groups are in order
+        leads = np.flatnonzero(np.concatenate(([True], group[1:] != group[:-1])))
     lengths[group[leads]] = np.add.reduceat(added, leads)
     return lengths

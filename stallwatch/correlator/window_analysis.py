@@ -103,11 +103,11 @@ class WindowAnalyser:
         s = self.settings
         start, end = window.start_ns, window.end_ns
         raw = window.context["read"]
-        in_window = (raw["end_ns"] >= start) & (raw["end_ns"] < end)
-        verdict = self._verdicts(raw, window, in_window)
-        # The window's own reads, once: the jobs' counts, the what-if and the warm-up take only these.
-        own_rows = np.flatnonzero(in_window)  # places: selected once, not a mask scanned again for each column
+        # The window's own reads, once: the latency split, the jobs' counts, the what-if and the warm-up take only
+        # these. By places: selected once, not a mask scanned again for each column.
+        own_rows = np.flatnonzero((raw["end_ns"] >= start) & (raw["end_ns"] < end))
         own_reads = {name: raw[name][own_rows] for name in ("job", "start_ns", "end_ns", "key", "bytes")}
+        verdict = self._verdicts(raw, window, raw["verdict"][own_rows], own_reads)
         own_reads["verdict"] = verdict[own_rows]
         steps = _steps(window.steps)
         flight = in_flight(window.context["open"])
@@ -195,11 +195,13 @@ class WindowAnalyser:
             (reads.job, opened["job"]), (reads.rank, opened["rank"]), (reads.batch, opened["batch"]),
             (reads.start, opened["start_ns"]), (reads.end, opened["end_ns"]), (reads.verdict, verdict))))
 
-    def _verdicts(self, reads: dict[str, np.ndarray], window: WindowInput, in_window: np.ndarray) -> np.ndarray:
+    def _verdicts(self, reads: dict[str, np.ndarray], window: WindowInput, own_verdict: np.ndarray,
+                  own_reads: Columns) -> np.ndarray:
         """Each read's verdict: its own, else the spoke's, else the latency split's (learnt from the window's own
-        reads, less those the client saw cross no spoke: a local disk's latency is neither cluster's)."""
-        learnt = in_window & (reads["verdict"] != Verdict.DIRECT)
-        self.latency.learn(reads["end_ns"][learnt] - reads["start_ns"][learnt])
+        reads, with the verdicts the client gave them, less those it saw cross no spoke: a local disk's latency
+        is neither cluster's)."""
+        learnt = np.flatnonzero(own_verdict != Verdict.DIRECT)
+        self.latency.learn(own_reads["end_ns"][learnt] - own_reads["start_ns"][learnt])
         return self._resolved(reads["verdict"].astype(np.int8, copy=True), reads["key"], reads["start_ns"],
                               reads["end_ns"], window)
 
@@ -261,15 +263,15 @@ class WindowAnalyser:
             passing = self.passes.of(job)
             first_pass = passing if cold else None
             lead = _read_lead(mine, steps, read_mine, read_batches()) if first_pass else None
-            seen = JobWindow(
-                steps=int(mine.sum()),
+            seen = JobWindow(  # counted, not summed: a mask's sum casts every row
+                steps=int(np.count_nonzero(mine)),
                 ranks=int(np.unique(steps.rank[mine]).size) or self._known_ranks(job),
                 step_seconds=step_seconds[mine],
                 step_quarter=np.clip((steps.compute_end[mine] - window.start_ns) * 4
                                      // (window.end_ns - window.start_ns), 0, 3),
-                reads=int(misses.sum()) + int(hits.sum()),
-                hits=int(hits.sum()),
-                hub_bytes=int(reads["bytes"][misses].sum()),
+                reads=int(np.count_nonzero(misses)) + int(np.count_nonzero(hits)),
+                hits=int(np.count_nonzero(hits)),
+                hub_bytes=int(reads["bytes"][np.flatnonzero(misses)].sum()),
                 read_bytes=int(reads["bytes"][misses | hits].sum()) if cold else 0,
                 first_pass=first_pass,
                 read_lead=lead,
@@ -277,7 +279,7 @@ class WindowAnalyser:
                 stall_start_ns=steps.wait_start[mine & stalled],
                 stall_end_ns=steps.wait_end[mine & stalled],
                 waiting=job in waiting,
-                direct_reads=int((read_mine & direct).sum()),
+                direct_reads=int(np.count_nonzero(read_mine & direct)),
             )
             state = self.warmup.update(job, window.start_ns, window.end_ns, seen, self._first_seen[job],
                                        complete=not window.final)
