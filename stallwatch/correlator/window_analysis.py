@@ -210,12 +210,14 @@ class WindowAnalyser:
         """The unknown verdicts (in place) from the spoke's log for the read's key, else from the latency split, or
         `DIRECT` when the node has no spoke for reads to cross."""
         unknown = np.flatnonzero(verdict == Verdict.UNKNOWN)
+        if unknown.size == 0:
+            return verdict
         spoke = window.context["spoke_request"]
-        if unknown.size and spoke["key"].size:
+        if spoke["key"].size:
             tolerance = seconds_to_ns(self.settings.spoke_join_tolerance_s)
             verdict[unknown] = join_spoke(key[unknown], end[unknown], spoke["key"], spoke["end_ns"], spoke["verdict"],
                                           tolerance)
-        unknown = np.flatnonzero(verdict == Verdict.UNKNOWN)
+            unknown = unknown[verdict[unknown] == Verdict.UNKNOWN]  # the spoke's log left these
         verdict[unknown] = (self.latency.classify(end[unknown] - start[unknown]) if self.settings.spoke
                             else Verdict.DIRECT)
         return verdict
