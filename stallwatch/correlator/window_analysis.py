@@ -261,18 +261,19 @@ class WindowAnalyser:
             mine = steps.job == job
             read_mine = read_jobs == job
             misses, hits = read_mine & missed, read_mine & hit
+            hit_count = int(np.count_nonzero(hits))  # counted, not summed: a mask's sum casts every row
             cold = self._cold(job)  # the forecast's figures, wanted only until the job is steady
             passing = self.passes.of(job)
             first_pass = passing if cold else None
             lead = _read_lead(mine, steps, read_mine, read_batches()) if first_pass else None
-            seen = JobWindow(  # counted, not summed: a mask's sum casts every row
+            seen = JobWindow(
                 steps=int(np.count_nonzero(mine)),
                 ranks=int(np.unique(steps.rank[mine]).size) or self._known_ranks(job),
                 step_seconds=step_seconds[mine],
                 step_quarter=np.clip((steps.compute_end[mine] - window.start_ns) * 4
                                      // (window.end_ns - window.start_ns), 0, 3),
-                reads=int(np.count_nonzero(misses)) + int(np.count_nonzero(hits)),
-                hits=int(np.count_nonzero(hits)),
+                reads=int(np.count_nonzero(misses)) + hit_count,
+                hits=hit_count,
                 hub_bytes=int(reads["bytes"][np.flatnonzero(misses)].sum()),
                 read_bytes=int(reads["bytes"][misses | hits].sum()) if cold else 0,
                 first_pass=first_pass,

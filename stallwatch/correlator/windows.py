@@ -57,8 +57,9 @@ MERGE_EVENTS = 32_768
 # A kind whose batches are tiny (GPU samples: a few per batch) would never reach MERGE_EVENTS, and every close
 # walks every chunk: its unmerged batches are merged once this many are waiting.
 MERGE_CHUNKS = 16
-_OFFSET_DTYPES = (np.uint8, np.uint16, np.uint32)
-_OFFSET_MAX = {np.dtype(d): int(np.iinfo(d).max) for d in _OFFSET_DTYPES}  # `np.iinfo` costs microseconds
+# The unsigned dtypes a compact column's offsets may take, narrowest first, with the largest offset each holds
+# (`np.iinfo` costs microseconds a call).
+_OFFSET_MAX = {np.dtype(d): int(np.iinfo(d).max) for d in (np.uint8, np.uint16, np.uint32)}
 
 
 @dataclass
@@ -131,8 +132,8 @@ def _merge(kind: str, chunks: list[_Chunk]) -> _Chunk:
         values = np.concatenate([chunk.column(kind, name) for chunk in chunks])
         if values.dtype.kind in "iu" and values.dtype.itemsize > 1:
             low, high = int(values.min()), int(values.max())
-            narrow = next((d for d in _OFFSET_DTYPES if high - low <= np.iinfo(d).max), None)
-            if narrow is not None and np.dtype(narrow).itemsize < values.dtype.itemsize:
+            narrow = next((d for d, top in _OFFSET_MAX.items() if high - low <= top), None)
+            if narrow is not None and narrow.itemsize < values.dtype.itemsize:
                 values -= values.dtype.type(low)
                 values = values.astype(narrow)
                 bases[name] = low
