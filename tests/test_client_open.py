@@ -176,7 +176,9 @@ def test_a_steady_job_sends_no_datagram_of_open_records_alone(datagrams: Datagra
         time.sleep(0.02)
     wait_for("both loops' ends at the agent", lambda: len(datagrams.opens(wire.OPEN_ENDED)) == 2, 10)
     assert len(datagrams.rows("steps")) == 16 + 40
-    assert all(len(d.steps) or len(d.reads) for d in datagrams.decoded if len(d.opens))
+    alone = [[(int(r["state"]), int(r["batch"]), int(r["key"])) for r in d.opens] for d in datagrams.decoded
+             if len(d.opens) and not len(d.steps) and not len(d.reads)]
+    assert not alone, f"datagrams of open records alone, as (state, batch, key): {alone}"
     assert not datagrams.opens(wire.OPEN_WAIT)
     # Open records rode along: the batch built or handed over as the flush looked.
     assert datagrams.opens(wire.OPEN_HANDED)
