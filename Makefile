@@ -3,6 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+CLIENT_HOOK := build/.client-hook
 STAGE := build/dist
 DIST := dist
 
@@ -10,8 +11,8 @@ DIST := dist
 # the client's metadata (clients/python) beside stallwatch/client, and the agent's beside the rest.
 define stage
 	rm -rf $(STAGE) && mkdir -p $(STAGE)/client $(STAGE)/agent
-	cp clients/python/pyproject.toml clients/python/README.md $(STAGE)/client/
-	tar -c --exclude=__pycache__ stallwatch/client | tar -x -C $(STAGE)/client
+	cp clients/python/pyproject.toml clients/python/setup.py clients/python/README.md $(STAGE)/client/
+	tar -c --exclude=__pycache__ --exclude='*.so' stallwatch/client | tar -x -C $(STAGE)/client
 	tar -c --exclude=__pycache__ --exclude=stallwatch/client --exclude=stallwatch/_revision \
 	  pyproject.toml README.md stallwatch | tar -x -C $(STAGE)/agent
 	git rev-parse HEAD > $(STAGE)/agent/stallwatch/_revision 2>/dev/null || true
@@ -23,10 +24,10 @@ test: $(STAMP) system-deps helm-tools lint typecheck pytest
 
 # The quick tier: lint, types, and every test that starts no real process (the others skip themselves when
 # they try: tests/conftest.py), on every core.
-check: $(STAMP) lint typecheck
+check: $(STAMP) $(CLIENT_HOOK) lint typecheck
 	$(PY) -m pytest -q --no-processes -n auto
 
-demo: $(STAMP) system-deps
+demo: $(STAMP) system-deps $(CLIENT_HOOK)
 	$(PY) -m stallwatch demo $(DEMO_ARGS)
 
 $(STAMP): pyproject.toml clients/python/pyproject.toml
@@ -42,16 +43,24 @@ $(STAMP): pyproject.toml clients/python/pyproject.toml
 	$(PY) -m pip install -q $(STAGE)/client -e '.[test,report]' --config-settings editable_mode=compat
 	touch $@
 
-# The two distributions, wheel and sdist each, into dist/: stallwatch-client (stallwatch/client) and
-# stallwatch (the rest, with the revision it was built from: stallwatch/build.py). Built offline.
+# The client's C hook for open() (clients/python/setup.py), built into the checkout that the dev install
+# puts on the path; optional: without a C compiler the client runs its hook written in Python.
+$(CLIENT_HOOK): stallwatch/client/_openhook.c clients/python/setup.py | $(STAMP)
+	$(PY) clients/python/setup.py -q build_ext --inplace --build-temp build/client-hook
+	mkdir -p $(@D) && touch $@
+
+# The two distributions into dist/, built offline: stallwatch-client (stallwatch/client), an sdist, a wheel
+# with the C hook for this platform and one without it for any, and stallwatch (the rest, with the revision
+# it was built from: stallwatch/build.py), an sdist and a wheel.
 dist: $(STAMP)
 	$(stage)
 	rm -rf $(DIST)
 	$(PY) -m build -q --no-isolation --outdir $(DIST) $(STAGE)/client
+	STALLWATCH_CLIENT_PURE=1 $(PY) -m build -q --no-isolation --wheel --outdir $(DIST) $(STAGE)/client
 	$(PY) -m build -q --no-isolation --outdir $(DIST) $(STAGE)/agent
 
 system-deps:
-	scripts/install-system-deps.sh
+	PYTHON=$(PYTHON) scripts/install-system-deps.sh
 
 # helm and kubectl for the chart's tests, into build/tools/bin.
 helm-tools:
@@ -63,7 +72,7 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(PY) -m mypy
 
-pytest: $(STAMP) system-deps helm-tools
+pytest: $(STAMP) system-deps helm-tools $(CLIENT_HOOK)
 	$(PY) -m pytest -q
 
 generate: $(STAMP)
@@ -77,7 +86,7 @@ image: $(STAMP) system-deps
 protos: $(STAMP)
 	PYTHON=$(PY) scripts/generate-protos.sh
 
-benchmarks: $(STAMP)
+benchmarks: $(STAMP) $(CLIENT_HOOK)
 	$(PY) benchmarks/run_all.py
 
 clean:

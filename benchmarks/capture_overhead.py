@@ -9,7 +9,8 @@
 2. An open it skips: `open()` of a file of the Python installation (the path checked and skipped: again, as
    a process opens its files again, and for the first time, its prefixes tested), of any
    file in a process whose reads have no source (the trainer outside a loop without workers), and for
-   comparison the open of a file it captures, each against the original `open()`.
+   comparison the open of a file it captures, each against the original `open()`; through the hook
+   capture installs (C where the client was built with it) and, beside it, `capturing_open` alone.
 
 Each round times every side once, in an order that alternates from round to round, so that all meet the
 same moment of the machine; the figures are the medians over the rounds of each round's differences.
@@ -22,6 +23,7 @@ with an untimed pause after each (the kernel queues only ten here).
 from __future__ import annotations
 
 import argparse
+import builtins
 import gc
 import os
 import statistics
@@ -68,10 +70,10 @@ def read_sides(path: str) -> dict[str, Side]:
 
     def opened(opener: Callable[..., IO[Any]]) -> IO[Any]:  # open for the run
         file = opener(path, "rb", BUFFER_SIZE)
-        assert (type(file.raw) is reads.RecordedFileIO) == (opener is capture.capturing_open)  # type: ignore[attr-defined]
+        assert (type(file.raw) is reads.RecordedFileIO) == (opener is not capture.original_open)  # type: ignore[attr-defined]
         return file
 
-    plain, captured = opened(capture.original_open), opened(capture.capturing_open)
+    plain, captured = opened(capture.original_open), opened(builtins.open)
     return {"plain": reading(plain, READ_SIZE, READS_PER_CHUNK),
             "captured": reading(captured, READ_SIZE, READS_PER_CHUNK),
             "plain system": reading(plain, SYSTEM_READ_SIZE, SYSTEM_READS_PER_CHUNK),
@@ -87,6 +89,7 @@ def passthrough(file: Any, mode: str = "r", buffering: int = -1, encoding: str |
 
 
 def open_sides(skipped: str, captured: str, opens: int) -> dict[str, Side]:
+    hook = builtins.open  # what capture installed: the C hook where the client was built with it
     def opening(opener: Callable[..., IO[Any]], path: str, bound: bool, first: bool = False) -> Side:
         def chunk() -> int:
             if bound:
@@ -107,14 +110,16 @@ def open_sides(skipped: str, captured: str, opens: int) -> dict[str, Side]:
 
     return {
         "plain skipped file": opening(capture.original_open, skipped, True),
-        "captured skipped file": opening(capture.capturing_open, skipped, True),
+        "captured skipped file": opening(hook, skipped, True),
+        "Python hook, skipped file": opening(capture.capturing_open, skipped, True),
         "passthrough skipped file": opening(passthrough, skipped, True),
         "plain skipped file, first": opening(capture.original_open, skipped, True, first=True),
-        "captured skipped file, first": opening(capture.capturing_open, skipped, True, first=True),
+        "captured skipped file, first": opening(hook, skipped, True, first=True),
+        "Python hook, skipped file, first": opening(capture.capturing_open, skipped, True, first=True),
         "plain, no source": opening(capture.original_open, captured, False),
-        "captured, no source": opening(capture.capturing_open, captured, False),
+        "captured, no source": opening(hook, captured, False),
         "plain captured file": opening(capture.original_open, captured, True),
-        "captured captured file": opening(capture.capturing_open, captured, True),
+        "captured captured file": opening(hook, captured, True),
     }
 
 
@@ -170,6 +175,10 @@ def measure(rounds: int, opens: int) -> dict[str, float]:
                                                           per=opens),
         "capture's cost, skipped file first opened": median_difference(
             opened, "captured skipped file, first", "plain skipped file, first", per=opens),
+        "the Python hook's cost, skipped file": median_difference(
+            opened, "Python hook, skipped file", "plain skipped file", per=opens),
+        "the Python hook's cost, first opened": median_difference(
+            opened, "Python hook, skipped file, first", "plain skipped file, first", per=opens),
         "a Python open()'s least cost": median_difference(opened, "passthrough skipped file", "plain skipped file",
                                                           per=opens),
         "capture's cost, no source": median_difference(opened, "captured, no source", "plain, no source", per=opens),
@@ -184,6 +193,7 @@ def main() -> int:
     parser.add_argument("--opens", type=int, default=20_000, help="opens a side a round")
     args = parser.parse_args()
     figures = measure(args.rounds, args.opens)
+    print(f"open() hook: {'C (_openhook)' if capture.accelerated() else 'Python (capturing_open alone)'}")
     print(f"read capture ({args.rounds} rounds, medians; reads of {READ_SIZE} B, {READS_PER_CHUNK:,} a side a round; "
           f"{args.opens:,} opens a side a round; CPU count {os.cpu_count()}):")
     for name, nanoseconds in figures.items():

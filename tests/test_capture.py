@@ -3,7 +3,10 @@ files themselves unchanged: same bytes, positions and exceptions, pickling and f
 
 from __future__ import annotations
 
+import builtins
 import copy
+import functools
+import inspect
 import io
 import itertools
 import math
@@ -28,8 +31,19 @@ from tests.test_client_open import Datagrams
 SOURCE = wire.Source("capture", rank=2, worker=1)
 
 
+@pytest.fixture(params=["c", "python"])
+def hook(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Each test of capture twice: with the C hook `start()` installs where the client was built with it
+    (`make` builds it here), and with `capturing_open` alone, as a client built without a compiler has."""
+    if request.param == "c" and not capture.accelerated():
+        pytest.skip("the client was built without its C hook (no C compiler or Python headers)")
+    if request.param == "python":
+        monkeypatch.setattr(capture, "_openhook", None)
+    return str(request.param)
+
+
 @pytest.fixture
-def capturing(tmp_path: Path) -> Iterator[Path]:
+def capturing(tmp_path: Path, hook: str) -> Iterator[Path]:
     """Capture on, reads bound as a loader worker's; the folder `spoke/` under tmp_path is a spoke's mount."""
     spoke = tmp_path / "spoke"
     spoke.mkdir()
@@ -224,7 +238,7 @@ def test_a_path_skipped_once_is_skipped_again_and_a_relative_one_judged_where_it
         assert type(f.raw) is reads.RecordedFileIO and f.read() == b"data"
 
 
-def test_a_process_whose_reads_have_no_source_is_not_captured(tmp_path: Path) -> None:
+def test_a_process_whose_reads_have_no_source_is_not_captured(tmp_path: Path, hook: str) -> None:
     """The trainer outside a loop without workers: its own files (checkpoints, configs) stay as they are."""
     path = tmp_path / "config.txt"
     path.write_text("x")
@@ -330,6 +344,87 @@ def test_recording_that_fails_never_reaches_the_reader(capturing: Path, tmp_path
         transport.sender().close()
 
 
+class _Context:
+    __slots__ = ("source",)
+
+    def __init__(self, source: Any) -> None:
+        self.source = source
+
+
+class _Spy:
+    """Stands for `original` or `capturing`: returns its name and the arguments it was called with."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __call__(self, *args: Any, **kwargs: Any) -> tuple[str, tuple[Any, ...], dict[str, Any]]:
+        return self.name, args, kwargs
+
+
+def c_hook(context: Any, folders: tuple[str, ...]) -> Any:
+    if not capture.accelerated():
+        pytest.skip("the client was built without its C hook")
+    from stallwatch.client._openhook import OpenHook
+    return OpenHook(_Spy("original"), _Spy("capturing"), context, folders)
+
+
+NARROW_CHARACTERS = "/ab.\xe9"  # one byte a character (Latin-1)
+WIDE_CHARACTERS = NARROW_CHARACTERS + "\u4e2d\U0001f600"
+
+
+@settings(max_examples=300, deadline=None)
+@given(data=st.data(), source=st.sampled_from([None, SOURCE]))
+def test_the_c_hook_refuses_exactly_the_opens_capturing_open_refuses_first(data: st.DataObject, source: Any) -> None:
+    """The C hook's own rule (no source, or a str under a skipped folder: the original) is capturing_open's
+    cheap refusals, for any mix of one-byte and wider characters in paths and folders."""
+    alphabet = data.draw(st.sampled_from([NARROW_CHARACTERS, WIDE_CHARACTERS]))
+    folders = data.draw(st.lists(st.text(alphabet, min_size=1, max_size=6), max_size=4))
+    names = st.text(WIDE_CHARACTERS, max_size=6)
+    path = data.draw(st.one_of(names, st.tuples(st.sampled_from(folders), names).map("".join)) if folders else names)
+    hook = c_hook(_Context(source), tuple(folders))
+    refused = source is None or path.startswith(tuple(folders))
+    assert hook(path, "rb")[0] == ("original" if refused else "capturing")
+
+
+def test_the_c_hook_passes_every_argument_result_and_error_through_unchanged(tmp_path: Path) -> None:
+    hook = c_hook(_Context(SOURCE), (str(tmp_path) + os.sep,))
+    skipped, other = str(tmp_path / "a.bin"), "/elsewhere/a.bin"
+    assert hook(skipped, "rb", -1, None, None, None, True, None) == (
+        "original", (skipped, "rb", -1, None, None, None, True, None), {})
+    assert hook(other, mode="r", buffering=1) == ("capturing", (other,), {"mode": "r", "buffering": 1})
+    assert hook(file=skipped) == ("capturing", (), {"file": skipped})  # no path to test: capture decides
+    for path in (Path(skipped), skipped.encode(), type("Sub", (str,), {})(skipped), 3):
+        assert hook(path)[0] == "capturing"  # only an exact str is tested here; capturing_open judges the rest
+    original = capture.original_open
+    real = type(hook)(original, original, _Context(SOURCE), (str(tmp_path) + os.sep,))
+    assert outcome(lambda: real(skipped, "rb")) == outcome(lambda: original(skipped, "rb"))  # FileNotFoundError
+    assert outcome(lambda: real(skipped, "rb", bad=1)) == outcome(lambda: original(skipped, "rb", bad=1))
+
+
+def test_the_c_hook_reads_the_source_slot_and_refuses_while_it_is_unset() -> None:
+    context = _Context(SOURCE)
+    hook = c_hook(context, ())
+    assert hook("/data/a")[0] == "capturing"
+    context.source = None
+    assert hook("/data/a")[0] == "original"
+    del context.source  # capturing_open's own test would raise, and refuse
+    assert hook("/data/a")[0] == "original"
+
+    class Unslotted:
+        source = None
+
+    with pytest.raises(TypeError, match="__slots__"):
+        c_hook(Unslotted(), ())
+    with pytest.raises(TypeError, match="str"):
+        c_hook(_Context(SOURCE), (b"/data/",))  # type: ignore[arg-type]
+
+
+def test_open_keeps_its_signature_and_pickles_as_itself_under_either_hook(capturing: Path) -> None:
+    assert inspect.signature(builtins.open) == inspect.signature(capture.capturing_open)
+    assert pickle.loads(pickle.dumps(builtins.open)) is builtins.open  # a dataset holding `open`, sent to a worker
+    assert pickle.loads(pickle.dumps(functools.partial(builtins.open, mode="rb"))).func is builtins.open
+
+
 def test_capture_is_off_when_the_environment_says_so() -> None:
     assert not capture.start({capture.CAPTURE_ENV: "0"})
     assert not capture.installed()
@@ -339,6 +434,6 @@ def test_the_cost_benchmark_measures_every_side() -> None:
     """benchmarks/capture_overhead.py, one short round: every figure it prints is measured (the figures
     themselves are the benchmark's to judge, never a test's), and it leaves the process as it found it."""
     figures = measure(rounds=1, opens=50)
-    assert len(figures) == 12 and all(math.isfinite(value) for value in figures.values()), figures
+    assert len(figures) == 14 and all(math.isfinite(value) for value in figures.values()), figures
     assert figures["captured 16 KiB read"] > 0 and figures["recording an event"] > 0
     assert not capture.installed() and not reads.bound()

@@ -1,8 +1,9 @@
 """The install commands of the docs, run for real and offline.
 
-`make dist` builds the two distributions; the client's wheel installs alone into a fresh virtualenv
-without a package index (it needs nothing) and sends a job's steps and reads to a socket from there; the
-agent's wheel installs beside it and answers `stallwatch --version` with the revision it was built from.
+`make dist` builds the two distributions; the client's wheels (one for any platform, one with its C hook
+for open() for this one) install alone into a fresh virtualenv without a package index (they need
+nothing) and send a job's steps and reads to a socket from there; the agent's wheel installs beside the
+client and answers `stallwatch --version` with the revision it was built from.
 """
 
 from __future__ import annotations
@@ -29,6 +30,10 @@ pytestmark = pytest.mark.slow
 
 VERSION = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
 CLIENT_WHEEL = f"stallwatch_client-{VERSION}-py3-none-any.whl"
+# The client's wheel with its C hook, for this interpreter and platform (as setuptools tags it).
+PYTHON_TAG = f"cp{sys.version_info.major}{sys.version_info.minor}"
+CLIENT_PLATFORM_WHEEL = (f"stallwatch_client-{VERSION}-{PYTHON_TAG}-{PYTHON_TAG}-"
+                         f"{sysconfig.get_platform().replace('-', '_').replace('.', '_')}.whl")
 AGENT_WHEEL = f"stallwatch-{VERSION}-py3-none-any.whl"
 # What the agent brings and a training image must not get from the client.
 AGENT_ONLY = ("numpy", "streamz", "torch", "prometheus_client", "yaml")
@@ -73,7 +78,8 @@ def pip_install(bin_dir: Path, *args: str) -> None:
 
 def test_make_dist_builds_a_wheel_and_an_sdist_of_each(dist: Path) -> None:
     assert sorted(path.name for path in dist.iterdir()) == sorted(
-        [AGENT_WHEEL, f"stallwatch-{VERSION}.tar.gz", CLIENT_WHEEL, f"stallwatch_client-{VERSION}.tar.gz"])
+        [AGENT_WHEEL, f"stallwatch-{VERSION}.tar.gz", CLIENT_WHEEL, CLIENT_PLATFORM_WHEEL,
+         f"stallwatch_client-{VERSION}.tar.gz"])
 
 
 def test_each_module_is_in_exactly_one_wheel_and_the_client_in_its_own(dist: Path) -> None:
@@ -83,14 +89,16 @@ def test_each_module_is_in_exactly_one_wheel_and_the_client_in_its_own(dist: Pat
     assert not client & agent
     client_modules = {name for name in modules if name.startswith("stallwatch/client/")}
     assert {name for name in client if name.endswith(".py")} == client_modules
-    assert client - client_modules <= {"stallwatch/client/py.typed"}
+    assert client - client_modules <= {"stallwatch/client/py.typed", "stallwatch/client/_openhook.pyi"}
+    hook = {name for name in wheel_names(dist / CLIENT_PLATFORM_WHEEL) - client if not name.endswith(".py")}
+    assert [Path(name).name.split(".")[0] for name in hook] == ["_openhook"], hook  # the C hook, compiled
     for member in ("stallwatch/__init__.py", "stallwatch/py.typed", "stallwatch/_revision",
                    "stallwatch/exporters/mappings/juicefs.yaml", "stallwatch/exporters/kubelet/api.proto"):
         assert member in agent, member
 
 
-def test_the_docs_install_stallwatch_only_from_the_wheels_make_dist_builds(dist: Path) -> None:
-    built = [path.name for path in dist.glob("*.whl")]
+def test_the_docs_install_stallwatch_only_from_what_make_dist_builds(dist: Path) -> None:
+    built = [path.name for path in dist.iterdir()]
     named = []
     for doc in INSTALL_DOCS:
         for arguments in PIP_INSTALL.findall(doc.read_text()):
@@ -116,6 +124,25 @@ def test_the_client_wheel_installs_alone_without_an_index_and_brings_nothing_els
     found = subprocess.run([str(bin_dir / "python"), "-c", probe, "stallwatch.client", *AGENT_ONLY],
                            capture_output=True, text=True, timeout=60, cwd=tmp_path, check=True).stdout.split()
     assert found == ["True"] + ["False"] * len(AGENT_ONLY)
+
+
+@pytest.mark.parametrize(("wheel", "hook"), [(CLIENT_PLATFORM_WHEEL, "OpenHook"), (CLIENT_WHEEL, "function")])
+def test_read_capture_installs_the_c_hook_from_the_platform_wheel_and_python_from_the_other(
+        dist: Path, tmp_path: Path, wheel: str, hook: str) -> None:
+    bin_dir = venv(tmp_path / "training")
+    pip_install(bin_dir, str(dist / wheel))
+    script = ("import builtins, sys\n"
+              "from stallwatch.client import capture, reads, wire\n"
+              "capture.start({})\n"
+              "with reads.reads_as(wire.Source('install-check', rank=0, worker=0)):\n"
+              "    with open(sys.argv[1], 'rb') as captured, open(capture.__file__, 'rb') as skipped:\n"
+              "        print(type(builtins.open).__name__, type(captured.raw).__name__, type(skipped.raw).__name__)\n")
+    shard = tmp_path / "shard.bin"
+    shard.write_bytes(b"x" * 64)
+    done = subprocess.run([str(bin_dir / "python"), "-c", script, str(shard)], capture_output=True, text=True,
+                          timeout=120, cwd=tmp_path, env={"PATH": "/usr/bin:/bin"})
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == [hook, "RecordedFileIO", "FileIO"]
 
 
 def test_the_client_alone_sends_a_jobs_steps_and_reads(dist: Path, tmp_path: Path) -> None:

@@ -12,6 +12,11 @@ a source (a loader worker, or a loop without workers during its epoch, `reads.bo
 the Python installation or kernel pseudo-files (`skipped_prefixes`): the interpreter's own imports go
 through `io.open_code` and are never seen. Every other open is the original's.
 
+Most opens are refused, and a hook written in Python costs about 100 ns an open however little it does,
+so the client ships `_openhook`, a C hook that settles the cheap refusals (no source; a skipped path)
+and hands `capturing_open` the rest. It is built where a C compiler and Python's headers are (the
+client's wheel, `make`); without it `capturing_open` is installed alone, with the same rules.
+
 A file under a spoke's mount (`SPOKE_MOUNTS_ENV`: mount points, `os.pathsep`-separated) is a spoke read
 with its verdict left to the agent; any other crossed no spoke (`wire.VERDICT_DIRECT`, booked
 `direct_read`). Paths are compared as given, made absolute, without resolving symbolic links.
@@ -26,11 +31,18 @@ import site
 import sys
 import sysconfig
 from collections.abc import Callable, Iterable, Mapping
+from types import ModuleType
 from typing import IO, Any
 
 from stallwatch.client import remote, wire
 from stallwatch.client.reads import RecordedFileIO
 from stallwatch.client.reads import context as _reading
+
+_openhook: ModuleType | None
+try:
+    from stallwatch.client import _openhook
+except ImportError:  # built without a C compiler: `capturing_open` alone
+    _openhook = None
 
 # "0" turns read capture off, for `instrument` and `stallwatch run` alike.
 CAPTURE_ENV = "STALLWATCH_CAPTURE_READS"
@@ -66,11 +78,12 @@ def spoke_mounts(env: Mapping[str, str] = os.environ) -> tuple[str, ...]:
 
 
 class _Settings:
-    __slots__ = ("mounts", "skipped")
+    __slots__ = ("hook", "mounts", "skipped")
 
     def __init__(self) -> None:
         self.skipped: tuple[str, ...] = ()
         self.mounts: tuple[str, ...] = ()
+        self.hook: Callable[..., IO[Any]] | None = None  # what `start()` installed
 
 
 _settings = _Settings()
@@ -133,8 +146,27 @@ def _to_capture(file: Any, mode: str, buffering: int, no_text_arguments: bool) -
 
 
 
+def _hook() -> Callable[..., IO[Any]]:
+    """What `start()` installs: `capturing_open` behind the C hook that settles its refusals where the
+    client was built with it, else `capturing_open` alone."""
+    if _openhook is None:
+        return capturing_open
+    hook: Callable[..., IO[Any]] = _openhook.OpenHook(original_open, capturing_open, _reading, _settings.skipped)
+    return hook
+
+
+def accelerated() -> bool:
+    """Whether `start()` installs the C hook."""
+    return _openhook is not None
+
+
+def current_open() -> Callable[..., IO[Any]]:
+    """`open()` as this process has it: what the C hook unpickles as, in whichever process."""
+    return builtins.open
+
+
 def installed() -> bool:
-    return builtins.open is capturing_open
+    return _settings.hook is not None and builtins.open is _settings.hook
 
 
 def start(env: Mapping[str, str] = os.environ) -> bool:
@@ -144,7 +176,8 @@ def start(env: Mapping[str, str] = os.environ) -> bool:
         return False
     _settings.skipped, _settings.mounts = skipped_prefixes(), spoke_mounts(env)
     _skipped_paths.clear()
-    builtins.open = io.open = capturing_open  # type: ignore[assignment]
+    _settings.hook = _hook()
+    builtins.open = io.open = _settings.hook  # type: ignore[assignment]
     remote.start(env)
     return True
 

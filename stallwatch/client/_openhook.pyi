@@ -1,0 +1,11 @@
+from collections.abc import Callable
+from typing import Any
+
+class OpenHook:
+    """open(), whose file records its reads when read capture takes it (_openhook.c)."""
+
+    __wrapped__: Callable[..., Any]
+
+    def __init__(self, original: Callable[..., Any], capturing: Callable[..., Any], context: object,
+                 skipped_folders: tuple[str, ...]) -> None: ...
+    def __call__(self, *args: Any, **kwargs: Any) -> Any: ...
