@@ -45,7 +45,7 @@ $(STAMP): pyproject.toml clients/python/pyproject.toml
 
 # The client's C hook for open() (clients/python/setup.py), built into the checkout that the dev install
 # puts on the path; optional: without a C compiler the client runs its hook written in Python.
-$(CLIENT_HOOK): stallwatch/client/_openhook.c clients/python/setup.py | $(STAMP)
+$(CLIENT_HOOK): stallwatch/client/_speedups.c clients/python/setup.py | $(STAMP)
 	$(PY) clients/python/setup.py -q build_ext --inplace --build-temp build/client-hook
 	mkdir -p $(@D) && touch $@
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import builtins
 import gc
+import io
 import os
 import statistics
 import subprocess
@@ -74,11 +75,19 @@ def read_sides(path: str) -> dict[str, Side]:
         return file
 
     plain, captured = opened(capture.original_open), opened(builtins.open)
+    in_python = io.BufferedReader(PythonRecordedFileIO(path, path, wire.VERDICT_DIRECT), BUFFER_SIZE)
     return {"plain": reading(plain, READ_SIZE, READS_PER_CHUNK),
             "captured": reading(captured, READ_SIZE, READS_PER_CHUNK),
             "plain system": reading(plain, SYSTEM_READ_SIZE, SYSTEM_READS_PER_CHUNK),
             "captured system": reading(captured, SYSTEM_READ_SIZE, SYSTEM_READS_PER_CHUNK),
+            "captured system, Python": reading(in_python, SYSTEM_READ_SIZE, SYSTEM_READS_PER_CHUNK),
             "recording": recording}
+
+
+class PythonRecordedFileIO(reads.RecordedFileIO):
+    """The raw file with its `readinto` in Python, as a client built without its C parts has it."""
+
+    readinto = reads._readinto
 
 
 def passthrough(file: Any, mode: str = "r", buffering: int = -1, encoding: str | None = None,
@@ -139,6 +148,13 @@ def median_difference(timings: dict[str, list[int]], side: str, *minus: str, per
                              for n in range(len(timings[side])))
 
 
+def beyond(read: dict[str, list[int]], captured: str) -> float:
+    """Median over the rounds of what a captured read of the file system costs beyond a plain one and the
+    recording of its event, in nanoseconds a read."""
+    return statistics.median((read[captured][n] - read["plain system"][n]) / SYSTEM_READS_PER_CHUNK
+                             - read["recording"][n] / READS_PER_CHUNK for n in range(len(read["recording"])))
+
+
 def measure(rounds: int, opens: int) -> dict[str, float]:
     with tempfile.TemporaryDirectory() as directory:
         data = Path(directory) / "sample.bin"
@@ -165,9 +181,8 @@ def measure(rounds: int, opens: int) -> dict[str, float]:
         f"plain {SYSTEM_READ_SIZE // 1024} KiB read": median_difference(read, "plain system", **per_system_read),
         "recording an event": median_difference(read, "recording", **per_read),
         f"captured {SYSTEM_READ_SIZE // 1024} KiB read": median_difference(read, "captured system", **per_system_read),
-        "capture beyond recording, per read": statistics.median(
-            (read["captured system"][n] - read["plain system"][n]) / SYSTEM_READS_PER_CHUNK
-            - read["recording"][n] / READS_PER_CHUNK for n in range(len(read["recording"]))),
+        "capture beyond recording, per read": beyond(read, "captured system"),
+        "the same, readinto in Python": beyond(read, "captured system, Python"),
         f"plain {READ_SIZE} B read (buffered)": median_difference(read, "plain", **per_read),
         f"capture's cost, {READ_SIZE} B read (buffered)": median_difference(read, "captured", "plain", **per_read),
         "plain open": median_difference(opened, "plain skipped file", per=opens),
@@ -193,7 +208,7 @@ def main() -> int:
     parser.add_argument("--opens", type=int, default=20_000, help="opens a side a round")
     args = parser.parse_args()
     figures = measure(args.rounds, args.opens)
-    print(f"open() hook: {'C (_openhook)' if capture.accelerated() else 'Python (capturing_open alone)'}")
+    print(f"capture's open() hook and raw readinto: {'C (_speedups)' if capture.accelerated() else 'Python'}")
     print(f"read capture ({args.rounds} rounds, medians; reads of {READ_SIZE} B, {READS_PER_CHUNK:,} a side a round; "
           f"{args.opens:,} opens a side a round; CPU count {os.cpu_count()}):")
     for name, nanoseconds in figures.items():

@@ -33,12 +33,14 @@ SOURCE = wire.Source("capture", rank=2, worker=1)
 
 @pytest.fixture(params=["c", "python"])
 def hook(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Each test of capture twice: with the C hook `start()` installs where the client was built with it
-    (`make` builds it here), and with `capturing_open` alone, as a client built without a compiler has."""
+    """Each test of capture twice: with the C parts where the client was built with them (`make` builds them
+    here: the hook `start()` installs and the raw file's `readinto`), and with Python alone, as a client
+    built without a compiler has them."""
     if request.param == "c" and not capture.accelerated():
         pytest.skip("the client was built without its C hook (no C compiler or Python headers)")
     if request.param == "python":
-        monkeypatch.setattr(capture, "_openhook", None)
+        monkeypatch.setattr(capture, "_speedups", None)
+        monkeypatch.setattr(reads.RecordedFileIO, "readinto", reads._readinto)
     return str(request.param)
 
 
@@ -364,7 +366,7 @@ class _Spy:
 def c_hook(context: Any, folders: tuple[str, ...]) -> Any:
     if not capture.accelerated():
         pytest.skip("the client was built without its C hook")
-    from stallwatch.client._openhook import OpenHook
+    from stallwatch.client._speedups import OpenHook
     return OpenHook(_Spy("original"), _Spy("capturing"), context, folders)
 
 
@@ -434,6 +436,6 @@ def test_the_cost_benchmark_measures_every_side() -> None:
     """benchmarks/capture_overhead.py, one short round: every figure it prints is measured (the figures
     themselves are the benchmark's to judge, never a test's), and it leaves the process as it found it."""
     figures = measure(rounds=1, opens=50)
-    assert len(figures) == 14 and all(math.isfinite(value) for value in figures.values()), figures
+    assert len(figures) == 15 and all(math.isfinite(value) for value in figures.values()), figures
     assert figures["captured 16 KiB read"] > 0 and figures["recording an event"] > 0
     assert not capture.installed() and not reads.bound()

@@ -89,9 +89,9 @@ def test_each_module_is_in_exactly_one_wheel_and_the_client_in_its_own(dist: Pat
     assert not client & agent
     client_modules = {name for name in modules if name.startswith("stallwatch/client/")}
     assert {name for name in client if name.endswith(".py")} == client_modules
-    assert client - client_modules <= {"stallwatch/client/py.typed", "stallwatch/client/_openhook.pyi"}
+    assert client - client_modules <= {"stallwatch/client/py.typed", "stallwatch/client/_speedups.pyi"}
     hook = {name for name in wheel_names(dist / CLIENT_PLATFORM_WHEEL) - client if not name.endswith(".py")}
-    assert [Path(name).name.split(".")[0] for name in hook] == ["_openhook"], hook  # the C hook, compiled
+    assert [Path(name).name.split(".")[0] for name in hook] == ["_speedups"], hook  # the C hook, compiled
     for member in ("stallwatch/__init__.py", "stallwatch/py.typed", "stallwatch/_revision",
                    "stallwatch/exporters/mappings/juicefs.yaml", "stallwatch/exporters/kubelet/api.proto"):
         assert member in agent, member

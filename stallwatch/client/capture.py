@@ -13,7 +13,7 @@ the Python installation or kernel pseudo-files (`skipped_prefixes`): the interpr
 through `io.open_code` and are never seen. Every other open is the original's.
 
 Most opens are refused, and a hook written in Python costs about 100 ns an open however little it does,
-so the client ships `_openhook`, a C hook that settles the cheap refusals (no source; a skipped path)
+so the client ships `_speedups`, a C hook that settles the cheap refusals (no source; a skipped path)
 and hands `capturing_open` the rest. It is built where a C compiler and Python's headers are (the
 client's wheel, `make`); without it `capturing_open` is installed alone, with the same rules.
 
@@ -31,18 +31,11 @@ import site
 import sys
 import sysconfig
 from collections.abc import Callable, Iterable, Mapping
-from types import ModuleType
 from typing import IO, Any
 
 from stallwatch.client import remote, wire
-from stallwatch.client.reads import RecordedFileIO
+from stallwatch.client.reads import RecordedFileIO, _speedups
 from stallwatch.client.reads import context as _reading
-
-_openhook: ModuleType | None
-try:
-    from stallwatch.client import _openhook
-except ImportError:  # built without a C compiler: `capturing_open` alone
-    _openhook = None
 
 # "0" turns read capture off, for `instrument` and `stallwatch run` alike.
 CAPTURE_ENV = "STALLWATCH_CAPTURE_READS"
@@ -149,15 +142,15 @@ def _to_capture(file: Any, mode: str, buffering: int, no_text_arguments: bool) -
 def _hook() -> Callable[..., IO[Any]]:
     """What `start()` installs: `capturing_open` behind the C hook that settles its refusals where the
     client was built with it, else `capturing_open` alone."""
-    if _openhook is None:
+    if _speedups is None:
         return capturing_open
-    hook: Callable[..., IO[Any]] = _openhook.OpenHook(original_open, capturing_open, _reading, _settings.skipped)
+    hook: Callable[..., IO[Any]] = _speedups.OpenHook(original_open, capturing_open, _reading, _settings.skipped)
     return hook
 
 
 def accelerated() -> bool:
     """Whether `start()` installs the C hook."""
-    return _openhook is not None
+    return _speedups is not None
 
 
 def current_open() -> Callable[..., IO[Any]]:

@@ -25,13 +25,19 @@ import urllib.request
 from collections.abc import Callable, Iterator, Sized
 from threading import get_ident
 from time import monotonic_ns
-from types import TracebackType
+from types import ModuleType, TracebackType
 from typing import IO, Any, ParamSpec, SupportsIndex, TypeVar
 
 from stallwatch.client import wire
 from stallwatch.client.identity import source_from_environment
 from stallwatch.client.keys import read_key
 from stallwatch.client.transport import Channel, sender
+
+_speedups: ModuleType | None
+try:
+    from stallwatch.client import _speedups
+except ImportError:  # built without a C compiler: the raw file's reads in Python
+    _speedups = None
 
 P = ParamSpec("P")
 R = TypeVar("R", bound=Sized)
@@ -320,6 +326,15 @@ def _total_length(lines: list[bytes]) -> int:
     return sum(map(len, lines))
 
 
+def _readinto(file: RecordedFileIO, buffer: Any, /) -> int:
+    """`RecordedFileIO.readinto` in Python: `_read_on` inline, a call less."""
+    count, nbytes = timed_read(file._path, file._position, file._verdict, 0, count_read, _FILE_READINTO, file,
+                               buffer)
+    if nbytes > 0:
+        file._position += nbytes
+    return count
+
+
 class RecordedFileIO(io.FileIO):
     """A `FileIO` opened for reading whose reads are recorded, one event a call that reads the file:
     `readinto` (a buffer's refill, or a read larger than the buffer), `readall`, `read`.
@@ -332,12 +347,9 @@ class RecordedFileIO(io.FileIO):
         self._path, self._verdict = path, verdict
         self._position = 0 if opener is None else super().tell()  # an opener's descriptor may have moved
 
-    def readinto(self, buffer: Any, /) -> int:  # the buffer's reads: `_read_on` inline, a call less
-        count, nbytes = timed_read(self._path, self._position, self._verdict, 0, count_read, _FILE_READINTO, self,
-                                   buffer)
-        if nbytes > 0:
-            self._position += nbytes
-        return count
+    # The buffer's reads: `_readinto` in C where the client was built with it (`_speedups`), ~1 µs less a read.
+    readinto = _readinto if _speedups is None else _speedups.recorded_readinto(
+        io.FileIO, context, record_read, EMPTY_READ_NS)
 
     def readall(self) -> bytes:
         return _read_on(self, len, _read_all, self, None)

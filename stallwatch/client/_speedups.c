@@ -1,10 +1,10 @@
-/* The open() that read capture installs, its refusals settled in C.
+/* Read capture's two hot paths in C: the open() it installs, and the raw file's readinto.
 
-   Every open() of a process that captures goes through the hook, and most are left to the original:
-   the interpreter's and its packages' files, kernel pseudo-files, every open while the process's reads
-   have no source. A hook written in Python costs about 100 ns an open however little it does; this one
-   costs what any C callable does, and its tests touch little memory, since an open's system calls leave
-   the caches cold (each line missed costs tens of nanoseconds).
+   OpenHook. Every open() of a process that captures goes through the hook, and most are left to the
+   original: the interpreter's and its packages' files, kernel pseudo-files, every open while the
+   process's reads have no source. A hook written in Python costs about 100 ns an open however little it
+   does; this one costs what any C callable does, and its tests touch little memory, since an open's
+   system calls leave the caches cold (each line missed costs tens of nanoseconds).
    `OpenHook(original, capturing, context, skipped_folders)` calls `original` (io.open) for
 
      - an open while `context.source` is None (the process's reads have no source): read from the
@@ -13,11 +13,18 @@
        back to back in the hook (a Latin-1 path; any other through `str.startswith`'s own C),
 
    and `capturing` (capture.capturing_open, which decides the rest and tests these again) for every other
-   open, with the arguments as given. The rules are capture.capturing_open's; tests hold the two alike. */
+   open, with the arguments as given. The rules are capture.capturing_open's; tests hold the two alike.
+
+   recorded_readinto. A captured file's buffer refills through its raw file's `readinto`, one event a
+   read of the file system: `recorded_readinto(file_type, context, record_read, empty_read_ns)` is that
+   method, reads.RecordedFileIO's `readinto` (reads.timed_read inline) in C, for `file_type` (io.FileIO)
+   and its subclasses. */
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <structmember.h>
+#include <pythread.h>
+#include <time.h>
 
 typedef struct {
     PyObject_HEAD
@@ -76,11 +83,11 @@ hook_vectorcall(PyObject *callable, PyObject *const *args, size_t nargsf, PyObje
     return PyObject_Vectorcall(original ? self->original : self->capturing, args, nargsf, kwnames);
 }
 
-/* The offset of the `source` slot of `context`'s type (a __slots__ member), or -1 with an error set. */
+/* The offset of the __slots__ member `name` of `object`'s type, or -1 with an error set. */
 static Py_ssize_t
-source_slot(PyObject *context)
+slot_offset(PyObject *object, const char *name)
 {
-    PyObject *member = PyObject_GetAttrString((PyObject *)Py_TYPE(context), "source");
+    PyObject *member = PyObject_GetAttrString((PyObject *)Py_TYPE(object), name);
     if (member == NULL) {
         return -1;
     }
@@ -93,7 +100,7 @@ source_slot(PyObject *context)
     }
     Py_DECREF(member);
     if (offset < 0) {
-        PyErr_SetString(PyExc_TypeError, "OpenHook: the context's `source` must be a __slots__ member");
+        PyErr_Format(PyExc_TypeError, "the context's `%s` must be a __slots__ member", name);
     }
     return offset;
 }
@@ -107,7 +114,7 @@ hook_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
                                      &PyTuple_Type, &skipped_folders)) {
         return NULL;
     }
-    Py_ssize_t source_offset = source_slot(context);
+    Py_ssize_t source_offset = slot_offset(context, "source");
     if (source_offset < 0) {
         return NULL;
     }
@@ -227,7 +234,7 @@ static PyGetSetDef hook_getset[] = {
 
 static PyTypeObject OpenHookType = {
     PyVarObject_HEAD_INIT(NULL, 0)
-    .tp_name = "stallwatch.client._openhook.OpenHook",
+    .tp_name = "stallwatch.client._speedups.OpenHook",
     .tp_doc = PyDoc_STR("open(), whose file records its reads when read capture takes it."),
     .tp_basicsize = sizeof(OpenHook),
     .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC | Py_TPFLAGS_HAVE_VECTORCALL,
@@ -242,17 +249,157 @@ static PyTypeObject OpenHookType = {
     .tp_getset = hook_getset,
 };
 
+/* recorded_readinto's settings: one set a process (reads.py makes the method once, at import). */
+static struct {
+    PyObject *context;         /* reads.context */
+    Py_ssize_t reading_offset; /* its `reading` slot: each thread's open read, (location, offset, start) */
+    PyObject *record_read;     /* reads.record_read */
+    PyObject *file_readinto;   /* io.FileIO.readinto */
+    long long empty_read_ns;   /* a read of no bytes at least this long is an event (reads.EMPTY_READ_NS) */
+} reads;
+
+static PyObject *path_name, *position_name, *verdict_name;  /* "_path", "_position", "_verdict" */
+
+static long long
+monotonic_ns(void)
+{
+    struct timespec now;
+    clock_gettime(CLOCK_MONOTONIC, &now);  /* time.monotonic_ns()'s clock */
+    return (long long)now.tv_sec * 1000000000LL + now.tv_nsec;
+}
+
+static PyObject *
+plain_readinto(PyObject *file, PyObject *buffer)
+{
+    PyObject *args[] = {file, buffer};
+    return PyObject_Vectorcall(reads.file_readinto, args, 2, NULL);
+}
+
+/* reads.RecordedFileIO.readinto: the read timed, open in `context.reading` while it runs, recorded when it
+   read bytes or waited, and the file's position moved on; a read inside another recorded read of this
+   thread is that read's, and only read. */
+static PyObject *
+recorded_readinto(PyObject *file, PyObject *buffer)
+{
+    PyObject *reading = *(PyObject **)((char *)reads.context + reads.reading_offset);
+    if (reading == NULL || !PyDict_CheckExact(reading)) {
+        return plain_readinto(file, buffer);
+    }
+    Py_INCREF(reading);  /* a fork handler may put another in the slot meanwhile */
+    PyObject *result = NULL, *thread = NULL, *path = NULL, *position = NULL, *verdict = NULL, *start = NULL,
+             *open_read = NULL;
+    thread = PyLong_FromUnsignedLong(PyThread_get_thread_ident());
+    if (thread == NULL) {
+        goto done;
+    }
+    int inside = PyDict_Contains(reading, thread);
+    if (inside != 0) {
+        result = inside < 0 ? NULL : plain_readinto(file, buffer);
+        goto done;
+    }
+    path = PyObject_GetAttr(file, path_name);
+    position = path ? PyObject_GetAttr(file, position_name) : NULL;
+    verdict = position ? PyObject_GetAttr(file, verdict_name) : NULL;
+    long long started = monotonic_ns();
+    start = verdict ? PyLong_FromLongLong(started) : NULL;
+    open_read = start ? PyTuple_Pack(3, path, position, start) : NULL;
+    if (open_read == NULL || PyDict_SetItem(reading, thread, open_read) < 0) {
+        goto done;
+    }
+    result = plain_readinto(file, buffer);
+    /* As `reading.pop(thread, None)` in a finally: a ReadSpan inside may have ended it already. */
+    PyObject *error_type, *error_value, *error_traceback;
+    PyErr_Fetch(&error_type, &error_value, &error_traceback);
+    if (PyDict_Contains(reading, thread) == 1 && PyDict_DelItem(reading, thread) < 0) {
+        PyErr_Clear();
+    }
+    PyErr_Restore(error_type, error_value, error_traceback);
+    if (result == NULL) {
+        goto done;
+    }
+    Py_ssize_t nbytes = result == Py_None ? 0 : PyLong_AsSsize_t(result);
+    if (nbytes == -1 && PyErr_Occurred()) {
+        Py_CLEAR(result);
+        goto done;
+    }
+    long long ended = monotonic_ns();
+    if (nbytes || ended - started >= reads.empty_read_ns) {
+        PyObject *recorded = PyObject_CallFunction(reads.record_read, "OOnLLO", path, position, nbytes, started,
+                                                   ended, verdict);
+        if (recorded == NULL) {
+            Py_CLEAR(result);
+            goto done;
+        }
+        Py_DECREF(recorded);
+    }
+    if (nbytes > 0) {
+        PyObject *count = PyLong_FromSsize_t(nbytes);
+        PyObject *moved = count ? PyNumber_Add(position, count) : NULL;
+        Py_XDECREF(count);
+        if (moved == NULL || PyObject_SetAttr(file, position_name, moved) < 0) {
+            Py_CLEAR(result);
+        }
+        Py_XDECREF(moved);
+    }
+done:
+    Py_DECREF(reading);
+    Py_XDECREF(thread);
+    Py_XDECREF(path);
+    Py_XDECREF(position);
+    Py_XDECREF(verdict);
+    Py_XDECREF(start);
+    Py_XDECREF(open_read);
+    return result;
+}
+
+static PyMethodDef recorded_readinto_method = {
+    "readinto", (PyCFunction)recorded_readinto, METH_O,
+    PyDoc_STR("readinto(buffer): read into the buffer, the read recorded (read capture's raw file).")};
+
+static PyObject *
+make_recorded_readinto(PyObject *module, PyObject *args)
+{
+    PyObject *file_type, *context, *record_read;
+    long long empty_read_ns;
+    if (!PyArg_ParseTuple(args, "O!OOL:recorded_readinto", &PyType_Type, &file_type, &context, &record_read,
+                          &empty_read_ns)) {
+        return NULL;
+    }
+    Py_ssize_t reading_offset = slot_offset(context, "reading");
+    PyObject *file_readinto = reading_offset < 0 ? NULL : PyObject_GetAttrString(file_type, "readinto");
+    if (file_readinto == NULL) {
+        return NULL;
+    }
+    Py_XSETREF(reads.context, Py_NewRef(context));
+    Py_XSETREF(reads.record_read, Py_NewRef(record_read));
+    Py_XSETREF(reads.file_readinto, file_readinto);
+    reads.reading_offset = reading_offset;
+    reads.empty_read_ns = empty_read_ns;
+    return PyDescr_NewMethod((PyTypeObject *)file_type, &recorded_readinto_method);
+}
+
+static PyMethodDef module_functions[] = {
+    {"recorded_readinto", make_recorded_readinto, METH_VARARGS,
+     PyDoc_STR("recorded_readinto(file_type, context, record_read, empty_read_ns): RecordedFileIO.readinto")},
+    {NULL},
+};
+
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT,
-    .m_name = "stallwatch.client._openhook",
-    .m_doc = PyDoc_STR("Read capture's open(), its refusals settled in C (capture.py falls back to Python)."),
+    .m_name = "stallwatch.client._speedups",
+    .m_doc = PyDoc_STR("Read capture's open() hook and raw readinto in C (capture.py and reads.py fall back to "
+                       "Python)."),
     .m_size = -1,
+    .m_methods = module_functions,
 };
 
 PyMODINIT_FUNC
-PyInit__openhook(void)
+PyInit__speedups(void)
 {
-    if (PyType_Ready(&OpenHookType) < 0) {
+    path_name = PyUnicode_InternFromString("_path");
+    position_name = PyUnicode_InternFromString("_position");
+    verdict_name = PyUnicode_InternFromString("_verdict");
+    if (path_name == NULL || position_name == NULL || verdict_name == NULL || PyType_Ready(&OpenHookType) < 0) {
         return NULL;
     }
     PyObject *m = PyModule_Create(&module);

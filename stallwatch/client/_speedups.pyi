@@ -2,10 +2,13 @@ from collections.abc import Callable
 from typing import Any
 
 class OpenHook:
-    """open(), whose file records its reads when read capture takes it (_openhook.c)."""
+    """open(), whose file records its reads when read capture takes it (_speedups.c)."""
 
     __wrapped__: Callable[..., Any]
 
     def __init__(self, original: Callable[..., Any], capturing: Callable[..., Any], context: object,
                  skipped_folders: tuple[str, ...]) -> None: ...
     def __call__(self, *args: Any, **kwargs: Any) -> Any: ...
+
+def recorded_readinto(file_type: type, context: object, record_read: Callable[..., None],
+                      empty_read_ns: int) -> Callable[[Any, Any], int]: ...
