@@ -9,7 +9,14 @@ Standard library only: the training client imports this.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 from urllib.parse import urlsplit
+
+_hash_in_c: Callable[[str, int], int] | None
+try:  # the same hash in C where the client was built with it: ~0.6 µs less a key
+    from stallwatch.client._speedups import read_key as _hash_in_c
+except ImportError:
+    _hash_in_c = None
 
 
 def resource_of(location: str) -> str:
@@ -20,7 +27,18 @@ def resource_of(location: str) -> str:
 
 
 def read_key(location: str, offset: int = 0) -> int:
-    digest = hashlib.blake2b(f"{resource_of(location)}@{offset}".encode(), digest_size=8).digest()
+    resource = resource_of(location)
+    if _hash_in_c is not None:
+        try:
+            return _hash_in_c(resource, offset)
+        except (TypeError, OverflowError):  # not a str and an int of 64 bits: hashed in Python, alike
+            pass
+    return hash_in_python(resource, offset)
+
+
+def hash_in_python(resource: str, offset: int) -> int:
+    """A key: the first 8 bytes of BLAKE2b-64 of `<resource>@<offset>` (UTF-8), little-endian."""
+    digest = hashlib.blake2b(f"{resource}@{offset}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little")
 
 
