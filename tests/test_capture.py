@@ -23,7 +23,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from benchmarks.capture_overhead import measure
-from stallwatch.client import ReadSpan, capture, reads, transport, wire
+from stallwatch.client import ReadSpan, capture, keys, reads, transport, wire
 from stallwatch.client.keys import read_key
 from stallwatch.harness import wait_for
 from tests.test_client_open import Datagrams
@@ -192,6 +192,21 @@ def test_each_read_of_the_file_system_is_an_event_at_its_offset_with_the_workers
                 (str(remote), 0, 1024, wire.VERDICT_UNKNOWN)]  # text: the whole file, one read to its end
     assert events == [("capture", 2, 1, 7, read_key(path, offset), size, verdict)
                       for path, offset, size, verdict in expected]
+
+
+def test_a_path_that_reads_as_a_url_is_keyed_as_read_key_keys_it(capturing: Path, datagrams: Datagrams,
+                                                                 tmp_path: Path) -> None:
+    """A file's path is its resource, unless it holds `://` (keys.resource_of): the C recording leaves
+    those to read_key."""
+    (tmp_path / "a:").mkdir()
+    name = f"/{tmp_path}/a://item.bin"  # `//tmp/...`: read as a URL, its host `tmp`
+    Path(name).write_bytes(b"z" * 64)
+    with open(name, "rb") as f:
+        f.read(10)  # the buffer's refill: the raw file's readinto
+    transport.sender().flush_all()
+    wait_for("the read", lambda: len(datagrams.rows("reads")) >= 1, 10)
+    assert keys.resource_of(name) != name
+    assert [row["key"] for d in datagrams.decoded for row in d.reads] == [read_key(name, 0)]
 
 
 def test_a_read_that_finds_the_end_at_once_is_no_event(capturing: Path, datagrams: Datagrams,

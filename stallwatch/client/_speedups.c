@@ -16,9 +16,11 @@
    open, with the arguments as given. The rules are capture.capturing_open's; tests hold the two alike.
 
    recorded_readinto. A captured file's buffer refills through its raw file's `readinto`, one event a
-   read of the file system: `recorded_readinto(file_type, context, record_read, empty_read_ns)` is that
-   method, reads.RecordedFileIO's `readinto` (reads.timed_read inline) in C, for `file_type` (io.FileIO)
-   and its subclasses. */
+   read of the file system: `recorded_readinto(file_type, context, read_key, empty_read_ns)` is that
+   method, reads.RecordedFileIO's `readinto` (reads.timed_read and reads.record_read inline) in C, for
+   `file_type` (io.FileIO) and its subclasses.
+
+   read_key. keys.read_key's hash, below. */
 
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -75,7 +77,7 @@ hook_vectorcall(PyObject *callable, PyObject *const *args, size_t nargsf, PyObje
     PyObject *source = *(PyObject **)((char *)self->context + self->source_offset);
     int original = source == NULL || source == Py_None;  /* unset: capture's own test raises, and refuses */
     if (!original && PyVectorcall_NARGS(nargsf) >= 1 && PyUnicode_CheckExact(args[0])) {
-        original = under_folders(self, args[0]);
+        original = PyUnicode_READY(args[0]) < 0 ? -1 : under_folders(self, args[0]);
         if (original < 0) {
             PyErr_Clear();  /* never into the reader: capture's own tests decide */
             original = 0;
@@ -125,6 +127,9 @@ hook_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
         PyObject *folder = PyTuple_GET_ITEM(skipped_folders, i);
         if (!PyUnicode_Check(folder)) {
             PyErr_SetString(PyExc_TypeError, "OpenHook: skipped_folders must hold str");
+            return NULL;
+        }
+        if (PyUnicode_READY(folder) < 0) {
             return NULL;
         }
         latin1 &= PyUnicode_KIND(folder) == PyUnicode_1BYTE_KIND;
@@ -338,20 +343,22 @@ blake2b_64(const uint8_t *data, size_t size)
     return h[0];  /* its 8 bytes little-endian are the digest */
 }
 
+/* The key of `resource` (an exact str) at `offset` (an exact int), or NULL with an error set: TypeError or
+   OverflowError for what it does not take (keys.read_key hashes that in Python), UnicodeEncodeError as
+   str.encode raises it. */
 static PyObject *
-read_key(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+hash_key(PyObject *resource_object, PyObject *offset_object)
 {
-    long long offset;
-    if (nargs != 2 || !PyUnicode_CheckExact(args[0]) || !PyLong_CheckExact(args[1])) {
+    if (!PyUnicode_CheckExact(resource_object) || !PyLong_CheckExact(offset_object)) {
         PyErr_SetString(PyExc_TypeError, "read_key(resource: str, offset: int)");
         return NULL;
     }
-    offset = PyLong_AsLongLong(args[1]);
+    long long offset = PyLong_AsLongLong(offset_object);
     if (offset == -1 && PyErr_Occurred()) {
         return NULL;
     }
     Py_ssize_t length;
-    const char *resource = PyUnicode_AsUTF8AndSize(args[0], &length);  /* UnicodeEncodeError as str.encode */
+    const char *resource = PyUnicode_AsUTF8AndSize(resource_object, &length);
     if (resource == NULL) {
         return NULL;
     }
@@ -386,16 +393,74 @@ read_key(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     return PyLong_FromUnsignedLongLong(key);
 }
 
+static PyObject *
+read_key(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "read_key(resource: str, offset: int)");
+        return NULL;
+    }
+    return hash_key(args[0], args[1]);
+}
+
 /* recorded_readinto's settings: one set a process (reads.py makes the method once, at import). */
 static struct {
     PyObject *context;         /* reads.context */
     Py_ssize_t reading_offset; /* its `reading` slot: each thread's open read, (location, offset, start) */
-    PyObject *record_read;     /* reads.record_read */
+    Py_ssize_t batch_offset;   /* its `batch` slot: the batch the reads serve */
+    PyObject *read_key;        /* keys.read_key, for a path hash_key does not take */
     PyObject *file_readinto;   /* io.FileIO.readinto */
     long long empty_read_ns;   /* a read of no bytes at least this long is an event (reads.EMPTY_READ_NS) */
 } reads;
 
 static PyObject *path_name, *position_name, *verdict_name;  /* "_path", "_position", "_verdict" */
+static PyObject *target_name, *read_name, *scheme_separator;  /* "target", "read", "://" */
+
+/* reads.record_read, inline: the row (batch, key, bytes, start, end, verdict) to `context.target()`'s
+   `read`. 0 once recorded or dropped (an Exception loses the event, never reaching the reader); -1 with
+   anything else (KeyboardInterrupt) set, as there. */
+static int
+record(PyObject *path, PyObject *position, Py_ssize_t nbytes, long long start, long long end, PyObject *verdict)
+{
+    PyObject *channel = NULL, *key = NULL, *row = NULL, *done = NULL;
+    channel = PyObject_CallMethodNoArgs(reads.context, target_name);
+    PyObject *batch = *(PyObject **)((char *)reads.context + reads.batch_offset);
+    if (channel == NULL || batch == NULL) {
+        goto failed;
+    }
+    Py_ssize_t url = PyUnicode_Check(path) ? PyUnicode_Find(path, scheme_separator, 0, PY_SSIZE_T_MAX, 1) : 0;
+    if (url == -2) {
+        goto failed;
+    }
+    /* A file's path is its resource (keys.resource_of); anything else, keys.read_key decides. */
+    key = url == -1 ? hash_key(path, position) : NULL;
+    if (key == NULL) {
+        PyErr_Clear();
+        key = PyObject_CallFunctionObjArgs(reads.read_key, path, position, NULL);
+    }
+    row = key ? Py_BuildValue("(OOnLLO)", batch, key, nbytes, start, end, verdict) : NULL;
+    done = row ? PyObject_CallMethodOneArg(channel, read_name, row) : NULL;
+    if (done == NULL) {
+        goto failed;
+    }
+    Py_DECREF(done);
+    Py_DECREF(row);
+    Py_DECREF(key);
+    Py_DECREF(channel);
+    return 0;
+failed:
+    Py_XDECREF(row);
+    Py_XDECREF(key);
+    Py_XDECREF(channel);
+    if (batch == NULL && !PyErr_Occurred()) {
+        return 0;  /* unset: the AttributeError record_read would drop */
+    }
+    if (PyErr_ExceptionMatches(PyExc_Exception)) {
+        PyErr_Clear();
+        return 0;
+    }
+    return -1;
+}
 
 static long long
 monotonic_ns(void)
@@ -461,13 +526,10 @@ recorded_readinto(PyObject *file, PyObject *buffer)
     }
     long long ended = monotonic_ns();
     if (nbytes || ended - started >= reads.empty_read_ns) {
-        PyObject *recorded = PyObject_CallFunction(reads.record_read, "OOnLLO", path, position, nbytes, started,
-                                                   ended, verdict);
-        if (recorded == NULL) {
+        if (record(path, position, nbytes, started, ended, verdict) < 0) {
             Py_CLEAR(result);
             goto done;
         }
-        Py_DECREF(recorded);
     }
     if (nbytes > 0) {
         PyObject *count = PyLong_FromSsize_t(nbytes);
@@ -496,19 +558,21 @@ static PyMethodDef recorded_readinto_method = {
 static PyObject *
 make_recorded_readinto(PyObject *module, PyObject *args)
 {
-    PyObject *file_type, *context, *record_read;
+    PyObject *file_type, *context, *read_key;
     long long empty_read_ns;
-    if (!PyArg_ParseTuple(args, "O!OOL:recorded_readinto", &PyType_Type, &file_type, &context, &record_read,
+    if (!PyArg_ParseTuple(args, "O!OOL:recorded_readinto", &PyType_Type, &file_type, &context, &read_key,
                           &empty_read_ns)) {
         return NULL;
     }
     Py_ssize_t reading_offset = slot_offset(context, "reading");
-    PyObject *file_readinto = reading_offset < 0 ? NULL : PyObject_GetAttrString(file_type, "readinto");
+    Py_ssize_t batch_offset = reading_offset < 0 ? -1 : slot_offset(context, "batch");
+    PyObject *file_readinto = batch_offset < 0 ? NULL : PyObject_GetAttrString(file_type, "readinto");
     if (file_readinto == NULL) {
         return NULL;
     }
     Py_XSETREF(reads.context, Py_NewRef(context));
-    Py_XSETREF(reads.record_read, Py_NewRef(record_read));
+    Py_XSETREF(reads.read_key, Py_NewRef(read_key));
+    reads.batch_offset = batch_offset;
     Py_XSETREF(reads.file_readinto, file_readinto);
     reads.reading_offset = reading_offset;
     reads.empty_read_ns = empty_read_ns;
@@ -519,7 +583,7 @@ static PyMethodDef module_functions[] = {
     {"read_key", (PyCFunction)(void (*)(void))read_key, METH_FASTCALL,
      PyDoc_STR("read_key(resource, offset): keys.read_key of a resource (a path, a URL's path), in C")},
     {"recorded_readinto", make_recorded_readinto, METH_VARARGS,
-     PyDoc_STR("recorded_readinto(file_type, context, record_read, empty_read_ns): RecordedFileIO.readinto")},
+     PyDoc_STR("recorded_readinto(file_type, context, read_key, empty_read_ns): RecordedFileIO.readinto")},
     {NULL},
 };
 
@@ -538,7 +602,11 @@ PyInit__speedups(void)
     path_name = PyUnicode_InternFromString("_path");
     position_name = PyUnicode_InternFromString("_position");
     verdict_name = PyUnicode_InternFromString("_verdict");
-    if (path_name == NULL || position_name == NULL || verdict_name == NULL || PyType_Ready(&OpenHookType) < 0) {
+    target_name = PyUnicode_InternFromString("target");
+    read_name = PyUnicode_InternFromString("read");
+    scheme_separator = PyUnicode_InternFromString("://");
+    if (path_name == NULL || position_name == NULL || verdict_name == NULL || target_name == NULL ||
+        read_name == NULL || scheme_separator == NULL || PyType_Ready(&OpenHookType) < 0) {
         return NULL;
     }
     PyObject *m = PyModule_Create(&module);

@@ -349,7 +349,7 @@ class RecordedFileIO(io.FileIO):
 
     # The buffer's reads: `_readinto` in C where the client was built with it (`_speedups`), ~1 µs less a read.
     readinto = _readinto if _speedups is None else _speedups.recorded_readinto(
-        io.FileIO, context, record_read, EMPTY_READ_NS)
+        io.FileIO, context, read_key, EMPTY_READ_NS)
 
     def readall(self) -> bytes:
         return _read_on(self, len, _read_all, self, None)
