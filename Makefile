@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
-CLIENT_HOOK := build/.client-hook
+CLIENT_SPEEDUPS := build/.client-speedups
 STAGE := build/dist
 DIST := dist
 
@@ -24,10 +24,10 @@ test: $(STAMP) system-deps helm-tools lint typecheck pytest
 
 # The quick tier: lint, types, and every test that starts no real process (the others skip themselves when
 # they try: tests/conftest.py), on every core.
-check: $(STAMP) $(CLIENT_HOOK) lint typecheck
+check: $(STAMP) $(CLIENT_SPEEDUPS) lint typecheck
 	$(PY) -m pytest -q --no-processes -n auto
 
-demo: $(STAMP) system-deps $(CLIENT_HOOK)
+demo: $(STAMP) system-deps $(CLIENT_SPEEDUPS)
 	$(PY) -m stallwatch demo $(DEMO_ARGS)
 
 $(STAMP): pyproject.toml clients/python/pyproject.toml
@@ -43,14 +43,14 @@ $(STAMP): pyproject.toml clients/python/pyproject.toml
 	$(PY) -m pip install -q $(STAGE)/client -e '.[test,report]' --config-settings editable_mode=compat
 	touch $@
 
-# The client's C hook for open() (clients/python/setup.py), built into the checkout that the dev install
-# puts on the path; optional: without a C compiler the client runs its hook written in Python.
-$(CLIENT_HOOK): stallwatch/client/_speedups.c clients/python/setup.py | $(STAMP)
-	$(PY) clients/python/setup.py -q build_ext --inplace --build-temp build/client-hook
+# The client's C parts (clients/python/setup.py), built into the checkout that the dev install
+# puts on the path; optional: without a C compiler the client runs their Python twins.
+$(CLIENT_SPEEDUPS): stallwatch/client/_speedups.c clients/python/setup.py | $(STAMP)
+	$(PY) clients/python/setup.py -q build_ext --inplace --build-temp build/client-speedups
 	mkdir -p $(@D) && touch $@
 
 # The two distributions into dist/, built offline: stallwatch-client (stallwatch/client), an sdist, a wheel
-# with the C hook for this platform and one without it for any, and stallwatch (the rest, with the revision
+# with the C parts for this platform and one without them for any, and stallwatch (the rest, with the revision
 # it was built from: stallwatch/build.py), an sdist and a wheel.
 dist: $(STAMP)
 	$(stage)
@@ -72,7 +72,7 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(PY) -m mypy
 
-pytest: $(STAMP) system-deps helm-tools $(CLIENT_HOOK)
+pytest: $(STAMP) system-deps helm-tools $(CLIENT_SPEEDUPS)
 	$(PY) -m pytest -q
 
 generate: $(STAMP)
@@ -86,7 +86,7 @@ image: $(STAMP) system-deps
 protos: $(STAMP)
 	PYTHON=$(PY) scripts/generate-protos.sh
 
-benchmarks: $(STAMP) $(CLIENT_HOOK)
+benchmarks: $(STAMP) $(CLIENT_SPEEDUPS)
 	$(PY) benchmarks/run_all.py
 
 clean:

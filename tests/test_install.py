@@ -1,7 +1,7 @@
 """The install commands of the docs, run for real and offline.
 
-`make dist` builds the two distributions; the client's wheels (one for any platform, one with its C hook
-for open() for this one) install alone into a fresh virtualenv without a package index (they need
+`make dist` builds the two distributions; the client's wheels (one for any platform, one with its C parts
+for this one) install alone into a fresh virtualenv without a package index (they need
 nothing) and send a job's steps and reads to a socket from there; the agent's wheel installs beside the
 client and answers `stallwatch --version` with the revision it was built from.
 """
@@ -30,7 +30,7 @@ pytestmark = pytest.mark.slow
 
 VERSION = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
 CLIENT_WHEEL = f"stallwatch_client-{VERSION}-py3-none-any.whl"
-# The client's wheel with its C hook, for this interpreter and platform (as setuptools tags it).
+# The client's wheel with its C parts, for this interpreter and platform (as setuptools tags it).
 PYTHON_TAG = f"cp{sys.version_info.major}{sys.version_info.minor}"
 CLIENT_PLATFORM_WHEEL = (f"stallwatch_client-{VERSION}-{PYTHON_TAG}-{PYTHON_TAG}-"
                          f"{sysconfig.get_platform().replace('-', '_').replace('.', '_')}.whl")
@@ -91,7 +91,7 @@ def test_each_module_is_in_exactly_one_wheel_and_the_client_in_its_own(dist: Pat
     assert {name for name in client if name.endswith(".py")} == client_modules
     assert client - client_modules <= {"stallwatch/client/py.typed", "stallwatch/client/_speedups.pyi"}
     hook = {name for name in wheel_names(dist / CLIENT_PLATFORM_WHEEL) - client if not name.endswith(".py")}
-    assert [Path(name).name.split(".")[0] for name in hook] == ["_speedups"], hook  # the C hook, compiled
+    assert [Path(name).name.split(".")[0] for name in hook] == ["_speedups"], hook  # the C parts, compiled
     for member in ("stallwatch/__init__.py", "stallwatch/py.typed", "stallwatch/_revision",
                    "stallwatch/exporters/mappings/juicefs.yaml", "stallwatch/exporters/kubelet/api.proto"):
         assert member in agent, member
@@ -126,9 +126,10 @@ def test_the_client_wheel_installs_alone_without_an_index_and_brings_nothing_els
     assert found == ["True"] + ["False"] * len(AGENT_ONLY)
 
 
-@pytest.mark.parametrize(("wheel", "hook"), [(CLIENT_PLATFORM_WHEEL, "OpenHook"), (CLIENT_WHEEL, "function")])
-def test_read_capture_installs_the_c_hook_from_the_platform_wheel_and_python_from_the_other(
-        dist: Path, tmp_path: Path, wheel: str, hook: str) -> None:
+@pytest.mark.parametrize(("wheel", "parts"), [(CLIENT_PLATFORM_WHEEL, ["OpenHook", "method_descriptor", "True"]),
+                                              (CLIENT_WHEEL, ["function", "function", "False"])])
+def test_read_capture_runs_the_c_parts_from_the_platform_wheel_and_python_from_the_other(
+        dist: Path, tmp_path: Path, wheel: str, parts: list[str]) -> None:
     bin_dir = venv(tmp_path / "training")
     pip_install(bin_dir, str(dist / wheel))
     script = ("import builtins, sys\n"
@@ -136,13 +137,15 @@ def test_read_capture_installs_the_c_hook_from_the_platform_wheel_and_python_fro
               "capture.start({})\n"
               "with reads.reads_as(wire.Source('install-check', rank=0, worker=0)):\n"
               "    with open(sys.argv[1], 'rb') as captured, open(capture.__file__, 'rb') as skipped:\n"
-              "        print(type(builtins.open).__name__, type(captured.raw).__name__, type(skipped.raw).__name__)\n")
+              "        print(type(builtins.open).__name__, type(captured.raw).__name__, type(skipped.raw).__name__)\n"
+              "print(type(reads.RecordedFileIO.__dict__['readinto']).__name__, capture.accelerated())\n")
     shard = tmp_path / "shard.bin"
     shard.write_bytes(b"x" * 64)
     done = subprocess.run([str(bin_dir / "python"), "-c", script, str(shard)], capture_output=True, text=True,
                           timeout=120, cwd=tmp_path, env={"PATH": "/usr/bin:/bin"})
     assert done.returncode == 0, done.stderr
-    assert done.stdout.split() == [hook, "RecordedFileIO", "FileIO"]
+    [hook, captured, skipped, readinto, accelerated] = done.stdout.split()
+    assert [hook, readinto, accelerated] == parts and [captured, skipped] == ["RecordedFileIO", "FileIO"]
 
 
 def test_the_client_alone_sends_a_jobs_steps_and_reads(dist: Path, tmp_path: Path) -> None:
