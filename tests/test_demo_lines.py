@@ -12,6 +12,7 @@ from stallwatch import catalogue as c
 from stallwatch.demo.epochs import EpochFigures, WindowFile, epoch_line, spoke_requests
 from stallwatch.demo.outputs import files_left
 from stallwatch.demo.run import Demo, Settings, main
+from stallwatch.harness import Samples
 
 
 def window(start: float, stall: float, compute: float, phase: str, job: str = "demo") -> dict[str, object]:
@@ -66,6 +67,26 @@ def test_the_runs_last_epoch_takes_the_window_of_its_last_step_whose_middle_come
     booked = [seconds for e in demo.epochs for seconds in (e.stall_seconds, e.compute_seconds)]
     assert booked == pytest.approx([0.4, 0.5, 0.1, 0.6])
     assert sum(e.compute_seconds for e in demo.epochs) == pytest.approx(0.1 + 0.4 + 0.3 + 0.3)  # every window's
+
+
+def test_the_final_line_says_the_phase_the_job_ended_in_when_the_gauge_reads_its_end(tmp_path: Path) -> None:
+    """After the last step the job's pace is gone and the gauge reads `transition`, as for a stall: the final
+    line keeps the gauge's word and says the phase of the windows up to the last step."""
+    path = tmp_path / "windows.jsonl"
+    lines = [window(100.0, 0.0, 0.5, "steady"), window(100.5, 0.0, 0.3, "steady"),
+             window(101.0, 0.0, 0.0, "transition")]
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    windows = WindowFile(path, "demo")
+    windows.read()
+    assert (windows.phase_at(100.9), windows.phase_at(101.5), windows.phase_at(99.0)) == ("steady", "transition", None)
+    demo = Demo(Settings(quiet=True, workdir=tmp_path))
+    demo.epochs.append(EpochFigures(epoch=1, steps=2, started=100.0, ended=100.95, requests=2, hits=2,
+                                    stall_seconds=0.0, compute_seconds=0.8, phases=("steady",)))
+    gauge: Samples = {(c.WARMUP_PHASE.name, ((c.JOB_LABEL, "demo"), ("phase", phase))): float(phase == "transition")
+                      for phase in ("cold", "transition", "steady")}
+    assert demo._after_the_end(gauge, windows) == " (the job ended steady: no step since its last)"
+    still_steady = {key: float(dict(key[1])["phase"] == "steady") for key in gauge}
+    assert demo._after_the_end(still_steady, windows) == ""
 
 
 def test_the_epoch_line_gives_its_own_ratios() -> None:

@@ -94,6 +94,11 @@ class WindowFile:
         told = next((job.get("forecast_time_to_steady_s") for _, end, job in rows if end >= began + seconds), None)
         return math.inf if told == "never" else told
 
+    def phase_at(self, until: float) -> str | None:
+        """The job's phase in the last window that ended by `until`; None if none has."""
+        return next((job["phase"] for row in reversed(self._rows) if row["end_s"] <= until
+                     for job in row["jobs"] if job["job"] == self.job), None)
+
     def covers(self, until: float) -> bool:
         """Whether the windows up to `until` are out: a window that starts there or later is."""
         return any(row["start_s"] >= until for row in reversed(self._rows[-8:]))

@@ -294,7 +294,7 @@ class Demo:
                     time.sleep(0.5)
             metrics = scrape(agent_url)
             self._say_time_to_steady(metrics, windows)
-            self.say(f"final, {status_line([(time.time(), metrics)])}")
+            self.say(f"final, {status_line([(time.time(), metrics)])}{self._after_the_end(metrics, windows)}")
             if while_running is not None:
                 while_running(prometheus.url if prometheus else None, agent_url)
             report = write_report(work / "report.html", started, ended, s.prices,
@@ -360,6 +360,14 @@ class Demo:
         the run's last (the next has begun, or it ended before the trainer's deadline: an outage that holds up
         the next epoch's first batch does not hold up this line)."""
         return windows.covers(epoch.ended) and (epoch.epoch < self._epoch_running or epoch.ended < self._trainer_until)
+
+    def _after_the_end(self, metrics: Samples, windows: WindowFile) -> str:
+        """Why the phase the correlator recognises now is not the job's last one: with no step since the job's
+        last, its pace is gone, which reads as `transition` (a stall in progress looks the same while it
+        lasts); the phase of the windows up to that step, when it differs."""
+        now = next((dict(ls)["phase"] for (n, ls), v in metrics.items() if n == c.WARMUP_PHASE.name and v == 1), None)
+        then = windows.phase_at(self.epochs[-1].ended) if self.epochs else None
+        return f" (the job ended {then}: no step since its last)" if then is not None and then != now else ""
 
     def _say_time_to_steady(self, metrics: Samples, windows: WindowFile) -> None:
         """Once the correlator has found the job steady, say its time to steady (the report's figure too) and
