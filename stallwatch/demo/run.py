@@ -160,7 +160,7 @@ def status_line(recent: Sequence[Scrape], firing: Collection[str] = ()) -> str:
     if len(recent) > 1:
         parts.append(_stalled(recent, causes))
     metrics = recent[-1][1]
-    phase = next((dict(ls)["phase"] for (n, ls), v in metrics.items() if n == c.WARMUP_PHASE.name and v == 1), "-")
+    phase = recognised_phase(metrics) or "-"
     parts.append(f"recognised phase {phase:10}")
     forecast = next((v for (n, _), v in metrics.items() if n == c.WARMUP_FORECAST_TIME_TO_STEADY.name), None)
     # Once the job was steady the forecast's gauge holds the actual time to steady: after a regression (an
@@ -171,6 +171,11 @@ def status_line(recent: Sequence[Scrape], firing: Collection[str] = ()) -> str:
     if firing:
         parts.append(f"FIRING {', '.join(sorted(firing))}")
     return "  ".join(parts)
+
+
+def recognised_phase(metrics: Samples) -> str | None:
+    """The phase the correlator recognises now (its gauge's set label), None before any."""
+    return next((dict(ls)["phase"] for (n, ls), v in metrics.items() if n == c.WARMUP_PHASE.name and v == 1), None)
 
 
 def _stalled(recent: Sequence[Scrape], causes: dict[str, float]) -> str:
@@ -365,9 +370,9 @@ class Demo:
         """Why the phase the correlator recognises now is not the job's last one: with no step since the job's
         last, its pace is gone, which reads as `transition` (a stall in progress looks the same while it
         lasts); the phase of the windows up to that step, when it differs."""
-        now = next((dict(ls)["phase"] for (n, ls), v in metrics.items() if n == c.WARMUP_PHASE.name and v == 1), None)
         then = windows.phase_at(self.epochs[-1].ended) if self.epochs else None
-        return f" (the job ended {then}: no step since its last)" if then is not None and then != now else ""
+        ended_otherwise = then is not None and then != recognised_phase(metrics)
+        return f" (the job ended {then}: no step since its last)" if ended_otherwise else ""
 
     def _say_time_to_steady(self, metrics: Samples, windows: WindowFile) -> None:
         """Once the correlator has found the job steady, say its time to steady (the report's figure too) and
