@@ -14,6 +14,7 @@ import os
 import pickle
 import threading
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -40,7 +41,7 @@ def hook(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str
         pytest.skip("the client was built without its C hook (no C compiler or Python headers)")
     if request.param == "python":
         monkeypatch.setattr(capture, "_speedups", None)
-        monkeypatch.setattr(reads.RecordedFileIO, "readinto", reads._readinto)
+        monkeypatch.setattr(reads, "file_reads", reads.FileReads)
     return str(request.param)
 
 
@@ -136,9 +137,9 @@ def test_a_captured_binary_file_reads_exactly_as_the_file(content: bytes, buffer
     plain = open(path, "rb", buffering=buffering)  # noqa: SIM115  # the actions close it
     capture.start({})
     try:
-        with reads.reads_as(SOURCE):
-            captured: Any = open(path, "rb", buffering=buffering)  # noqa: SIM115
-        assert type(captured) is io.BufferedReader and type(captured.raw) is reads.RecordedFileIO
+        with reads.reads_as(SOURCE):  # `open(path, "rb")` is the C hook's own capture, where it has one
+            captured: Any = open(str(path), "rb") if buffering == -1 else open(path, "rb", buffering=buffering)  # noqa: SIM115
+        assert type(captured) is io.BufferedReader and type(captured.raw) is io.FileIO and reads.recorded(captured.raw)
         assert (captured.mode, captured.name) == (plain.mode, plain.name)
         assert replay(captured, steps, BINARY_ACTIONS) == replay(plain, steps, BINARY_ACTIONS)
     finally:
@@ -160,7 +161,7 @@ def test_a_captured_text_file_decodes_exactly_as_the_file(content: str, newline:
         with reads.reads_as(SOURCE):
             captured = open(path, encoding="utf-8", newline=newline)  # noqa: SIM115
         assert type(captured) is io.TextIOWrapper and type(captured.buffer) is io.BufferedReader
-        assert type(captured.buffer.raw) is reads.RecordedFileIO
+        assert type(captured.buffer.raw) is io.FileIO and reads.recorded(captured.buffer.raw)
         assert (captured.mode, captured.encoding, captured.name) == (plain.mode, plain.encoding, plain.name)
         assert replay(captured, steps, TEXT_ACTIONS) == replay(plain, steps, TEXT_ACTIONS)
     finally:
@@ -192,6 +193,53 @@ def test_each_read_of_the_file_system_is_an_event_at_its_offset_with_the_workers
                 (str(remote), 0, 1024, wire.VERDICT_UNKNOWN)]  # text: the whole file, one read to its end
     assert events == [("capture", 2, 1, 7, read_key(path, offset), size, verdict)
                       for path, offset, size, verdict in expected]
+
+
+def test_the_c_hooks_own_captures_record_as_capturing_opens(capturing: Path, datagrams: Datagrams,
+                                                            tmp_path: Path) -> None:
+    """`open(path)` and `open(path, mode)` of an absolute path, which the C hook captures itself, record the
+    events the same open written another way records through capturing_open, a spoke's mount or not."""
+    files = {tmp_path / "local.bin": wire.VERDICT_DIRECT, capturing / "remote.bin": wire.VERDICT_UNKNOWN}
+    seen = 0
+
+    def events(path: Path, *args: Any, **kwargs: Any) -> list[tuple[int, int, int]]:
+        nonlocal seen
+        with open(str(path), *args, **kwargs) as f:
+            f.read(10)
+            f.seek(1000)
+            f.read()
+        transport.sender().flush_all()
+        wait_for("the reads", lambda: len(datagrams.rows("reads")) > seen, 10)
+        rows = datagrams.rows("reads")[seen:]
+        seen += len(rows)
+        return [(row["key"], row["bytes"], row["verdict"]) for row in rows]
+
+    # Each form the C hook captures, beside one capturing_open captures (a keyword, a third argument).
+    pairs: list[tuple[tuple[Any, ...], dict[str, Any]]] = [
+        (("rb",), {"mode": "rb"}), ((), {"mode": "r"}), (("r",), {"mode": "r", "buffering": -1})]
+    for path, verdict in files.items():
+        path.write_bytes(b"abc\n" * 300)
+        for in_c, in_python in pairs:
+            recorded = events(path, *in_c)
+            assert recorded == events(path, **in_python)
+            assert recorded[0] == (read_key(str(path), 0), len(b"abc\n" * 300), verdict)
+
+
+def test_a_captured_file_nobody_closes_is_closed_when_dropped(capturing: Path, tmp_path: Path) -> None:
+    """The recording holds its file weakly: no cycle through the file's dict keeps a dropped file open."""
+    path = tmp_path / "item.bin"
+    path.write_bytes(b"x" * 64)
+    for args in (("rb",), ("rb", -1)):  # the C hook's own capture, capturing_open's
+        f: Any = open(str(path), *args)  # noqa: SIM115  # dropped unclosed, as careless code does
+        assert reads.recorded(f.raw)
+        descriptor, readinto = f.fileno(), f.raw.readinto
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", ResourceWarning)
+            del f
+        with pytest.raises(OSError):
+            os.fstat(descriptor)
+        with pytest.raises(ValueError, match="closed file"):
+            readinto(bytearray(8))
 
 
 def test_a_path_that_reads_as_a_url_is_keyed_as_read_key_keys_it(capturing: Path, datagrams: Datagrams,
@@ -252,7 +300,7 @@ def test_a_path_skipped_once_is_skipped_again_and_a_relative_one_judged_where_it
     (tmp_path / "os.py").write_bytes(b"data")
     monkeypatch.chdir(tmp_path)
     with open("os.py", "rb") as f:
-        assert type(f.raw) is reads.RecordedFileIO and f.read() == b"data"
+        assert reads.recorded(f.raw) and f.read() == b"data"
 
 
 def test_a_process_whose_reads_have_no_source_is_not_captured(tmp_path: Path, hook: str) -> None:
@@ -324,7 +372,7 @@ def test_opening_fails_and_refuses_to_pickle_as_the_file_does(capturing: Path, t
         refused = [outcome(lambda: pickle.dumps(plain)), outcome(lambda: copy.copy(plain))]
     capture.start({})
     with open(path, "rb") as captured:
-        assert type(captured.raw) is reads.RecordedFileIO
+        assert reads.recorded(captured.raw)
         assert [outcome(lambda: pickle.dumps(captured)), outcome(lambda: copy.copy(captured))] == refused
     assert refused[0][0] is TypeError
 
@@ -368,21 +416,40 @@ class _Context:
         self.source = source
 
 
+class _Raw:
+    """Stands for a raw file: takes the attributes recording puts on it, and weak references."""
+
+
+class _Opened(tuple):
+    """What a spy returns: (its name, args, kwargs), with a raw file beneath as `open()`'s result has."""
+
+    def __init__(self, _: Any) -> None:
+        self.raw = _Raw()
+        self.buffer = self
+
+
 class _Spy:
     """Stands for `original` or `capturing`: returns its name and the arguments it was called with."""
 
     def __init__(self, name: str) -> None:
         self.name = name
 
-    def __call__(self, *args: Any, **kwargs: Any) -> tuple[str, tuple[Any, ...], dict[str, Any]]:
-        return self.name, args, kwargs
+    def __call__(self, *args: Any, **kwargs: Any) -> _Opened:
+        return _Opened((self.name, args, kwargs))
 
 
-def c_hook(context: Any, folders: tuple[str, ...]) -> Any:
+def c_hook(context: Any, folders: tuple[str, ...], mounts: tuple[str, ...] = ()) -> Any:
     if not capture.accelerated():
         pytest.skip("the client was built without its C hook")
     from stallwatch.client._speedups import OpenHook
-    return OpenHook(_Spy("original"), _Spy("capturing"), context, folders)
+    return OpenHook(_Spy("original"), _Spy("capturing"), context, folders, mounts, wire.VERDICT_UNKNOWN,
+                    wire.VERDICT_DIRECT)
+
+
+def decided(opened: _Opened) -> str:
+    """Who opened the file, and whether the hook recorded its reads: `original`, `captured` (the original's
+    file, recorded) or `capturing` (capturing_open's to decide)."""
+    return "captured" if reads.recorded(opened.raw) else opened[0]
 
 
 NARROW_CHARACTERS = "/ab.\xe9"  # one byte a character (Latin-1)
@@ -390,17 +457,27 @@ WIDE_CHARACTERS = NARROW_CHARACTERS + "\u4e2d\U0001f600"
 
 
 @settings(max_examples=300, deadline=None)
-@given(data=st.data(), source=st.sampled_from([None, SOURCE]))
-def test_the_c_hook_refuses_exactly_the_opens_capturing_open_refuses_first(data: st.DataObject, source: Any) -> None:
-    """The C hook's own rule (no source, or a str under a skipped folder: the original) is capturing_open's
-    cheap refusals, for any mix of one-byte and wider characters in paths and folders."""
+@given(data=st.data(), source=st.sampled_from([None, SOURCE]), mode=st.sampled_from(["rb", "r", "rt", "wb", "r+b"]))
+def test_the_c_hook_decides_as_capturing_open(data: st.DataObject, source: Any, mode: str) -> None:
+    """The C hook's own rules are capturing_open's: no source, or a str under a skipped folder, the original;
+    an absolute str opened for reading, the original's file recorded, a spoke read under a mount; the rest
+    capturing_open's. For any mix of one-byte and wider characters in paths and folders."""
     alphabet = data.draw(st.sampled_from([NARROW_CHARACTERS, WIDE_CHARACTERS]))
-    folders = data.draw(st.lists(st.text(alphabet, min_size=1, max_size=6), max_size=4))
+    folders, mounts = (tuple(data.draw(st.lists(st.text(alphabet, min_size=1, max_size=6), max_size=4)))
+                       for _ in range(2))
     names = st.text(WIDE_CHARACTERS, max_size=6)
-    path = data.draw(st.one_of(names, st.tuples(st.sampled_from(folders), names).map("".join)) if folders else names)
-    hook = c_hook(_Context(source), tuple(folders))
-    refused = source is None or path.startswith(tuple(folders))
-    assert hook(path, "rb")[0] == ("original" if refused else "capturing")
+    path = data.draw(st.one_of(names, st.tuples(st.sampled_from(folders + mounts), names).map("".join))
+                     if folders + mounts else names)
+    opened = c_hook(_Context(source), folders, mounts)(path, mode)
+    if source is None or path.startswith(folders):
+        assert decided(opened) == "original"
+    elif path.startswith("/") and mode in ("rb", "r", "rt"):
+        assert decided(opened) == "captured" and opened == ("original", (path, mode), {})
+        recorder = opened.raw.readinto.__self__
+        assert (recorder.path, recorder.position) == (path, 0)
+        assert recorder.verdict == (wire.VERDICT_UNKNOWN if path.startswith(mounts) else wire.VERDICT_DIRECT)
+    else:
+        assert decided(opened) == "capturing"
 
 
 def test_the_c_hook_passes_every_argument_result_and_error_through_unchanged(tmp_path: Path) -> None:
@@ -413,7 +490,8 @@ def test_the_c_hook_passes_every_argument_result_and_error_through_unchanged(tmp
     for path in (Path(skipped), skipped.encode(), type("Sub", (str,), {})(skipped), 3):
         assert hook(path)[0] == "capturing"  # only an exact str is tested here; capturing_open judges the rest
     original = capture.original_open
-    real = type(hook)(original, original, _Context(SOURCE), (str(tmp_path) + os.sep,))
+    real = type(hook)(original, original, _Context(SOURCE), (str(tmp_path) + os.sep,), (), wire.VERDICT_UNKNOWN,
+                      wire.VERDICT_DIRECT)
     assert outcome(lambda: real(skipped, "rb")) == outcome(lambda: original(skipped, "rb"))  # FileNotFoundError
     assert outcome(lambda: real(skipped, "rb", bad=1)) == outcome(lambda: original(skipped, "rb", bad=1))
 
@@ -421,11 +499,11 @@ def test_the_c_hook_passes_every_argument_result_and_error_through_unchanged(tmp
 def test_the_c_hook_reads_the_source_slot_and_refuses_while_it_is_unset() -> None:
     context = _Context(SOURCE)
     hook = c_hook(context, ())
-    assert hook("/data/a")[0] == "capturing"
+    assert decided(hook("/data/a")) == "captured"
     context.source = None
-    assert hook("/data/a")[0] == "original"
+    assert decided(hook("/data/a")) == "original"
     del context.source  # capturing_open's own test would raise, and refuse
-    assert hook("/data/a")[0] == "original"
+    assert decided(hook("/data/a")) == "original"
 
     class Unslotted:
         source = None

@@ -126,8 +126,9 @@ def test_the_client_wheel_installs_alone_without_an_index_and_brings_nothing_els
     assert found == ["True"] + ["False"] * len(AGENT_ONLY)
 
 
-@pytest.mark.parametrize(("wheel", "parts"), [(CLIENT_PLATFORM_WHEEL, ["OpenHook", "method_descriptor", "True"]),
-                                              (CLIENT_WHEEL, ["function", "function", "False"])])
+@pytest.mark.parametrize(("wheel", "parts"), [
+    (CLIENT_PLATFORM_WHEEL, ["OpenHook", "stallwatch.client._speedups", "True"]),
+    (CLIENT_WHEEL, ["function", "stallwatch.client.reads", "False"])])
 def test_read_capture_runs_the_c_parts_from_the_platform_wheel_and_python_from_the_other(
         dist: Path, tmp_path: Path, wheel: str, parts: list[str]) -> None:
     bin_dir = venv(tmp_path / "training")
@@ -137,15 +138,18 @@ def test_read_capture_runs_the_c_parts_from_the_platform_wheel_and_python_from_t
               "capture.start({})\n"
               "with reads.reads_as(wire.Source('install-check', rank=0, worker=0)):\n"
               "    with open(sys.argv[1], 'rb') as captured, open(capture.__file__, 'rb') as skipped:\n"
-              "        print(type(builtins.open).__name__, type(captured.raw).__name__, type(skipped.raw).__name__)\n"
-              "print(type(reads.RecordedFileIO.__dict__['readinto']).__name__, capture.accelerated())\n")
+              "        print(type(builtins.open).__name__, type(captured.raw).__name__, type(skipped.raw).__name__,\n"
+              "              reads.recorded(captured.raw), reads.recorded(skipped.raw))\n"
+              "        recorder = type(captured.raw.readinto.__self__)\n"
+              "print(recorder.__module__, capture.accelerated())\n")
     shard = tmp_path / "shard.bin"
     shard.write_bytes(b"x" * 64)
     done = subprocess.run([str(bin_dir / "python"), "-c", script, str(shard)], capture_output=True, text=True,
                           timeout=120, cwd=tmp_path, env={"PATH": "/usr/bin:/bin"})
     assert done.returncode == 0, done.stderr
-    [hook, captured, skipped, readinto, accelerated] = done.stdout.split()
-    assert [hook, readinto, accelerated] == parts and [captured, skipped] == ["RecordedFileIO", "FileIO"]
+    [hook, captured, skipped, captured_recorded, skipped_recorded, recorder, accelerated] = done.stdout.split()
+    assert [hook, recorder, accelerated] == parts
+    assert [captured, skipped, captured_recorded, skipped_recorded] == ["FileIO", "FileIO", "True", "False"]
 
 
 def test_the_client_alone_sends_a_jobs_steps_and_reads(dist: Path, tmp_path: Path) -> None:

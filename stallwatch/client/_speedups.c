@@ -15,10 +15,10 @@
    and `capturing` (capture.capturing_open, which decides the rest and tests these again) for every other
    open, with the arguments as given. The rules are capture.capturing_open's; tests hold the two alike.
 
-   recorded_readinto. A captured file's buffer refills through its raw file's `readinto`, one event a
-   read of the file system: `recorded_readinto(file_type, context, read_key, empty_read_ns)` is that
-   method, reads.RecordedFileIO's `readinto` (reads.timed_read and reads.record_read inline) in C, for
-   `file_type` (io.FileIO) and its subclasses.
+   FileReads. A captured file's buffer refills through its raw file's `readinto`, one event a read of
+   the file system: `FileReads(file, path, verdict, position)` holds those reads' state, and its methods,
+   which reads.record_reads puts in the file's instance dict, time and record them (reads.FileReads,
+   reads.timed_read and reads.record_read inline). `configure(...)` says where they go, once.
 
    read_key. keys.read_key's hash, below. */
 
@@ -29,26 +29,59 @@
 #include <stdint.h>
 #include <time.h>
 
+/* Folders a path may lie under, each a str ending in the separator: laid out back to back when all are
+   Latin-1 (each its length, a Py_ssize_t, and its bytes), so a Latin-1 path is compared with memcmp. */
 typedef struct {
-    PyObject_HEAD
-    vectorcallfunc vectorcall;
-    Py_ssize_t source_offset;  /* of `context`'s `source` slot */
-    PyObject *context;
-    PyObject *original;
-    PyObject *capturing;
-    PyObject *skipped_folders;  /* a tuple of str */
-    int latin1;  /* every folder is Latin-1 (one byte a character) and laid out in `folder_bytes` */
-    Py_ssize_t folder_bytes_size;
-    char *folder_bytes;  /* each folder: its length (a Py_ssize_t) and its bytes */
-} OpenHook;
+    PyObject *tuple;
+    int latin1;
+    Py_ssize_t size;
+    char *bytes;
+} Folders;
 
 static int
-under_folders(OpenHook *self, PyObject *path)
+folders_init(Folders *folders, PyObject *tuple)
 {
-    if (self->latin1 && PyUnicode_KIND(path) == PyUnicode_1BYTE_KIND) {
+    int latin1 = 1;
+    Py_ssize_t size = 0;
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(tuple); i++) {
+        PyObject *folder = PyTuple_GET_ITEM(tuple, i);
+        if (!PyUnicode_Check(folder)) {
+            PyErr_SetString(PyExc_TypeError, "OpenHook: folders must be str");
+            return -1;
+        }
+        if (PyUnicode_READY(folder) < 0) {
+            return -1;
+        }
+        latin1 &= PyUnicode_KIND(folder) == PyUnicode_1BYTE_KIND;
+        size += (Py_ssize_t)sizeof(Py_ssize_t) + PyUnicode_GET_LENGTH(folder);
+    }
+    folders->bytes = latin1 ? PyMem_Malloc(size ? size : 1) : NULL;
+    if (latin1 && folders->bytes == NULL) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    folders->tuple = Py_NewRef(tuple);
+    folders->latin1 = latin1;
+    folders->size = size;
+    char *at = folders->bytes;
+    for (Py_ssize_t i = 0; latin1 && i < PyTuple_GET_SIZE(tuple); i++) {
+        PyObject *folder = PyTuple_GET_ITEM(tuple, i);
+        Py_ssize_t length = PyUnicode_GET_LENGTH(folder);
+        memcpy(at, &length, sizeof length);
+        memcpy(at + sizeof length, PyUnicode_DATA(folder), length);
+        at += sizeof length + length;
+    }
+    return 0;
+}
+
+/* Whether `path` (a ready str) starts with one of the folders: 1, 0, or -1 with an error set. */
+static int
+under(Folders *folders, PyObject *path)
+{
+    if (folders->latin1 && PyUnicode_KIND(path) == PyUnicode_1BYTE_KIND) {
         const char *data = (const char *)PyUnicode_DATA(path);
         Py_ssize_t length = PyUnicode_GET_LENGTH(path);
-        for (const char *at = self->folder_bytes, *end = at + self->folder_bytes_size; at < end;) {
+        for (const char *at = folders->bytes, *end = at + folders->size; at < end;) {
             Py_ssize_t size;
             memcpy(&size, at, sizeof size);
             at += sizeof size;
@@ -59,15 +92,50 @@ under_folders(OpenHook *self, PyObject *path)
         }
         return 0;
     }
-    Py_ssize_t folders = PyTuple_GET_SIZE(self->skipped_folders);
-    for (Py_ssize_t i = 0; i < folders; i++) {
-        Py_ssize_t under = PyUnicode_Tailmatch(path, PyTuple_GET_ITEM(self->skipped_folders, i), 0, PY_SSIZE_T_MAX,
-                                               -1);
-        if (under != 0) {
-            return (int)under;
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(folders->tuple); i++) {
+        Py_ssize_t found = PyUnicode_Tailmatch(path, PyTuple_GET_ITEM(folders->tuple, i), 0, PY_SSIZE_T_MAX, -1);
+        if (found != 0) {
+            return (int)found;
         }
     }
     return 0;
+}
+
+static void
+folders_clear(Folders *folders)
+{
+    Py_CLEAR(folders->tuple);
+    PyMem_Free(folders->bytes);
+    folders->bytes = NULL;
+}
+
+typedef struct {
+    PyObject_HEAD
+    vectorcallfunc vectorcall;
+    Py_ssize_t source_offset;  /* of `context`'s `source` slot */
+    PyObject *context;
+    PyObject *original;
+    PyObject *capturing;
+    Folders skipped;
+    Folders mounts;           /* spoke mounts: a file under one is a spoke read */
+    PyObject *spoke_verdict;  /* wire.VERDICT_UNKNOWN: the agent's to give */
+    PyObject *other_verdict;  /* wire.VERDICT_DIRECT */
+} OpenHook;
+
+static PyObject *captured_open(PyObject *opened, int binary, PyObject *path, PyObject *verdict);
+
+/* The modes of a file the hook captures itself: read only, binary or text. */
+static int
+read_mode(PyObject *mode, int *binary)
+{
+    if (!PyUnicode_CheckExact(mode) || PyUnicode_READY(mode) < 0 || PyUnicode_GET_LENGTH(mode) > 2 ||
+        PyUnicode_KIND(mode) != PyUnicode_1BYTE_KIND) {
+        PyErr_Clear();
+        return 0;
+    }
+    const char *text = (const char *)PyUnicode_DATA(mode);
+    *binary = strcmp(text, "rb") == 0 || strcmp(text, "br") == 0;
+    return *binary || strcmp(text, "r") == 0 || strcmp(text, "rt") == 0 || strcmp(text, "tr") == 0;
 }
 
 static PyObject *
@@ -75,22 +143,37 @@ hook_vectorcall(PyObject *callable, PyObject *const *args, size_t nargsf, PyObje
 {
     OpenHook *self = (OpenHook *)callable;
     PyObject *source = *(PyObject **)((char *)self->context + self->source_offset);
+    Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
     int original = source == NULL || source == Py_None;  /* unset: capture's own test raises, and refuses */
-    if (!original && PyVectorcall_NARGS(nargsf) >= 1 && PyUnicode_CheckExact(args[0])) {
-        original = PyUnicode_READY(args[0]) < 0 ? -1 : under_folders(self, args[0]);
-        if (original < 0) {
-            PyErr_Clear();  /* never into the reader: capture's own tests decide */
-            original = 0;
-        }
+    if (original || nargs < 1 || !PyUnicode_CheckExact(args[0])) {
+        return PyObject_Vectorcall(original ? self->original : self->capturing, args, nargsf, kwnames);
     }
-    return PyObject_Vectorcall(original ? self->original : self->capturing, args, nargsf, kwnames);
+    PyObject *path = args[0];
+    original = PyUnicode_READY(path) < 0 ? -1 : under(&self->skipped, path);
+    if (original < 0) {
+        PyErr_Clear();  /* never into the reader: capture's own tests decide */
+        original = 0;
+    }
+    if (original) {
+        return PyObject_Vectorcall(self->original, args, nargsf, kwnames);
+    }
+    /* The common capture, `open(path)` or `open(path, mode)` of an absolute path for reading: here, as
+       capturing_open does it; any other, capturing_open decides. */
+    int binary = 0, mounted;
+    if (kwnames != NULL || nargs > 2 || (nargs == 2 && !read_mode(args[1], &binary)) ||
+        PyUnicode_READ_CHAR(path, 0) != '/' || (mounted = under(&self->mounts, path)) < 0) {
+        PyErr_Clear();
+        return PyObject_Vectorcall(self->capturing, args, nargsf, kwnames);
+    }
+    PyObject *opened = PyObject_Vectorcall(self->original, args, nargsf, NULL);
+    return opened ? captured_open(opened, binary, path, mounted ? self->spoke_verdict : self->other_verdict) : NULL;
 }
 
-/* The offset of the __slots__ member `name` of `object`'s type, or -1 with an error set. */
+/* The offset of `type`'s __slots__ member `name`, or -1 with an error set. */
 static Py_ssize_t
-slot_offset(PyObject *object, const char *name)
+slot_offset(PyObject *type, const char *name)
 {
-    PyObject *member = PyObject_GetAttrString((PyObject *)Py_TYPE(object), name);
+    PyObject *member = PyObject_GetAttrString(type, name);
     if (member == NULL) {
         return -1;
     }
@@ -103,7 +186,7 @@ slot_offset(PyObject *object, const char *name)
     }
     Py_DECREF(member);
     if (offset < 0) {
-        PyErr_Format(PyExc_TypeError, "the context's `%s` must be a __slots__ member", name);
+        PyErr_Format(PyExc_TypeError, "`%s` of %R must be a __slots__ member", name, type);
     }
     return offset;
 }
@@ -111,29 +194,17 @@ slot_offset(PyObject *object, const char *name)
 static PyObject *
 hook_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
 {
-    static char *names[] = {"original", "capturing", "context", "skipped_folders", NULL};
-    PyObject *original, *capturing, *context, *skipped_folders;
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOO!:OpenHook", names, &original, &capturing, &context,
-                                     &PyTuple_Type, &skipped_folders)) {
+    static char *names[] = {"original", "capturing", "context", "skipped_folders", "spoke_mounts", "spoke_verdict",
+                            "other_verdict", NULL};
+    PyObject *original, *capturing, *context, *skipped_folders, *spoke_mounts, *spoke_verdict, *other_verdict;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OOOO!O!OO:OpenHook", names, &original, &capturing, &context,
+                                     &PyTuple_Type, &skipped_folders, &PyTuple_Type, &spoke_mounts, &spoke_verdict,
+                                     &other_verdict)) {
         return NULL;
     }
-    Py_ssize_t source_offset = slot_offset(context, "source");
+    Py_ssize_t source_offset = slot_offset((PyObject *)Py_TYPE(context), "source");
     if (source_offset < 0) {
         return NULL;
-    }
-    int latin1 = 1;
-    Py_ssize_t size = 0;
-    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(skipped_folders); i++) {
-        PyObject *folder = PyTuple_GET_ITEM(skipped_folders, i);
-        if (!PyUnicode_Check(folder)) {
-            PyErr_SetString(PyExc_TypeError, "OpenHook: skipped_folders must hold str");
-            return NULL;
-        }
-        if (PyUnicode_READY(folder) < 0) {
-            return NULL;
-        }
-        latin1 &= PyUnicode_KIND(folder) == PyUnicode_1BYTE_KIND;
-        size += (Py_ssize_t)sizeof(Py_ssize_t) + PyUnicode_GET_LENGTH(folder);
     }
     OpenHook *self = (OpenHook *)type->tp_alloc(type, 0);
     if (self == NULL) {
@@ -144,23 +215,11 @@ hook_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
     self->context = Py_NewRef(context);
     self->original = Py_NewRef(original);
     self->capturing = Py_NewRef(capturing);
-    self->skipped_folders = Py_NewRef(skipped_folders);
-    self->latin1 = latin1;
-    if (latin1) {
-        self->folder_bytes = PyMem_Malloc(size ? size : 1);
-        if (self->folder_bytes == NULL) {
-            Py_DECREF(self);
-            return PyErr_NoMemory();
-        }
-        self->folder_bytes_size = size;
-        char *at = self->folder_bytes;
-        for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(skipped_folders); i++) {
-            PyObject *folder = PyTuple_GET_ITEM(skipped_folders, i);
-            Py_ssize_t length = PyUnicode_GET_LENGTH(folder);
-            memcpy(at, &length, sizeof length);
-            memcpy(at + sizeof length, PyUnicode_DATA(folder), length);
-            at += sizeof length + length;
-        }
+    self->spoke_verdict = Py_NewRef(spoke_verdict);
+    self->other_verdict = Py_NewRef(other_verdict);
+    if (folders_init(&self->skipped, skipped_folders) < 0 || folders_init(&self->mounts, spoke_mounts) < 0) {
+        Py_DECREF(self);
+        return NULL;
     }
     return (PyObject *)self;
 }
@@ -171,7 +230,10 @@ hook_traverse(OpenHook *self, visitproc visit, void *arg)
     Py_VISIT(self->context);
     Py_VISIT(self->original);
     Py_VISIT(self->capturing);
-    Py_VISIT(self->skipped_folders);
+    Py_VISIT(self->skipped.tuple);
+    Py_VISIT(self->mounts.tuple);
+    Py_VISIT(self->spoke_verdict);
+    Py_VISIT(self->other_verdict);
     return 0;
 }
 
@@ -181,7 +243,10 @@ hook_clear(OpenHook *self)
     Py_CLEAR(self->context);
     Py_CLEAR(self->original);
     Py_CLEAR(self->capturing);
-    Py_CLEAR(self->skipped_folders);
+    Py_CLEAR(self->spoke_verdict);
+    Py_CLEAR(self->other_verdict);
+    folders_clear(&self->skipped);
+    folders_clear(&self->mounts);
     return 0;
 }
 
@@ -190,7 +255,6 @@ hook_dealloc(OpenHook *self)
 {
     PyObject_GC_UnTrack(self);
     hook_clear(self);
-    PyMem_Free(self->folder_bytes);
     Py_TYPE(self)->tp_free((PyObject *)self);
 }
 
@@ -403,29 +467,52 @@ read_key(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
     return hash_key(args[0], args[1]);
 }
 
-/* recorded_readinto's settings: one set a process (reads.py makes the method once, at import). */
+/* FileReads' settings: one set a process (reads.py calls `configure` once, at import). */
 static struct {
     PyObject *context;         /* reads.context */
     Py_ssize_t reading_offset; /* its `reading` slot: each thread's open read, (location, offset, start) */
     Py_ssize_t batch_offset;   /* its `batch` slot: the batch the reads serve */
+    Py_ssize_t channel_offset; /* its `channel` slot: where its reads go, while the process's sender owns it */
+    PyObject *process_sender;  /* transport._current */
+    Py_ssize_t sender_offset;  /* its `sender` slot: the process's sender */
+    Py_ssize_t owner_offset;   /* a transport.Channel's `owner` slot */
+    Py_ssize_t rows_offset;    /* a transport.Channel's `reads` slot: the rows waiting to be sent */
+    Py_ssize_t full;           /* rows a channel holds before it flushes (transport.FULL) */
     PyObject *read_key;        /* keys.read_key, for a path hash_key does not take */
-    PyObject *file_readinto;   /* io.FileIO.readinto */
+    PyObject *file_readinto, *file_readall, *file_read, *file_seek;  /* io.FileIO's */
     long long empty_read_ns;   /* a read of no bytes at least this long is an event (reads.EMPTY_READ_NS) */
 } reads;
 
-static PyObject *path_name, *position_name, *verdict_name;  /* "_path", "_position", "_verdict" */
-static PyObject *target_name, *read_name, *scheme_separator;  /* "target", "read", "://" */
+static PyObject *target_name, *flush_full_name, *scheme_separator;  /* "target", "flush_full", "://" */
+static PyObject *buffer_name, *raw_name;  /* "buffer", "raw" */
+static PyObject *method_names[4];  /* file_reads_methods' names, in its order: the file's attributes */
 
-/* reads.record_read, inline: the row (batch, key, bytes, start, end, verdict) to `context.target()`'s
-   `read`. 0 once recorded or dropped (an Exception loses the event, never reaching the reader); -1 with
-   anything else (KeyboardInterrupt) set, as there. */
-static int
-record(PyObject *path, PyObject *position, Py_ssize_t nbytes, long long start, long long end, PyObject *verdict)
+#define SLOT(object, offset) (*(PyObject **)((char *)(object) + (offset)))
+
+/* The channel the context's reads go to: its own while the process's sender owns it (what
+   `context.target()` returns then, without the call), else what `target()` returns. */
+static PyObject *
+read_channel(void)
 {
-    PyObject *channel = NULL, *key = NULL, *row = NULL, *done = NULL;
-    channel = PyObject_CallMethodNoArgs(reads.context, target_name);
-    PyObject *batch = *(PyObject **)((char *)reads.context + reads.batch_offset);
-    if (channel == NULL || batch == NULL) {
+    PyObject *channel = SLOT(reads.context, reads.channel_offset);
+    PyObject *sender = SLOT(reads.process_sender, reads.sender_offset);
+    if (channel != NULL && channel != Py_None && sender != NULL && sender != Py_None &&
+        SLOT(channel, reads.owner_offset) == sender) {
+        return Py_NewRef(channel);
+    }
+    return PyObject_CallMethodNoArgs(reads.context, target_name);
+}
+
+/* reads.record_read, inline: the row (batch, key, bytes, start, end, verdict) appended to the channel's
+   rows as `Channel.read` appends it. 0 once recorded or dropped (an Exception loses the event, never
+   reaching the reader); -1 with anything else (KeyboardInterrupt) set, as there. */
+static int
+record(PyObject *path, PyObject *position, Py_ssize_t nbytes, PyObject *start, long long end, PyObject *verdict)
+{
+    PyObject *key = NULL, *row = NULL, *channel = read_channel();
+    PyObject *batch = SLOT(reads.context, reads.batch_offset);
+    PyObject *rows = channel ? SLOT(channel, reads.rows_offset) : NULL;
+    if (batch == NULL || rows == NULL || !PyList_CheckExact(rows)) {
         goto failed;
     }
     Py_ssize_t url = PyUnicode_Check(path) ? PyUnicode_Find(path, scheme_separator, 0, PY_SSIZE_T_MAX, 1) : 0;
@@ -438,22 +525,36 @@ record(PyObject *path, PyObject *position, Py_ssize_t nbytes, long long start, l
         PyErr_Clear();
         key = PyObject_CallFunctionObjArgs(reads.read_key, path, position, NULL);
     }
-    row = key ? Py_BuildValue("(OOnLLO)", batch, key, nbytes, start, end, verdict) : NULL;
-    done = row ? PyObject_CallMethodOneArg(channel, read_name, row) : NULL;
-    if (done == NULL) {
+    row = key ? PyTuple_New(6) : NULL;
+    if (row == NULL) {
         goto failed;
     }
-    Py_DECREF(done);
-    Py_DECREF(row);
-    Py_DECREF(key);
+    PyTuple_SET_ITEM(row, 0, Py_NewRef(batch));
+    PyTuple_SET_ITEM(row, 1, key);  /* the row's now */
+    key = NULL;
+    PyTuple_SET_ITEM(row, 2, PyLong_FromSsize_t(nbytes));
+    PyTuple_SET_ITEM(row, 3, Py_NewRef(start));
+    PyTuple_SET_ITEM(row, 4, PyLong_FromLongLong(end));
+    PyTuple_SET_ITEM(row, 5, Py_NewRef(verdict));
+    if (PyTuple_GET_ITEM(row, 2) == NULL || PyTuple_GET_ITEM(row, 4) == NULL || PyList_Append(rows, row) < 0) {
+        goto failed;
+    }
+    Py_CLEAR(row);
+    if (PyList_GET_SIZE(rows) >= reads.full) {
+        PyObject *done = PyObject_CallMethodNoArgs(channel, flush_full_name);
+        if (done == NULL) {
+            goto failed;
+        }
+        Py_DECREF(done);
+    }
     Py_DECREF(channel);
     return 0;
 failed:
     Py_XDECREF(row);
     Py_XDECREF(key);
     Py_XDECREF(channel);
-    if (batch == NULL && !PyErr_Occurred()) {
-        return 0;  /* unset: the AttributeError record_read would drop */
+    if (!PyErr_Occurred()) {
+        return 0;  /* unset or not a list: the AttributeError or TypeError record_read would drop */
     }
     if (PyErr_ExceptionMatches(PyExc_Exception)) {
         PyErr_Clear();
@@ -470,45 +571,80 @@ monotonic_ns(void)
     return (long long)now.tv_sec * 1000000000LL + now.tv_nsec;
 }
 
+/* A captured raw file's reads: reads.FileReads in C. The file stays the io.FileIO that open() made (its
+   buffer keeps its fast paths); its instance dict holds this object's `readinto`, `readall`, `read` and
+   `seek`, which the buffer and any caller find before the type's. It holds the file weakly (no cycle
+   through the file's dict: a file nobody closes is still closed when dropped). */
+typedef struct {
+    PyObject_HEAD
+    PyObject *file;      /* a weak reference */
+    PyObject *path;      /* the str its reads are keyed by */
+    PyObject *position;  /* an int: where the file's next read starts (a tell() would be a system call) */
+    PyObject *verdict;
+} FileReads;
+
 static PyObject *
-plain_readinto(PyObject *file, PyObject *buffer)
+file_of(FileReads *self)
 {
-    PyObject *args[] = {file, buffer};
-    return PyObject_Vectorcall(reads.file_readinto, args, 2, NULL);
+    PyObject *file = PyWeakref_GET_OBJECT(self->file);
+    if (file == Py_None) {
+        PyErr_SetString(PyExc_ValueError, "I/O operation on closed file.");
+        return NULL;
+    }
+    return Py_NewRef(file);
 }
 
-/* reads.RecordedFileIO.readinto: the read timed, open in `context.reading` while it runs, recorded when it
-   read bytes or waited, and the file's position moved on; a read inside another recorded read of this
+/* The bytes a read's result holds: an int (readinto), bytes (read, readall), None (nothing ready). */
+static Py_ssize_t
+bytes_read(PyObject *result)
+{
+    if (result == Py_None) {
+        return 0;
+    }
+    if (PyBytes_Check(result)) {
+        return PyBytes_GET_SIZE(result);
+    }
+    return PyLong_AsSsize_t(result);
+}
+
+/* reads.timed_read for `method(file, *args)`: timed, open in `context.reading` while it runs, recorded
+   when it read bytes or waited, and the position moved on; a read inside another recorded read of this
    thread is that read's, and only read. */
 static PyObject *
-recorded_readinto(PyObject *file, PyObject *buffer)
+timed_read(FileReads *self, PyObject *method, PyObject *const *args, Py_ssize_t nargs)
 {
-    PyObject *reading = *(PyObject **)((char *)reads.context + reads.reading_offset);
+    PyObject *call[3], *file = file_of(self);
+    if (file == NULL) {
+        return NULL;
+    }
+    call[0] = file;
+    for (Py_ssize_t i = 0; i < nargs; i++) {
+        call[i + 1] = args[i];
+    }
+    PyObject *reading = SLOT(reads.context, reads.reading_offset);
     if (reading == NULL || !PyDict_CheckExact(reading)) {
-        return plain_readinto(file, buffer);
+        PyObject *result = PyObject_Vectorcall(method, call, nargs + 1, NULL);
+        Py_DECREF(file);
+        return result;
     }
     Py_INCREF(reading);  /* a fork handler may put another in the slot meanwhile */
-    PyObject *result = NULL, *thread = NULL, *path = NULL, *position = NULL, *verdict = NULL, *start = NULL,
-             *open_read = NULL;
-    thread = PyLong_FromUnsignedLong(PyThread_get_thread_ident());
+    PyObject *result = NULL, *start = NULL, *open_read = NULL, *position = Py_NewRef(self->position);
+    PyObject *thread = PyLong_FromUnsignedLong(PyThread_get_thread_ident());
     if (thread == NULL) {
         goto done;
     }
     int inside = PyDict_Contains(reading, thread);
     if (inside != 0) {
-        result = inside < 0 ? NULL : plain_readinto(file, buffer);
+        result = inside < 0 ? NULL : PyObject_Vectorcall(method, call, nargs + 1, NULL);
         goto done;
     }
-    path = PyObject_GetAttr(file, path_name);
-    position = path ? PyObject_GetAttr(file, position_name) : NULL;
-    verdict = position ? PyObject_GetAttr(file, verdict_name) : NULL;
     long long started = monotonic_ns();
-    start = verdict ? PyLong_FromLongLong(started) : NULL;
-    open_read = start ? PyTuple_Pack(3, path, position, start) : NULL;
+    start = PyLong_FromLongLong(started);
+    open_read = start ? PyTuple_Pack(3, self->path, position, start) : NULL;
     if (open_read == NULL || PyDict_SetItem(reading, thread, open_read) < 0) {
         goto done;
     }
-    result = plain_readinto(file, buffer);
+    result = PyObject_Vectorcall(method, call, nargs + 1, NULL);
     /* As `reading.pop(thread, None)` in a finally: a ReadSpan inside may have ended it already. */
     PyObject *error_type, *error_value, *error_traceback;
     PyErr_Fetch(&error_type, &error_value, &error_traceback);
@@ -519,71 +655,261 @@ recorded_readinto(PyObject *file, PyObject *buffer)
     if (result == NULL) {
         goto done;
     }
-    Py_ssize_t nbytes = result == Py_None ? 0 : PyLong_AsSsize_t(result);
+    Py_ssize_t nbytes = bytes_read(result);
     if (nbytes == -1 && PyErr_Occurred()) {
         Py_CLEAR(result);
         goto done;
     }
     long long ended = monotonic_ns();
-    if (nbytes || ended - started >= reads.empty_read_ns) {
-        if (record(path, position, nbytes, started, ended, verdict) < 0) {
-            Py_CLEAR(result);
-            goto done;
-        }
+    if ((nbytes || ended - started >= reads.empty_read_ns) &&
+        record(self->path, position, nbytes, start, ended, self->verdict) < 0) {
+        Py_CLEAR(result);
+        goto done;
     }
     if (nbytes > 0) {
         PyObject *count = PyLong_FromSsize_t(nbytes);
         PyObject *moved = count ? PyNumber_Add(position, count) : NULL;
         Py_XDECREF(count);
-        if (moved == NULL || PyObject_SetAttr(file, position_name, moved) < 0) {
+        if (moved == NULL) {
             Py_CLEAR(result);
+        } else {
+            Py_SETREF(self->position, moved);
         }
-        Py_XDECREF(moved);
     }
 done:
     Py_DECREF(reading);
+    Py_DECREF(file);
+    Py_DECREF(position);
     Py_XDECREF(thread);
-    Py_XDECREF(path);
-    Py_XDECREF(position);
-    Py_XDECREF(verdict);
     Py_XDECREF(start);
     Py_XDECREF(open_read);
     return result;
 }
 
-static PyMethodDef recorded_readinto_method = {
-    "readinto", (PyCFunction)recorded_readinto, METH_O,
-    PyDoc_STR("readinto(buffer): read into the buffer, the read recorded (read capture's raw file).")};
+static PyObject *
+file_reads_readinto(FileReads *self, PyObject *buffer)
+{
+    return timed_read(self, reads.file_readinto, &buffer, 1);
+}
 
 static PyObject *
-make_recorded_readinto(PyObject *module, PyObject *args)
+file_reads_readall(FileReads *self, PyObject *unused)
 {
-    PyObject *file_type, *context, *read_key;
+    return timed_read(self, reads.file_readall, NULL, 0);
+}
+
+static PyObject *
+file_reads_read(FileReads *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs > 1) {
+        PyErr_Format(PyExc_TypeError, "read expected at most 1 argument, got %zd", nargs);
+        return NULL;
+    }
+    return timed_read(self, reads.file_read, args, nargs);
+}
+
+static PyObject *
+file_reads_seek(FileReads *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs > 2) {
+        PyErr_Format(PyExc_TypeError, "seek expected at most 2 arguments, got %zd", nargs);
+        return NULL;
+    }
+    PyObject *file = file_of(self);
+    if (file == NULL) {
+        return NULL;
+    }
+    PyObject *call[3] = {file, nargs > 0 ? args[0] : NULL, nargs > 1 ? args[1] : NULL};
+    PyObject *moved = PyObject_Vectorcall(reads.file_seek, call, nargs + 1, NULL);
+    Py_DECREF(file);
+    if (moved != NULL) {
+        Py_XSETREF(self->position, Py_NewRef(moved));
+    }
+    return moved;
+}
+
+static PyObject *
+file_reads_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
+{
+    PyObject *file, *path, *verdict, *position;
+    static char *names[] = {"file", "path", "verdict", "position", NULL};
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OUOO!:FileReads", names, &file, &path, &verdict, &PyLong_Type,
+                                     &position)) {
+        return NULL;
+    }
+    PyObject *weak = PyWeakref_NewRef(file, NULL);
+    FileReads *self = weak ? (FileReads *)type->tp_alloc(type, 0) : NULL;
+    if (self == NULL) {
+        Py_XDECREF(weak);
+        return NULL;
+    }
+    self->file = weak;
+    self->path = Py_NewRef(path);
+    self->verdict = Py_NewRef(verdict);
+    self->position = Py_NewRef(position);
+    return (PyObject *)self;
+}
+
+static int
+file_reads_traverse(FileReads *self, visitproc visit, void *arg)
+{
+    Py_VISIT(self->file);
+    Py_VISIT(self->path);
+    Py_VISIT(self->position);
+    Py_VISIT(self->verdict);
+    return 0;
+}
+
+static int
+file_reads_clear(FileReads *self)
+{
+    Py_CLEAR(self->file);
+    Py_CLEAR(self->path);
+    Py_CLEAR(self->position);
+    Py_CLEAR(self->verdict);
+    return 0;
+}
+
+static void
+file_reads_dealloc(FileReads *self)
+{
+    PyObject_GC_UnTrack(self);
+    file_reads_clear(self);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static PyObject *
+file_reads_position(FileReads *self, void *closure)
+{
+    return Py_NewRef(self->position);
+}
+
+static PyMethodDef file_reads_methods[] = {
+    {"readinto", (PyCFunction)file_reads_readinto, METH_O, PyDoc_STR("io.FileIO.readinto, recorded")},
+    {"readall", (PyCFunction)file_reads_readall, METH_NOARGS, PyDoc_STR("io.FileIO.readall, recorded")},
+    {"read", (PyCFunction)(void (*)(void))file_reads_read, METH_FASTCALL, PyDoc_STR("io.FileIO.read, recorded")},
+    {"seek", (PyCFunction)(void (*)(void))file_reads_seek, METH_FASTCALL,
+     PyDoc_STR("io.FileIO.seek, the position kept")},
+    {NULL},
+};
+
+static PyMemberDef file_reads_members[] = {
+    {"path", T_OBJECT, offsetof(FileReads, path), READONLY, NULL},
+    {"verdict", T_OBJECT, offsetof(FileReads, verdict), READONLY, NULL},
+    {NULL},
+};
+
+static PyGetSetDef file_reads_getset[] = {
+    {"position", (getter)file_reads_position, NULL, NULL, NULL},
+    {NULL},
+};
+
+static PyTypeObject FileReadsType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "stallwatch.client._speedups.FileReads",
+    .tp_doc = PyDoc_STR("FileReads(file, path, verdict, position): a captured raw file's reads, recorded"),
+    .tp_basicsize = sizeof(FileReads),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_new = file_reads_new,
+    .tp_traverse = (traverseproc)file_reads_traverse,
+    .tp_clear = (inquiry)file_reads_clear,
+    .tp_dealloc = (destructor)file_reads_dealloc,
+    .tp_methods = file_reads_methods,
+    .tp_members = file_reads_members,
+    .tp_getset = file_reads_getset,
+};
+
+/* reads.record_reads for the file open() made (its raw file, or its buffer's under a text layer), from
+   its start: `opened` returned, its reads recorded, or left as it was where recording fails. */
+static PyObject *
+captured_open(PyObject *opened, int binary, PyObject *path, PyObject *verdict)
+{
+    PyObject *buffer = binary ? Py_NewRef(opened) : PyObject_GetAttr(opened, buffer_name);
+    PyObject *file = buffer ? PyObject_GetAttr(buffer, raw_name) : NULL;
+    PyObject *weak = file ? PyWeakref_NewRef(file, NULL) : NULL;
+    FileReads *recorder = weak ? PyObject_GC_New(FileReads, &FileReadsType) : NULL;
+    if (recorder != NULL) {
+        recorder->file = Py_NewRef(weak);
+        recorder->path = Py_NewRef(path);
+        recorder->position = PyLong_FromLong(0);
+        recorder->verdict = Py_NewRef(verdict);
+        PyObject_GC_Track(recorder);
+        for (int i = 0; i < 4; i++) {
+            PyObject *method = PyCFunction_New(&file_reads_methods[i], (PyObject *)recorder);
+            int failed = method == NULL || PyObject_SetAttr(file, method_names[i], method) < 0;
+            Py_XDECREF(method);
+            if (failed) {
+                break;
+            }
+        }
+    }
+    Py_XDECREF(buffer);
+    Py_XDECREF(file);
+    Py_XDECREF(weak);
+    Py_XDECREF(recorder);
+    if (PyErr_Occurred()) {
+        if (!PyErr_ExceptionMatches(PyExc_Exception)) {
+            Py_DECREF(opened);
+            return NULL;
+        }
+        PyErr_Clear();  /* never into the reader: the file reads on, uncaptured */
+    }
+    return opened;
+}
+
+/* The settings FileReads records with, one set a process (reads.py sets them once, at import). */
+static PyObject *
+configure(PyObject *module, PyObject *args)
+{
+    PyObject *file_type, *context, *read_key, *process_sender, *channel_type;
     long long empty_read_ns;
-    if (!PyArg_ParseTuple(args, "O!OOL:recorded_readinto", &PyType_Type, &file_type, &context, &read_key,
-                          &empty_read_ns)) {
+    Py_ssize_t full;
+    if (!PyArg_ParseTuple(args, "O!OOLOO!n:configure", &PyType_Type, &file_type, &context, &read_key,
+                          &empty_read_ns, &process_sender, &PyType_Type, &channel_type, &full)) {
         return NULL;
     }
-    Py_ssize_t reading_offset = slot_offset(context, "reading");
-    Py_ssize_t batch_offset = reading_offset < 0 ? -1 : slot_offset(context, "batch");
-    PyObject *file_readinto = batch_offset < 0 ? NULL : PyObject_GetAttrString(file_type, "readinto");
-    if (file_readinto == NULL) {
+    PyObject *context_type = (PyObject *)Py_TYPE(context), *sender_type = (PyObject *)Py_TYPE(process_sender);
+    Py_ssize_t offsets[6] = {
+        slot_offset(context_type, "reading"), slot_offset(context_type, "batch"),
+        slot_offset(context_type, "channel"), slot_offset(sender_type, "sender"),
+        slot_offset(channel_type, "owner"), slot_offset(channel_type, "reads")};
+    for (int i = 0; i < 6; i++) {
+        if (offsets[i] < 0) {
+            return NULL;
+        }
+    }
+    PyObject *methods[4] = {PyObject_GetAttrString(file_type, "readinto"), PyObject_GetAttrString(file_type, "readall"),
+                            PyObject_GetAttrString(file_type, "read"), PyObject_GetAttrString(file_type, "seek")};
+    if (methods[0] == NULL || methods[1] == NULL || methods[2] == NULL || methods[3] == NULL) {
+        for (int i = 0; i < 4; i++) {
+            Py_XDECREF(methods[i]);
+        }
         return NULL;
     }
+    Py_XSETREF(reads.file_readinto, methods[0]);
+    Py_XSETREF(reads.file_readall, methods[1]);
+    Py_XSETREF(reads.file_read, methods[2]);
+    Py_XSETREF(reads.file_seek, methods[3]);
     Py_XSETREF(reads.context, Py_NewRef(context));
+    Py_XSETREF(reads.process_sender, Py_NewRef(process_sender));
     Py_XSETREF(reads.read_key, Py_NewRef(read_key));
-    reads.batch_offset = batch_offset;
-    Py_XSETREF(reads.file_readinto, file_readinto);
-    reads.reading_offset = reading_offset;
+    reads.reading_offset = offsets[0];
+    reads.batch_offset = offsets[1];
+    reads.channel_offset = offsets[2];
+    reads.sender_offset = offsets[3];
+    reads.owner_offset = offsets[4];
+    reads.rows_offset = offsets[5];
+    reads.full = full;
     reads.empty_read_ns = empty_read_ns;
-    return PyDescr_NewMethod((PyTypeObject *)file_type, &recorded_readinto_method);
+    Py_RETURN_NONE;
 }
 
 static PyMethodDef module_functions[] = {
     {"read_key", (PyCFunction)(void (*)(void))read_key, METH_FASTCALL,
      PyDoc_STR("read_key(resource, offset): keys.read_key of a resource (a path, a URL's path), in C")},
-    {"recorded_readinto", make_recorded_readinto, METH_VARARGS,
-     PyDoc_STR("recorded_readinto(file_type, context, read_key, empty_read_ns): RecordedFileIO.readinto")},
+    {"configure", configure, METH_VARARGS,
+     PyDoc_STR("configure(file_type, context, read_key, empty_read_ns, process_sender, channel_type, full): what "
+               "FileReads records with")},
     {NULL},
 };
 
@@ -599,21 +925,27 @@ static struct PyModuleDef module = {
 PyMODINIT_FUNC
 PyInit__speedups(void)
 {
-    path_name = PyUnicode_InternFromString("_path");
-    position_name = PyUnicode_InternFromString("_position");
-    verdict_name = PyUnicode_InternFromString("_verdict");
+    static const char *file_methods[] = {"readinto", "readall", "read", "seek"};
+    for (int i = 0; i < 4; i++) {
+        if ((method_names[i] = PyUnicode_InternFromString(file_methods[i])) == NULL) {
+            return NULL;
+        }
+    }
     target_name = PyUnicode_InternFromString("target");
-    read_name = PyUnicode_InternFromString("read");
+    flush_full_name = PyUnicode_InternFromString("flush_full");
     scheme_separator = PyUnicode_InternFromString("://");
-    if (path_name == NULL || position_name == NULL || verdict_name == NULL || target_name == NULL ||
-        read_name == NULL || scheme_separator == NULL || PyType_Ready(&OpenHookType) < 0) {
+    buffer_name = PyUnicode_InternFromString("buffer");
+    raw_name = PyUnicode_InternFromString("raw");
+    if (target_name == NULL || flush_full_name == NULL || scheme_separator == NULL || buffer_name == NULL ||
+        raw_name == NULL || PyType_Ready(&OpenHookType) < 0 || PyType_Ready(&FileReadsType) < 0) {
         return NULL;
     }
     PyObject *m = PyModule_Create(&module);
     if (m == NULL) {
         return NULL;
     }
-    if (PyModule_AddObjectRef(m, "OpenHook", (PyObject *)&OpenHookType) < 0) {
+    if (PyModule_AddObjectRef(m, "OpenHook", (PyObject *)&OpenHookType) < 0 ||
+        PyModule_AddObjectRef(m, "FileReads", (PyObject *)&FileReadsType) < 0) {
         Py_DECREF(m);
         return NULL;
     }

@@ -2,15 +2,15 @@
 
 `start()` puts `capturing_open` in place of `builtins.open` and `io.open` (what `open()`, `Path.open`,
 `Path.read_bytes`, NumPy's `np.load`, `torch.load` and PIL's `Image.open` call). A file it captures is
-what `open()` would have returned, the same buffer (and text layer) of the same types, over a
-`RecordedFileIO` in place of the `FileIO` beneath: one read event a read the file system answers (a
-buffer's refill, a read larger than the buffer, a read to the end), with its key, bytes, start, end and
-the batch it serves. The reads the buffer serves from memory (a decoder's many small reads of a header:
-38 for a JPEG through PIL) cost what they did and are in the event of the refill that brought them.
-It captures a file opened for reading only (no `+`, buffered), by path, while this process's reads have
-a source (a loader worker, or a loop without workers during its epoch, `reads.bound`), and not under
-the Python installation or kernel pseudo-files (`skipped_prefixes`): the interpreter's own imports go
-through `io.open_code` and are never seen. Every other open is the original's.
+what `open()` returned, the same objects, its `io.FileIO` beneath recording its reads
+(`reads.record_reads`): one read event a read the file system answers (a buffer's refill, a read larger
+than the buffer, a read to the end), with its key, bytes, start, end and the batch it serves. The reads
+the buffer serves from memory (a decoder's many small reads of a header: 38 for a JPEG through PIL) cost
+what they did and are in the event of the refill that brought them. It captures a file opened for
+reading only (no `+`, buffered), by path, while this process's reads have a source (a loader worker, or
+a loop without workers during its epoch, `reads.bound`), and not under the Python installation or kernel
+pseudo-files (`skipped_prefixes`): the interpreter's own imports go through `io.open_code` and are never
+seen. Every other open is the original's.
 
 Most opens are refused, and a hook written in Python costs about 100 ns an open however little it does,
 so the client ships `_speedups`, a C hook that settles the cheap refusals (no source; a skipped path)
@@ -33,8 +33,8 @@ import sysconfig
 from collections.abc import Callable, Iterable, Mapping
 from typing import IO, Any
 
-from stallwatch.client import remote, wire
-from stallwatch.client.reads import RecordedFileIO, _speedups
+from stallwatch.client import reads, remote, wire
+from stallwatch.client.reads import _speedups
 from stallwatch.client.reads import context as _reading
 
 # "0" turns read capture off, for `instrument` and `stallwatch run` alike.
@@ -98,24 +98,14 @@ def capturing_open(file: Any, mode: str = "r", buffering: int = -1, encoding: st
             captured = _to_capture(file, mode, buffering, encoding is None and errors is None and newline is None)
     except Exception:  # never into the reader (an unhashable path-like, say): the file is opened uncaptured
         captured = None
-    if captured is None:
-        return original_open(file, mode, buffering, encoding, errors, newline, closefd, opener)
-    # Built as `open()` builds it (raising as it does), with the recorded raw file beneath.
-    raw = RecordedFileIO(os.fspath(file), captured[0], captured[1], closefd, opener)
-    try:
-        line_buffering = "b" not in mode and (buffering == 1 or (buffering < 0 and raw.isatty()))
-        if buffering == 1 or buffering < 0:
-            blksize = raw._blksize  # type: ignore[attr-defined]  # the file system's, as `open()` reads it
-            buffering = blksize if blksize > 1 else io.DEFAULT_BUFFER_SIZE
-        buffered = io.BufferedReader(raw, buffering)
-        if "b" in mode:
-            return buffered
-        text = io.TextIOWrapper(buffered, encoding, errors, newline, line_buffering)
-        text.mode = mode  # type: ignore[misc]  # as open() sets it
-        return text
-    except BaseException:
-        raw.close()
-        raise
+    opened = original_open(file, mode, buffering, encoding, errors, newline, closefd, opener)
+    if captured is not None:
+        try:
+            raw = opened.raw if "b" in mode else opened.buffer.raw  # type: ignore[attr-defined]
+            reads.record_reads(raw, captured[0], captured[1], 0 if opener is None else raw.tell())
+        except Exception:  # never into the reader: the file reads on, uncaptured
+            pass
+    return opened
 
 
 _READ_MODES = frozenset({"r", "rb", "rt", "br", "tr"})
@@ -144,7 +134,8 @@ def _hook() -> Callable[..., IO[Any]]:
     client was built with it, else `capturing_open` alone."""
     if _speedups is None:
         return capturing_open
-    hook: Callable[..., IO[Any]] = _speedups.OpenHook(original_open, capturing_open, _reading, _settings.skipped)
+    hook: Callable[..., IO[Any]] = _speedups.OpenHook(original_open, capturing_open, _reading, _settings.skipped,
+                                                      _settings.mounts, wire.VERDICT_UNKNOWN, wire.VERDICT_DIRECT)
     return hook
 
 

@@ -22,13 +22,14 @@ import io
 import os
 import time
 import urllib.request
+import weakref
 from collections.abc import Callable, Iterator, Sized
 from threading import get_ident
 from time import monotonic_ns
 from types import ModuleType, TracebackType
 from typing import IO, Any, ParamSpec, SupportsIndex, TypeVar
 
-from stallwatch.client import wire
+from stallwatch.client import transport, wire
 from stallwatch.client.identity import source_from_environment
 from stallwatch.client.keys import read_key
 from stallwatch.client.transport import Channel, sender
@@ -326,47 +327,72 @@ def _total_length(lines: list[bytes]) -> int:
     return sum(map(len, lines))
 
 
-def _readinto(file: RecordedFileIO, buffer: Any, /) -> int:
-    """`RecordedFileIO.readinto` in Python: `_read_on` inline, a call less."""
-    count, nbytes = timed_read(file._path, file._position, file._verdict, 0, count_read, _FILE_READINTO, file,
-                               buffer)
-    if nbytes > 0:
-        file._position += nbytes
-    return count
+class FileReads:
+    """A captured raw file's reads, recorded, one event a call that reads the file: `readinto` (a buffer's
+    refill, or a read larger than the buffer), `readall`, `read`; `seek` keeps the position (a `tell()`
+    would cost a system call a read). `record_reads` puts these methods in the file's instance dict, where
+    the buffer and any caller find them before `io.FileIO`'s: the file stays the `io.FileIO` that `open()`
+    made, and its buffer keeps the fast paths it takes for one (a subclass cost its buffer an attribute
+    lookup a read, ~9,000 instructions a JPEG). The file is held weakly: no cycle through its dict, so a
+    file nobody closes is closed when dropped, as before. `_speedups.FileReads` is this class in C."""
 
+    __slots__ = ("_file", "path", "position", "verdict")
 
-class RecordedFileIO(io.FileIO):
-    """A `FileIO` opened for reading whose reads are recorded, one event a call that reads the file:
-    `readinto` (a buffer's refill, or a read larger than the buffer), `readall`, `read`.
+    def __init__(self, file: io.FileIO, path: str, verdict: int, position: int) -> None:
+        self._file = weakref.ref(file)
+        self.path, self.verdict, self.position = path, verdict, position
 
-    Tracks its own position (a `tell()` would cost a system call a read); seeks pass through it."""
+    def _timed(self, read: Callable[[Any, Any], T], count: Callable[[T], int], argument: Any) -> T:
+        file = self._file()
+        if file is None:
+            raise ValueError("I/O operation on closed file.")
+        result, nbytes = timed_read(self.path, self.position, self.verdict, 0, count, read, file, argument)
+        if nbytes > 0:  # -1: inside another recorded read, which keeps its own position
+            self.position += nbytes
+        return result
 
-    def __init__(self, file: Any, path: str, verdict: int, closefd: bool = True,
-                 opener: Callable[[str, int], int] | None = None) -> None:
-        super().__init__(file, "r", closefd, opener)
-        self._path, self._verdict = path, verdict
-        self._position = 0 if opener is None else super().tell()  # an opener's descriptor may have moved
-
-    # The buffer's reads: `_readinto` in C where the client was built with it (`_speedups`), ~1 µs less a read.
-    readinto = _readinto if _speedups is None else _speedups.recorded_readinto(
-        io.FileIO, context, read_key, EMPTY_READ_NS)
+    def readinto(self, buffer: Any, /) -> int | None:
+        return self._timed(_FILE_READINTO, count_read, buffer)
 
     def readall(self) -> bytes:
-        return _read_on(self, len, _read_all, self, None)
+        return self._timed(_read_all, len, None)
 
-    def read(self, size: int | None = -1, /) -> bytes:
-        return _read_on(self, _length, _FILE_READ, self, size)
+    def read(self, size: int | None = -1, /) -> bytes | None:
+        return self._timed(_FILE_READ, _length, size)
 
-    def seek(self, offset: int, whence: int = os.SEEK_SET) -> int:
-        self._position = super().seek(offset, whence)
-        return self._position
+    def seek(self, offset: int, whence: int = os.SEEK_SET, /) -> int:
+        file = self._file()
+        if file is None:
+            raise ValueError("I/O operation on closed file.")
+        self.position = io.FileIO.seek(file, offset, whence)
+        return self.position
 
 
+file_reads: Callable[[io.FileIO, str, int, int], Any] = FileReads
+if _speedups is not None:  # the same in C: ~1 µs less a read
+    _speedups.configure(io.FileIO, context, read_key, EMPTY_READ_NS, transport._current, Channel, transport.FULL)
+    file_reads = _speedups.FileReads
+
+
+def record_reads(file: io.FileIO, path: str, verdict: int, position: int = 0) -> None:
+    """Record the reads of `file` (an `io.FileIO` opened for reading, at `position`) as reads of `path` with
+    `verdict`."""
+    reads = file_reads(file, path, verdict, position)
+    file.readinto, file.readall, file.read, file.seek = (  # type: ignore[method-assign]
+        reads.readinto, reads.readall, reads.read, reads.seek)
+
+
+def recorded(file: Any) -> bool:
+    """Whether `file` (a raw file) records its reads (`record_reads`)."""
+    return isinstance(getattr(getattr(file, "readinto", None), "__self__", None), _RECORDERS)
+
+
+_RECORDERS: tuple[type, ...] = (FileReads,) if _speedups is None else (FileReads, _speedups.FileReads)
 _FILE_READINTO, _FILE_READ = io.FileIO.readinto, io.FileIO.read
 
 
-def _read_on(file: RecordedFile | RecordedFileIO, count: Callable[[T], int], read: Callable[[Any, Any], T],
-             target: Any, argument: Any) -> T:
+def _read_on(file: RecordedFile, count: Callable[[T], int], read: Callable[[Any, Any], T], target: Any,
+             argument: Any) -> T:
     """A recorded file's `read(target, argument)` at the file's position, which moves on by the bytes read."""
     result: T
     result, nbytes = timed_read(file._path, file._position, file._verdict, 0, count, read, target, argument)

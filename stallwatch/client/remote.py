@@ -42,10 +42,10 @@ from stallwatch.client.bootstrap import after_import
 from stallwatch.client.keys import range_start
 from stallwatch.client.reads import (
     RecordedFile,
-    RecordedFileIO,
     bound,
     call,
     record_read,
+    recorded,
     timed_read,
     verdict_from_headers,
 )
@@ -265,7 +265,7 @@ def _patch_webdataset(webdataset: ModuleType) -> None:
 
 def _array_file(original: Callable[[Any], bool]) -> Callable[[Any], bool]:
     def isfileobj(f: Any) -> bool:  # a captured file: read through `read()`, as NumPy reads other file objects
-        return original(f) and type(getattr(f, "raw", None)) is not RecordedFileIO
+        return original(f) and not recorded(getattr(f, "raw", None))
     return isfileobj
 
 

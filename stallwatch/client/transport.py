@@ -410,7 +410,10 @@ def _flush_at_exit(weak: weakref.ref[Sender]) -> None:
 
 
 class _ProcessSender:
-    """Holds this process's sender; forked children share it, reset by `_after_fork`."""
+    """Holds this process's sender; forked children share it, reset by `_after_fork`. Slots: read capture's
+    C `readinto` reads `sender` at its offset."""
+
+    __slots__ = ("lock", "sender")
 
     def __init__(self) -> None:
         self.sender: Sender | None = None
