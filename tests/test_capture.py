@@ -242,6 +242,37 @@ def test_a_captured_file_nobody_closes_is_closed_when_dropped(capturing: Path, t
             readinto(bytearray(8))
 
 
+def test_a_captured_read_is_seen_in_flight_while_it_waits(capturing: Path, tmp_path: Path) -> None:
+    """A read that waits (a FIFO whose writer pauses, as a read of a hub that went away) is in the open
+    records a flush sends, from its start, until it ends."""
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    resume = threading.Event()
+
+    def write() -> None:
+        with open(fifo, "wb", buffering=0) as writer:
+            writer.write(b"a" * 10)
+            resume.wait(10)
+            writer.write(b"b" * 10)
+
+    writer = threading.Thread(target=write)
+    writer.start()
+    channel = reads.context.target()
+    with open(str(fifo), "rb") as f:  # the C hook's own capture where it has one
+        reader = threading.Thread(target=f.read)
+        reader.start()
+        wait_for("the read in flight", lambda: any(
+            record[0] == wire.OPEN_READ for record in reads.context.open_records(channel, time.monotonic_ns())), 10)
+        (_, _, key, since, _), = [record for record in reads.context.open_records(channel, time.monotonic_ns())
+                                       if record[0] == wire.OPEN_READ]
+        assert key == read_key(str(fifo), 0) and since <= time.monotonic_ns()
+        resume.set()
+        reader.join(10)
+        writer.join(10)
+    assert not [record for record in reads.context.open_records(channel, time.monotonic_ns())
+                if record[0] == wire.OPEN_READ]
+
+
 def test_a_path_that_reads_as_a_url_is_keyed_as_read_key_keys_it(capturing: Path, datagrams: Datagrams,
                                                                  tmp_path: Path) -> None:
     """A file's path is its resource, unless it holds `://` (keys.resource_of): the C recording leaves

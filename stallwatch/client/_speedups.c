@@ -25,6 +25,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <structmember.h>
+#include <pthread.h>
 #include <pythread.h>
 #include <stdint.h>
 #include <time.h>
@@ -594,6 +595,31 @@ file_of(FileReads *self)
     return Py_NewRef(file);
 }
 
+/* The read a FileReads has open while no other read is (`context.reading` empty, the usual case): kept
+   here, its objects borrowed from the reading thread (which holds them until the read ends), so a read
+   allocates nothing to be seen in flight. `open_reads()` gives it to the flush thread; a fork forgets it. */
+static struct {
+    unsigned long thread;  /* 0: none */
+    PyObject *path;
+    PyObject *position;
+    long long start;
+} the_open_read;
+
+static void
+forget_the_open_read(void)
+{
+    the_open_read.thread = 0;  /* in a forked child, the thread that read it is gone */
+}
+
+static PyObject *
+open_reads(PyObject *module, PyObject *unused)
+{
+    if (the_open_read.thread == 0) {
+        return PyList_New(0);
+    }
+    return Py_BuildValue("[(OOL)]", the_open_read.path, the_open_read.position, the_open_read.start);
+}
+
 /* The bytes a read's result holds: an int (readinto), bytes (read, readall), None (nothing ready). */
 static Py_ssize_t
 bytes_read(PyObject *result)
@@ -628,32 +654,45 @@ timed_read(FileReads *self, PyObject *method, PyObject *const *args, Py_ssize_t 
         return result;
     }
     Py_INCREF(reading);  /* a fork handler may put another in the slot meanwhile */
-    PyObject *result = NULL, *start = NULL, *open_read = NULL, *position = Py_NewRef(self->position);
-    PyObject *thread = PyLong_FromUnsignedLong(PyThread_get_thread_ident());
-    if (thread == NULL) {
-        goto done;
-    }
-    int inside = PyDict_Contains(reading, thread);
-    if (inside != 0) {
-        result = inside < 0 ? NULL : PyObject_Vectorcall(method, call, nargs + 1, NULL);
-        goto done;
-    }
-    long long started = monotonic_ns();
-    start = PyLong_FromLongLong(started);
-    open_read = start ? PyTuple_Pack(3, self->path, position, start) : NULL;
-    if (open_read == NULL || PyDict_SetItem(reading, thread, open_read) < 0) {
-        goto done;
-    }
-    result = PyObject_Vectorcall(method, call, nargs + 1, NULL);
-    /* As `reading.pop(thread, None)` in a finally: a ReadSpan inside may have ended it already. */
-    PyObject *error_type, *error_value, *error_traceback;
-    PyErr_Fetch(&error_type, &error_value, &error_traceback);
-    if (PyDict_Contains(reading, thread) == 1 && PyDict_DelItem(reading, thread) < 0) {
-        PyErr_Clear();
-    }
-    PyErr_Restore(error_type, error_value, error_traceback);
-    if (result == NULL) {
-        goto done;
+    PyObject *result = NULL, *start = NULL, *open_read = NULL, *thread = NULL, *position = Py_NewRef(self->position);
+    unsigned long ident = PyThread_get_thread_ident();
+    long long started;
+    if (the_open_read.thread == 0 && PyDict_GET_SIZE(reading) == 0) {
+        /* No other read open: this one is `the_open_read`, without an object made or a dict touched. */
+        started = monotonic_ns();
+        the_open_read.path = self->path;
+        the_open_read.position = position;
+        the_open_read.start = started;
+        the_open_read.thread = ident;
+        result = PyObject_Vectorcall(method, call, nargs + 1, NULL);
+        the_open_read.thread = 0;
+        if (result == NULL) {
+            goto done;
+        }
+    } else {
+        thread = PyLong_FromUnsignedLong(ident);
+        int inside = thread == NULL ? -1 : the_open_read.thread == ident ? 1 : PyDict_Contains(reading, thread);
+        if (inside != 0) {
+            result = inside < 0 ? NULL : PyObject_Vectorcall(method, call, nargs + 1, NULL);
+            goto done;
+        }
+        started = monotonic_ns();
+        start = PyLong_FromLongLong(started);
+        open_read = start ? PyTuple_Pack(3, self->path, position, start) : NULL;
+        if (open_read == NULL || PyDict_SetItem(reading, thread, open_read) < 0) {
+            goto done;
+        }
+        result = PyObject_Vectorcall(method, call, nargs + 1, NULL);
+        /* As `reading.pop(thread, None)` in a finally: a ReadSpan inside may have ended it already. */
+        PyObject *error_type, *error_value, *error_traceback;
+        PyErr_Fetch(&error_type, &error_value, &error_traceback);
+        if (PyDict_Contains(reading, thread) == 1 && PyDict_DelItem(reading, thread) < 0) {
+            PyErr_Clear();
+        }
+        PyErr_Restore(error_type, error_value, error_traceback);
+        if (result == NULL) {
+            goto done;
+        }
     }
     Py_ssize_t nbytes = bytes_read(result);
     if (nbytes == -1 && PyErr_Occurred()) {
@@ -661,10 +700,13 @@ timed_read(FileReads *self, PyObject *method, PyObject *const *args, Py_ssize_t 
         goto done;
     }
     long long ended = monotonic_ns();
-    if ((nbytes || ended - started >= reads.empty_read_ns) &&
-        record(self->path, position, nbytes, start, ended, self->verdict) < 0) {
-        Py_CLEAR(result);
-        goto done;
+    if (nbytes || ended - started >= reads.empty_read_ns) {
+        if (start == NULL && (start = PyLong_FromLongLong(started)) == NULL) {
+            PyErr_Clear();  /* the event is lost, as `record` loses one */
+        } else if (record(self->path, position, nbytes, start, ended, self->verdict) < 0) {
+            Py_CLEAR(result);
+            goto done;
+        }
     }
     if (nbytes > 0) {
         PyObject *count = PyLong_FromSsize_t(nbytes);
@@ -907,6 +949,8 @@ configure(PyObject *module, PyObject *args)
 static PyMethodDef module_functions[] = {
     {"read_key", (PyCFunction)(void (*)(void))read_key, METH_FASTCALL,
      PyDoc_STR("read_key(resource, offset): keys.read_key of a resource (a path, a URL's path), in C")},
+    {"open_reads", open_reads, METH_NOARGS,
+     PyDoc_STR("open_reads(): [(location, offset, start)] of the read a FileReads has open outside context.reading")},
     {"configure", configure, METH_VARARGS,
      PyDoc_STR("configure(file_type, context, read_key, empty_read_ns, process_sender, channel_type, full): what "
                "FileReads records with")},
@@ -938,6 +982,10 @@ PyInit__speedups(void)
     raw_name = PyUnicode_InternFromString("raw");
     if (target_name == NULL || flush_full_name == NULL || scheme_separator == NULL || buffer_name == NULL ||
         raw_name == NULL || PyType_Ready(&OpenHookType) < 0 || PyType_Ready(&FileReadsType) < 0) {
+        return NULL;
+    }
+    if (pthread_atfork(NULL, NULL, forget_the_open_read) != 0) {
+        PyErr_SetString(PyExc_OSError, "pthread_atfork failed");
         return NULL;
     }
     PyObject *m = PyModule_Create(&module);

@@ -40,6 +40,10 @@ try:
 except ImportError:  # built without a C compiler: the raw file's reads in Python
     _speedups = None
 
+# The read a captured file has open outside `context.reading` (its C recording keeps it apart while no
+# other read is open: nothing allocated a read).
+_c_open_reads: Callable[[], list[tuple[str, int, int]]] = list if _speedups is None else _speedups.open_reads
+
 P = ParamSpec("P")
 R = TypeVar("R", bound=Sized)
 T = TypeVar("T")
@@ -110,7 +114,7 @@ class _ReadContext:
         if building is not None:
             records.append((wire.OPEN_BATCH, building[0], 0, building[1], as_of_ns))
         # The oldest open read, whichever thread reads it (a dataset may read on several): the stall's longest.
-        reading = min(self.reading.copy().values(), key=lambda read: read[2], default=None)
+        reading = min([*self.reading.copy().values(), *_c_open_reads()], key=lambda read: read[2], default=None)
         if reading is not None:
             location, offset, start = reading
             records.append((wire.OPEN_READ, batch, read_key(location, offset), start, as_of_ns))
