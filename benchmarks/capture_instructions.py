@@ -5,10 +5,13 @@ JPEG opened with `open()` and decoded by PIL, as torchvision's ImageFolder reads
 plain and with read capture on (the process bound as a loader worker, events sent to a real socket
 drained by another process). Each side runs under valgrind's callgrind twice, for a few samples and for
 many more, and the difference of the two counts is the instructions of the extra samples alone: start-up
-and imports cancel. The samples are deterministic to the instruction once the interpreter's hash seed,
-the address space's layout and OpenBLAS's threads are fixed (its idle threads spin by the wall clock,
-which valgrind slows fiftyfold); the flush thread's timer is pushed past the run, so the events are
-packed as full buffers fill and at the end, in the process and counted.
+and imports cancel. The samples are deterministic to a few instructions once the interpreter's hash seed, the
+address space's layout, OpenBLAS's threads (its idle threads spin by the wall clock, which valgrind
+slows fiftyfold) and malloc's mmap threshold are fixed: glibc moves the threshold as large blocks are
+freed, and whether a decoded image's buffer then comes zeroed from mmap or is cleared on the heap moved
+a sample by 68,000 instructions with the order of the files alone. The flush thread's timer is pushed
+past the run, so the events are packed as full buffers fill and at the end, in the process and
+counted.
 
 Instructions are not time: the capture's code runs with the caches each decode left cold, at fewer
 instructions a cycle than the decoder (docs/benchmarks.md). They say where the cost is and whether a
@@ -24,6 +27,7 @@ import argparse
 import os
 import re
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -32,6 +36,7 @@ from pathlib import Path
 from benchmarks.client_overhead import DRAIN, jpeg_images
 
 FEW = 64
+REPEATS = 3  # the median of three: one invocation in ten counted a side's samples 5 % high, cause unknown
 SIDES = ("plain", "captured")
 
 
@@ -42,7 +47,7 @@ def load(side: str, samples: int, folder: str) -> None:
 
     from stallwatch.client import capture, reads, transport, wire
 
-    transport.FLUSH_INTERVAL_NS = 1 << 62  # packed as buffers fill and at the end, in this thread
+    transport.FLUSH_INTERVAL_NS = 10**13  # hours: packed as buffers fill and at the end, in this thread
     transport.configure(os.path.join(folder, "events.sock"))
     reads.bind_worker(wire.Source("bench", rank=0, worker=0))
     reads.set_batch(1)
@@ -57,7 +62,8 @@ def load(side: str, samples: int, folder: str) -> None:
 
 def instructions(side: str, samples: int, folder: str) -> int:
     out = os.path.join(folder, f"callgrind.{side}.{samples}")
-    env = {**os.environ, "PYTHONHASHSEED": "0", "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "PYTHONHASHSEED": "0", "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1",
+           "GLIBC_TUNABLES": "glibc.malloc.mmap_threshold=131072"}
     done = subprocess.run(["setarch", "-R", "valgrind", "--tool=callgrind", f"--callgrind-out-file={out}",
                            sys.executable, __file__, "--child", side, str(samples), folder],
                           capture_output=True, text=True, env=env, check=True)
@@ -88,14 +94,15 @@ def main() -> int:
         try:
             assert drain.stdout is not None and drain.stdout.readline().strip() == "ready"
             extra = options.samples - FEW
-            per_sample = {side: (instructions(side, options.samples, folder) - instructions(side, FEW, folder)) / extra
-                          for side in SIDES}
+            per_sample = {side: statistics.median(
+                (instructions(side, options.samples, folder) - instructions(side, FEW, folder)) / extra
+                for _ in range(REPEATS)) for side in SIDES}
         finally:
             drain.kill()
             drain.wait()
     added = per_sample["captured"] - per_sample["plain"]
-    print(f"instructions a sample (a JPEG opened and decoded), {extra} samples: plain {per_sample['plain']:,.0f}, "
-          f"captured {per_sample['captured']:,.0f}")
+    print(f"instructions a sample (a JPEG opened and decoded), {extra} samples, medians of {REPEATS}: "
+          f"plain {per_sample['plain']:,.0f}, captured {per_sample['captured']:,.0f}")
     print(f"capture adds {added:,.0f} instructions a sample: {100 * added / per_sample['plain']:+.2f} %")
     return 0
 
