@@ -505,8 +505,8 @@ def test_the_c_hook_decides_as_capturing_open(data: st.DataObject, source: Any, 
     elif path.startswith("/") and mode in ("rb", "r", "rt"):
         assert decided(opened) == "captured" and opened == ("original", (path, mode), {})
         recorder = opened.raw.readinto.__self__
-        assert (recorder.path, recorder.position) == (path, 0)
-        assert recorder.verdict == (wire.VERDICT_UNKNOWN if path.startswith(mounts) else wire.VERDICT_DIRECT)
+        assert (recorder._path, recorder._position) == (path, 0)
+        assert recorder._verdict == (wire.VERDICT_UNKNOWN if path.startswith(mounts) else wire.VERDICT_DIRECT)
     else:
         assert decided(opened) == "capturing"
 

@@ -770,6 +770,26 @@ file_reads_seek(FileReads *self, PyObject *const *args, Py_ssize_t nargs)
     return moved;
 }
 
+static PyTypeObject FileReadsType;
+
+/* A FileReads of `file` (held weakly) from `position`, or NULL with an error set. */
+static PyObject *
+file_reads_of(PyObject *file, PyObject *path, PyObject *verdict, PyObject *position)
+{
+    PyObject *weak = PyWeakref_NewRef(file, NULL);
+    FileReads *self = weak ? PyObject_GC_New(FileReads, &FileReadsType) : NULL;
+    if (self == NULL) {
+        Py_XDECREF(weak);
+        return NULL;
+    }
+    self->file = weak;
+    self->path = Py_NewRef(path);
+    self->verdict = Py_NewRef(verdict);
+    self->position = Py_NewRef(position);
+    PyObject_GC_Track(self);
+    return (PyObject *)self;
+}
+
 static PyObject *
 file_reads_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
 {
@@ -779,17 +799,7 @@ file_reads_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
                                      &position)) {
         return NULL;
     }
-    PyObject *weak = PyWeakref_NewRef(file, NULL);
-    FileReads *self = weak ? (FileReads *)type->tp_alloc(type, 0) : NULL;
-    if (self == NULL) {
-        Py_XDECREF(weak);
-        return NULL;
-    }
-    self->file = weak;
-    self->path = Py_NewRef(path);
-    self->verdict = Py_NewRef(verdict);
-    self->position = Py_NewRef(position);
-    return (PyObject *)self;
+    return file_reads_of(file, path, verdict, position);
 }
 
 static int
@@ -835,14 +845,15 @@ static PyMethodDef file_reads_methods[] = {
     {NULL},
 };
 
+/* As reads.FileReads names its state. */
 static PyMemberDef file_reads_members[] = {
-    {"path", T_OBJECT, offsetof(FileReads, path), READONLY, NULL},
-    {"verdict", T_OBJECT, offsetof(FileReads, verdict), READONLY, NULL},
+    {"_path", T_OBJECT, offsetof(FileReads, path), READONLY, NULL},
+    {"_verdict", T_OBJECT, offsetof(FileReads, verdict), READONLY, NULL},
     {NULL},
 };
 
 static PyGetSetDef file_reads_getset[] = {
-    {"position", (getter)file_reads_position, NULL, NULL, NULL},
+    {"_position", (getter)file_reads_position, NULL, NULL, NULL},
     {NULL},
 };
 
@@ -868,16 +879,12 @@ captured_open(PyObject *opened, int binary, PyObject *path, PyObject *verdict)
 {
     PyObject *buffer = binary ? Py_NewRef(opened) : PyObject_GetAttr(opened, buffer_name);
     PyObject *file = buffer ? PyObject_GetAttr(buffer, raw_name) : NULL;
-    PyObject *weak = file ? PyWeakref_NewRef(file, NULL) : NULL;
-    FileReads *recorder = weak ? PyObject_GC_New(FileReads, &FileReadsType) : NULL;
+    PyObject *start = file ? PyLong_FromLong(0) : NULL;
+    PyObject *recorder = start ? file_reads_of(file, path, verdict, start) : NULL;
+    Py_XDECREF(start);
     if (recorder != NULL) {
-        recorder->file = Py_NewRef(weak);
-        recorder->path = Py_NewRef(path);
-        recorder->position = PyLong_FromLong(0);
-        recorder->verdict = Py_NewRef(verdict);
-        PyObject_GC_Track(recorder);
         for (int i = 0; i < 4; i++) {
-            PyObject *method = PyCFunction_New(&file_reads_methods[i], (PyObject *)recorder);
+            PyObject *method = PyCFunction_New(&file_reads_methods[i], recorder);
             int failed = method == NULL || PyObject_SetAttr(file, method_names[i], method) < 0;
             Py_XDECREF(method);
             if (failed) {
@@ -887,7 +894,6 @@ captured_open(PyObject *opened, int binary, PyObject *path, PyObject *verdict)
     }
     Py_XDECREF(buffer);
     Py_XDECREF(file);
-    Py_XDECREF(weak);
     Py_XDECREF(recorder);
     if (PyErr_Occurred()) {
         if (!PyErr_ExceptionMatches(PyExc_Exception)) {

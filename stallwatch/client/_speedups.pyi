@@ -15,9 +15,9 @@ class OpenHook:
 class FileReads:
     """A captured raw file's reads, recorded: reads.FileReads in C."""
 
-    path: str
-    position: int
-    verdict: int
+    _path: str
+    _position: int
+    _verdict: int
 
     def __init__(self, file: io.FileIO, path: str, verdict: int, position: int) -> None: ...
     def readinto(self, buffer: Any, /) -> int | None: ...

@@ -340,20 +340,20 @@ class FileReads:
     lookup a read, ~9,000 instructions a JPEG). The file is held weakly: no cycle through its dict, so a
     file nobody closes is closed when dropped, as before. `_speedups.FileReads` is this class in C."""
 
-    __slots__ = ("_file", "path", "position", "verdict")
+    __slots__ = ("_file", "_path", "_position", "_verdict")
 
     def __init__(self, file: io.FileIO, path: str, verdict: int, position: int) -> None:
         self._file = weakref.ref(file)
-        self.path, self.verdict, self.position = path, verdict, position
+        self._path, self._verdict, self._position = path, verdict, position
 
-    def _timed(self, read: Callable[[Any, Any], T], count: Callable[[T], int], argument: Any) -> T:
+    def _live(self) -> io.FileIO:
         file = self._file()
         if file is None:
             raise ValueError("I/O operation on closed file.")
-        result, nbytes = timed_read(self.path, self.position, self.verdict, 0, count, read, file, argument)
-        if nbytes > 0:  # -1: inside another recorded read, which keeps its own position
-            self.position += nbytes
-        return result
+        return file
+
+    def _timed(self, read: Callable[[Any, Any], T], count: Callable[[T], int], argument: Any) -> T:
+        return _read_on(self, count, read, self._live(), argument)
 
     def readinto(self, buffer: Any, /) -> int | None:
         return self._timed(_FILE_READINTO, count_read, buffer)
@@ -365,11 +365,8 @@ class FileReads:
         return self._timed(_FILE_READ, _length, size)
 
     def seek(self, offset: int, whence: int = os.SEEK_SET, /) -> int:
-        file = self._file()
-        if file is None:
-            raise ValueError("I/O operation on closed file.")
-        self.position = io.FileIO.seek(file, offset, whence)
-        return self.position
+        self._position = io.FileIO.seek(self._live(), offset, whence)
+        return self._position
 
 
 file_reads: Callable[[io.FileIO, str, int, int], Any] = FileReads
@@ -395,9 +392,10 @@ _RECORDERS: tuple[type, ...] = (FileReads,) if _speedups is None else (FileReads
 _FILE_READINTO, _FILE_READ = io.FileIO.readinto, io.FileIO.read
 
 
-def _read_on(file: RecordedFile, count: Callable[[T], int], read: Callable[[Any, Any], T], target: Any,
+def _read_on(file: RecordedFile | FileReads, count: Callable[[T], int], read: Callable[[Any, Any], T], target: Any,
              argument: Any) -> T:
-    """A recorded file's `read(target, argument)` at the file's position, which moves on by the bytes read."""
+    """A recorded file's (or a captured raw file's) `read(target, argument)` at its position, which moves on by
+    the bytes read."""
     result: T
     result, nbytes = timed_read(file._path, file._position, file._verdict, 0, count, read, target, argument)
     if nbytes > 0:  # -1: inside another recorded read, which keeps its own position
