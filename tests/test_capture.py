@@ -440,6 +440,30 @@ def test_recording_that_fails_never_reaches_the_reader(capturing: Path, tmp_path
         transport.sender().close()
 
 
+def test_a_read_that_cannot_be_packed_is_counted_as_dropped_and_the_reader_reads_on(
+        capturing: Path, datagrams: Datagrams, tmp_path: Path) -> None:
+    """The recording packs a read's record as it records it: a batch past 64 bits loses that event, counted
+    in the channel's drops, and the next batch's events go as before."""
+    path = tmp_path / "item.bin"
+    path.write_bytes(b"w" * 64)
+    channel = reads.context.target()
+    reads.set_batch(2**64)
+    try:
+        with open(path, "rb") as f:
+            assert f.read() == b"w" * 64
+    finally:
+        reads.set_batch(3)
+    assert channel.dropped_total == 1
+    with open(path, "rb") as f:
+        f.read()
+    reads.set_batch(-1)
+    transport.sender().flush_all()
+    wait_for("the good read", lambda: len(datagrams.rows("reads")) >= 1, 10)
+    assert [(row["batch"], row["key"], row["bytes"]) for d in datagrams.decoded for row in d.reads] == [
+        (3, read_key(str(path), 0), 64)]
+    assert sum(d.dropped for d in datagrams.decoded) == 1
+
+
 class _Context:
     __slots__ = ("source",)
 

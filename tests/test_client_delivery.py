@@ -37,8 +37,10 @@ class Received:
     def rows(self, kind: str) -> int:
         return sum(len(b) for b in self.batches if b.kind == kind)
 
-    def last(self, kind: str) -> EventBatch:
-        return [b for b in self.batches if b.kind == kind][-1]
+    def column(self, kind: str, name: str) -> list[int]:
+        """A column of every batch of `kind` received, in arrival order (the flush thread may split events
+        recorded together into two batches)."""
+        return [int(value) for b in self.batches if b.kind == kind for value in b.columns[name]]
 
 
 @pytest.fixture
@@ -103,9 +105,8 @@ def test_reads_carry_bytes_times_and_verdict(agent: tuple[EventsCollector, Recei
         span.bytes, span.verdict = 10, wire.VERDICT_DIRECT
     transport.sender().flush_all()
     wait_for("3 reads at the agent", lambda: received.rows("read") == 3, 15)
-    columns = received.last("read").columns
-    assert list(columns["bytes"]) == [1234, 0, 10]
-    assert list(columns["verdict"]) == [wire.VERDICT_MISS, wire.VERDICT_UNKNOWN, wire.VERDICT_DIRECT]
+    assert received.column("read", "bytes") == [1234, 0, 10]
+    assert received.column("read", "verdict") == [wire.VERDICT_MISS, wire.VERDICT_UNKNOWN, wire.VERDICT_DIRECT]
     job = source_from_environment()
     labels = (("rank", str(job.rank)), ("training_job", job.job))
     seen = samples(collector)
@@ -271,9 +272,21 @@ def test_http_get_records_the_spokes_cache_verdict(agent: tuple[EventsCollector,
     transport.sender().flush_all()
     _, received = agent
     wait_for("2 reads at the agent", lambda: received.rows("read") == 2, 15)
-    columns = received.last("read").columns
-    assert list(columns["verdict"]) == [wire.VERDICT_HIT, wire.VERDICT_MISS]
-    assert list(columns["key"]) == [read_key("/cached/a.bin", 0), read_key("/cold/b.bin", 100)]
+    assert received.column("read", "verdict") == [wire.VERDICT_HIT, wire.VERDICT_MISS]
+    assert received.column("read", "key") == [read_key("/cached/a.bin", 0), read_key("/cold/b.bin", 100)]
+
+
+def test_a_read_that_cannot_be_packed_is_counted_as_dropped_when_recorded(
+        agent: tuple[EventsCollector, Received]) -> None:
+    _, received = agent
+    channel = transport.sender().channel(wire.Source("unpackable-read", 0))
+    now = time.monotonic_ns()
+    channel.read((2**64, read_key("/a", 0), 10, now, now + 1, wire.VERDICT_HIT))  # a batch past 64 bits
+    channel.read((5, read_key("/a", 0), 10, now, now + 1, wire.VERDICT_HIT))
+    assert channel.dropped_total == 1 and len(channel.reads) == 1
+    channel.flush()
+    wait_for("the good read at the agent", lambda: received.rows("read") == 1, 5)
+    assert received.column("read", "batch") == [5]
 
 
 def test_a_batch_that_fails_to_pack_is_counted_as_dropped(agent: tuple[EventsCollector, Received]) -> None:

@@ -408,24 +408,24 @@ blake2b_64(const uint8_t *data, size_t size)
     return h[0];  /* its 8 bytes little-endian are the digest */
 }
 
-/* The key of `resource` (an exact str) at `offset` (an exact int), or NULL with an error set: TypeError or
-   OverflowError for what it does not take (keys.read_key hashes that in Python), UnicodeEncodeError as
-   str.encode raises it. */
-static PyObject *
-hash_key(PyObject *resource_object, PyObject *offset_object)
+/* The key of `resource` (an exact str) at `offset` (an exact int) into `key`: 0, or -1 with an error set,
+   TypeError or OverflowError for what it does not take (keys.read_key hashes that in Python),
+   UnicodeEncodeError as str.encode raises it. */
+static int
+hash_key(PyObject *resource_object, PyObject *offset_object, uint64_t *key)
 {
     if (!PyUnicode_CheckExact(resource_object) || !PyLong_CheckExact(offset_object)) {
         PyErr_SetString(PyExc_TypeError, "read_key(resource: str, offset: int)");
-        return NULL;
+        return -1;
     }
     long long offset = PyLong_AsLongLong(offset_object);
     if (offset == -1 && PyErr_Occurred()) {
-        return NULL;
+        return -1;
     }
     Py_ssize_t length;
     const char *resource = PyUnicode_AsUTF8AndSize(resource_object, &length);
     if (resource == NULL) {
-        return NULL;
+        return -1;
     }
     char suffix[24];  /* "@" and the offset in decimal, as f"{offset}" writes it */
     char digits[21];
@@ -447,15 +447,16 @@ hash_key(PyObject *resource_object, PyObject *offset_object)
     uint8_t local[512];
     uint8_t *message = size <= sizeof local ? local : PyMem_Malloc(size);
     if (message == NULL) {
-        return PyErr_NoMemory();
+        PyErr_NoMemory();
+        return -1;
     }
     memcpy(message, resource, length);
     memcpy(message + length, suffix, suffix_length);
-    uint64_t key = blake2b_64(message, size);
+    *key = blake2b_64(message, size);
     if (message != local) {
         PyMem_Free(message);
     }
-    return PyLong_FromUnsignedLongLong(key);
+    return 0;
 }
 
 static PyObject *
@@ -465,7 +466,8 @@ read_key(PyObject *module, PyObject *const *args, Py_ssize_t nargs)
         PyErr_SetString(PyExc_TypeError, "read_key(resource: str, offset: int)");
         return NULL;
     }
-    return hash_key(args[0], args[1]);
+    uint64_t key;
+    return hash_key(args[0], args[1], &key) < 0 ? NULL : PyLong_FromUnsignedLongLong(key);
 }
 
 /* FileReads' settings: one set a process (reads.py calls `configure` once, at import). */
@@ -484,7 +486,8 @@ static struct {
     long long empty_read_ns;   /* a read of no bytes at least this long is an event (reads.EMPTY_READ_NS) */
 } reads;
 
-static PyObject *target_name, *flush_full_name, *scheme_separator;  /* "target", "flush_full", "://" */
+static PyObject *target_name, *flush_full_name, *drop_name, *scheme_separator;  /* "target", "flush_full", "drop", "://" */
+static PyObject *one;  /* 1 */
 static PyObject *buffer_name, *raw_name;  /* "buffer", "raw" */
 static PyObject *method_names[4];  /* file_reads_methods' names, in its order: the file's attributes */
 
@@ -504,13 +507,25 @@ read_channel(void)
     return PyObject_CallMethodNoArgs(reads.context, target_name);
 }
 
-/* reads.record_read, inline: the row (batch, key, bytes, start, end, verdict) appended to the channel's
-   rows as `Channel.read` appends it. 0 once recorded or dropped (an Exception loses the event, never
-   reaching the reader); -1 with anything else (KeyboardInterrupt) set, as there. */
-static int
-record(PyObject *path, PyObject *position, Py_ssize_t nbytes, PyObject *start, long long end, PyObject *verdict)
+/* A READ record as wire.READ packs it ("<qQqqqb"): what a channel's `reads` holds. */
+#define READ_RECORD_SIZE 41
+
+static void
+put_le64(char *at, uint64_t value)
 {
-    PyObject *key = NULL, *row = NULL, *channel = read_channel();
+    for (int i = 0; i < 8; i++) {
+        at[i] = (char)(value >> (8 * i));
+    }
+}
+
+/* reads.record_read, inline: the read's record packed, as `Channel.read` packs it, and appended to the
+   channel's records. 0 once recorded or lost (an Exception loses the event, never reaching the reader;
+   one that cannot be packed is counted as dropped, as there); -1 with anything else set
+   (KeyboardInterrupt), as there. */
+static int
+record(PyObject *path, PyObject *position, Py_ssize_t nbytes, long long start, long long end, PyObject *verdict)
+{
+    PyObject *packed = NULL, *channel = read_channel();
     PyObject *batch = SLOT(reads.context, reads.batch_offset);
     PyObject *rows = channel ? SLOT(channel, reads.rows_offset) : NULL;
     if (batch == NULL || rows == NULL || !PyList_CheckExact(rows)) {
@@ -521,26 +536,40 @@ record(PyObject *path, PyObject *position, Py_ssize_t nbytes, PyObject *start, l
         goto failed;
     }
     /* A file's path is its resource (keys.resource_of); anything else, keys.read_key decides. */
-    key = url == -1 ? hash_key(path, position) : NULL;
-    if (key == NULL) {
+    uint64_t key;
+    if (url != -1 || hash_key(path, position, &key) < 0) {
         PyErr_Clear();
-        key = PyObject_CallFunctionObjArgs(reads.read_key, path, position, NULL);
+        PyObject *hashed = PyObject_CallFunctionObjArgs(reads.read_key, path, position, NULL);
+        key = hashed ? PyLong_AsUnsignedLongLong(hashed) : 0;
+        Py_XDECREF(hashed);
+        if (PyErr_Occurred()) {
+            goto unpackable;
+        }
     }
-    row = key ? PyTuple_New(6) : NULL;
-    if (row == NULL) {
+    long long batch_value = PyLong_AsLongLong(batch);
+    long verdict_value = PyLong_AsLong(verdict);
+    if (PyErr_Occurred()) {
+        goto unpackable;
+    }
+    if (verdict_value < -128 || verdict_value > 127) {
+        PyErr_SetString(PyExc_OverflowError, "a verdict is a signed byte");
+        goto unpackable;
+    }
+    packed = PyBytes_FromStringAndSize(NULL, READ_RECORD_SIZE);
+    if (packed == NULL) {
         goto failed;
     }
-    PyTuple_SET_ITEM(row, 0, Py_NewRef(batch));
-    PyTuple_SET_ITEM(row, 1, key);  /* the row's now */
-    key = NULL;
-    PyTuple_SET_ITEM(row, 2, PyLong_FromSsize_t(nbytes));
-    PyTuple_SET_ITEM(row, 3, Py_NewRef(start));
-    PyTuple_SET_ITEM(row, 4, PyLong_FromLongLong(end));
-    PyTuple_SET_ITEM(row, 5, Py_NewRef(verdict));
-    if (PyTuple_GET_ITEM(row, 2) == NULL || PyTuple_GET_ITEM(row, 4) == NULL || PyList_Append(rows, row) < 0) {
+    char *at = PyBytes_AS_STRING(packed);
+    put_le64(at, (uint64_t)batch_value);
+    put_le64(at + 8, key);
+    put_le64(at + 16, (uint64_t)nbytes);
+    put_le64(at + 24, (uint64_t)start);
+    put_le64(at + 32, (uint64_t)end);
+    at[40] = (char)verdict_value;
+    if (PyList_Append(rows, packed) < 0) {
         goto failed;
     }
-    Py_CLEAR(row);
+    Py_CLEAR(packed);
     if (PyList_GET_SIZE(rows) >= reads.full) {
         PyObject *done = PyObject_CallMethodNoArgs(channel, flush_full_name);
         if (done == NULL) {
@@ -550,9 +579,14 @@ record(PyObject *path, PyObject *position, Py_ssize_t nbytes, PyObject *start, l
     }
     Py_DECREF(channel);
     return 0;
+unpackable:
+    if (PyErr_ExceptionMatches(PyExc_Exception)) {
+        PyErr_Clear();
+        PyObject *counted = PyObject_CallMethodObjArgs(channel, drop_name, one, NULL);
+        Py_XDECREF(counted);
+    }
 failed:
-    Py_XDECREF(row);
-    Py_XDECREF(key);
+    Py_XDECREF(packed);
     Py_XDECREF(channel);
     if (!PyErr_Occurred()) {
         return 0;  /* unset or not a list: the AttributeError or TypeError record_read would drop */
@@ -701,9 +735,7 @@ timed_read(FileReads *self, PyObject *method, PyObject *const *args, Py_ssize_t 
     }
     long long ended = monotonic_ns();
     if (nbytes || ended - started >= reads.empty_read_ns) {
-        if (start == NULL && (start = PyLong_FromLongLong(started)) == NULL) {
-            PyErr_Clear();  /* the event is lost, as `record` loses one */
-        } else if (record(self->path, position, nbytes, start, ended, self->verdict) < 0) {
+        if (record(self->path, position, nbytes, started, ended, self->verdict) < 0) {
             Py_CLEAR(result);
             goto done;
         }
@@ -983,11 +1015,13 @@ PyInit__speedups(void)
     }
     target_name = PyUnicode_InternFromString("target");
     flush_full_name = PyUnicode_InternFromString("flush_full");
+    drop_name = PyUnicode_InternFromString("drop");
+    one = PyLong_FromLong(1);
     scheme_separator = PyUnicode_InternFromString("://");
     buffer_name = PyUnicode_InternFromString("buffer");
     raw_name = PyUnicode_InternFromString("raw");
-    if (target_name == NULL || flush_full_name == NULL || scheme_separator == NULL || buffer_name == NULL ||
-        raw_name == NULL || PyType_Ready(&OpenHookType) < 0 || PyType_Ready(&FileReadsType) < 0) {
+    if (target_name == NULL || flush_full_name == NULL || drop_name == NULL || one == NULL ||
+        scheme_separator == NULL || buffer_name == NULL || raw_name == NULL || PyType_Ready(&OpenHookType) < 0 || PyType_Ready(&FileReadsType) < 0) {
         return NULL;
     }
     if (pthread_atfork(NULL, NULL, forget_the_open_read) != 0) {

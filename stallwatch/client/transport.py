@@ -20,8 +20,9 @@ count and clocks of that moment. While the agent is absent the client stops even
 `ABSENT_RETRY_NS`, so a node without an agent pays only the append of each event.
 
 Never blocking: the socket is non-blocking and only the flush thread waits, in `poll()`, with the
-lock released to training threads after each attempt. Recording appends a tuple to a list (atomic
-under the GIL). Flushing takes the first n entries and deletes them, both single operations, so
+lock released to training threads after each attempt. Recording appends to a list (atomic under the
+GIL): a step's tuple, or a read's record already packed (a row that cannot be packed is dropped and
+counted then). Flushing takes the first n entries and deletes them, both single operations, so
 appends from other threads are never lost; one lock makes sure only one thread flushes at a time. The
 flush thread also flushes every `FLUSH_INTERVAL_NS` so idle processes still deliver; the buffers are
 also flushed when full, at the end of every loader epoch, and at exit (which waits at most
@@ -45,6 +46,7 @@ import multiprocessing
 import os
 import select
 import socket
+import struct
 import threading
 import time
 import weakref
@@ -64,6 +66,7 @@ RETRY_BUDGET_NS = 400_000_000
 MAX_PENDING_EVENTS = 32 * wire.MAX_EVENTS  # ~1.3 MB of encoded reads per process
 RETRY_POLL_MS = 50
 FULL = wire.MAX_EVENTS  # events a channel holds before it flushes
+_PACK_READ = wire.READ.pack
 EXIT_DRAIN_S = 0.2
 # A wait, a batch or a read open this long is worth a datagram of its own; shorter ones ride along with
 # the events a flush sends anyway (a wait is not reported at all before this).
@@ -87,7 +90,7 @@ class Channel:
         self.source = source
         self.steps: list[wire.Step] = []
         self.steps_packed = 0  # steps taken from `steps` into batches, ever
-        self.reads: list[wire.Read] = []
+        self.reads: list[bytes] = []  # READ records, packed as they are recorded (the C recording packs its own)
         self.dropped_unreported = 0
         self.dropped_total = 0
         self._forget_open()
@@ -107,7 +110,12 @@ class Channel:
             self.flush_full()
 
     def read(self, row: wire.Read) -> None:
-        self.reads.append(row)
+        try:
+            packed = _PACK_READ(*row)
+        except struct.error:  # a malformed row: lost, and counted, as a batch that fails to pack
+            self.drop(1)
+            return
+        self.reads.append(packed)
         if len(self.reads) >= FULL:
             self.flush_full()
 
