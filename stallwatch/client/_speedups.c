@@ -489,7 +489,7 @@ static struct {
 static PyObject *target_name, *flush_full_name, *drop_name, *scheme_separator;  /* "target", "flush_full", "drop", "://" */
 static PyObject *one;  /* 1 */
 static PyObject *buffer_name, *raw_name;  /* "buffer", "raw" */
-static PyObject *method_names[4];  /* file_reads_methods' names, in its order: the file's attributes */
+static PyObject *method_names[4];  /* "readinto", "readall", "read", "seek": a FileReadsMethod's `which` */
 
 #define SLOT(object, offset) (*(PyObject **)((char *)(object) + (offset)))
 
@@ -531,7 +531,10 @@ record(PyObject *path, PyObject *position, Py_ssize_t nbytes, long long start, l
     if (batch == NULL || rows == NULL || !PyList_CheckExact(rows)) {
         goto failed;
     }
-    Py_ssize_t url = PyUnicode_Check(path) ? PyUnicode_Find(path, scheme_separator, 0, PY_SSIZE_T_MAX, 1) : 0;
+    Py_ssize_t url = !PyUnicode_Check(path) ? 0
+                     : PyUnicode_KIND(path) == PyUnicode_1BYTE_KIND  /* most paths: a byte search, no call */
+                     ? (memmem(PyUnicode_DATA(path), PyUnicode_GET_LENGTH(path), "://", 3) == NULL ? -1 : 0)
+                     : PyUnicode_Find(path, scheme_separator, 0, PY_SSIZE_T_MAX, 1);
     if (url == -2) {
         goto failed;
     }
@@ -609,7 +612,10 @@ monotonic_ns(void)
 /* A captured raw file's reads: reads.FileReads in C. The file stays the io.FileIO that open() made (its
    buffer keeps its fast paths); its instance dict holds this object's `readinto`, `readall`, `read` and
    `seek`, which the buffer and any caller find before the type's. It holds the file weakly (no cycle
-   through the file's dict: a file nobody closes is still closed when dropped). */
+   through the file's dict: a file nobody closes is still closed when dropped), and otherwise only an exact
+   str and exact ints, so neither it nor its methods can be part of a cycle: none is tracked by the cyclic
+   garbage collector, whose bookkeeping (and the collections that five tracked objects an open would bring
+   on) cost more than the rest of a capture's open. */
 typedef struct {
     PyObject_HEAD
     PyObject *file;      /* a weak reference */
@@ -761,34 +767,8 @@ done:
 }
 
 static PyObject *
-file_reads_readinto(FileReads *self, PyObject *buffer)
-{
-    return timed_read(self, reads.file_readinto, &buffer, 1);
-}
-
-static PyObject *
-file_reads_readall(FileReads *self, PyObject *unused)
-{
-    return timed_read(self, reads.file_readall, NULL, 0);
-}
-
-static PyObject *
-file_reads_read(FileReads *self, PyObject *const *args, Py_ssize_t nargs)
-{
-    if (nargs > 1) {
-        PyErr_Format(PyExc_TypeError, "read expected at most 1 argument, got %zd", nargs);
-        return NULL;
-    }
-    return timed_read(self, reads.file_read, args, nargs);
-}
-
-static PyObject *
 file_reads_seek(FileReads *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs > 2) {
-        PyErr_Format(PyExc_TypeError, "seek expected at most 2 arguments, got %zd", nargs);
-        return NULL;
-    }
     PyObject *file = file_of(self);
     if (file == NULL) {
         return NULL;
@@ -802,23 +782,130 @@ file_reads_seek(FileReads *self, PyObject *const *args, Py_ssize_t nargs)
     return moved;
 }
 
+/* One of a FileReads' four methods, bound to it: what the file's instance dict holds. A small callable of
+   its own rather than a bound builtin method, which the garbage collector would track. */
+typedef struct {
+    PyObject_HEAD
+    vectorcallfunc vectorcall;
+    FileReads *reads;
+    int which;  /* its place in method_names: readinto, readall, read, seek */
+} FileReadsMethod;
+
+/* Its calls checked as io.FileIO checks them, with its messages. */
+static PyObject *
+file_reads_method_call(FileReadsMethod *self, PyObject *const *args, size_t nargsf, PyObject *kwnames)
+{
+    Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
+    if (kwnames != NULL && PyTuple_GET_SIZE(kwnames) > 0) {
+        PyErr_Format(PyExc_TypeError, "FileIO.%U() takes no keyword arguments", method_names[self->which]);
+        return NULL;
+    }
+    if (self->which == 0 && nargs != 1) {
+        PyErr_Format(PyExc_TypeError, "FileIO.readinto() takes exactly one argument (%zd given)", nargs);
+        return NULL;
+    }
+    if (self->which == 1 && nargs != 0) {
+        PyErr_Format(PyExc_TypeError, "FileIO.readall() takes no arguments (%zd given)", nargs);
+        return NULL;
+    }
+    if (self->which == 2 && nargs > 1) {
+        PyErr_Format(PyExc_TypeError, "read expected at most 1 argument, got %zd", nargs);
+        return NULL;
+    }
+    if (self->which == 3 && nargs > 2) {
+        PyErr_Format(PyExc_TypeError, "seek expected at most 2 arguments, got %zd", nargs);
+        return NULL;
+    }
+    switch (self->which) {
+    case 0:
+        return timed_read(self->reads, reads.file_readinto, args, 1);
+    case 1:
+        return timed_read(self->reads, reads.file_readall, NULL, 0);
+    case 2:
+        return timed_read(self->reads, reads.file_read, args, nargs);
+    default:
+        return file_reads_seek(self->reads, args, nargs);
+    }
+}
+
+static void
+file_reads_method_dealloc(FileReadsMethod *self)
+{
+    Py_DECREF(self->reads);
+    PyObject_Free(self);
+}
+
+static PyObject *
+file_reads_method_self(FileReadsMethod *self, void *closure)
+{
+    return Py_NewRef(self->reads);
+}
+
+static PyObject *
+file_reads_method_name(FileReadsMethod *self, void *closure)
+{
+    return Py_NewRef(method_names[self->which]);
+}
+
+static PyObject *
+file_reads_method_repr(FileReadsMethod *self)
+{
+    return PyUnicode_FromFormat("<recorded method %U of %R>", method_names[self->which], self->reads->path);
+}
+
+static PyGetSetDef file_reads_method_getset[] = {
+    {"__self__", (getter)file_reads_method_self, NULL, NULL, NULL},
+    {"__name__", (getter)file_reads_method_name, NULL, NULL, NULL},
+    {NULL},
+};
+
+static PyTypeObject FileReadsMethodType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "stallwatch.client._speedups.FileReadsMethod",
+    .tp_doc = PyDoc_STR("io.FileIO's readinto, readall, read or seek of a captured file, recorded"),
+    .tp_basicsize = sizeof(FileReadsMethod),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_VECTORCALL,
+    .tp_vectorcall_offset = offsetof(FileReadsMethod, vectorcall),
+    .tp_call = PyVectorcall_Call,
+    .tp_dealloc = (destructor)file_reads_method_dealloc,
+    .tp_repr = (reprfunc)file_reads_method_repr,
+    .tp_getset = file_reads_method_getset,
+};
+
+static PyObject *
+file_reads_method(FileReads *reads_of_file, int which)
+{
+    FileReadsMethod *self = PyObject_New(FileReadsMethod, &FileReadsMethodType);
+    if (self == NULL) {
+        return NULL;
+    }
+    self->vectorcall = (vectorcallfunc)file_reads_method_call;
+    self->reads = (FileReads *)Py_NewRef(reads_of_file);
+    self->which = which;
+    return (PyObject *)self;
+}
+
 static PyTypeObject FileReadsType;
 
-/* A FileReads of `file` (held weakly) from `position`, or NULL with an error set. */
+/* A FileReads of `file` (held weakly) from `position`, or NULL with an error set. The path becomes an exact
+   str and the verdict and position exact ints (see FileReads: nothing it holds may lead back to the file). */
 static PyObject *
 file_reads_of(PyObject *file, PyObject *path, PyObject *verdict, PyObject *position)
 {
     PyObject *weak = PyWeakref_NewRef(file, NULL);
-    FileReads *self = weak ? PyObject_GC_New(FileReads, &FileReadsType) : NULL;
+    FileReads *self = weak ? PyObject_New(FileReads, &FileReadsType) : NULL;
     if (self == NULL) {
         Py_XDECREF(weak);
         return NULL;
     }
     self->file = weak;
-    self->path = Py_NewRef(path);
-    self->verdict = Py_NewRef(verdict);
-    self->position = Py_NewRef(position);
-    PyObject_GC_Track(self);
+    self->path = PyUnicode_CheckExact(path) ? Py_NewRef(path) : PyUnicode_FromObject(path);
+    self->verdict = PyNumber_Index(verdict);
+    self->position = PyNumber_Index(position);
+    if (self->path == NULL || self->verdict == NULL || self->position == NULL) {
+        Py_DECREF(self);
+        return NULL;
+    }
     return (PyObject *)self;
 }
 
@@ -834,32 +921,14 @@ file_reads_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
     return file_reads_of(file, path, verdict, position);
 }
 
-static int
-file_reads_traverse(FileReads *self, visitproc visit, void *arg)
-{
-    Py_VISIT(self->file);
-    Py_VISIT(self->path);
-    Py_VISIT(self->position);
-    Py_VISIT(self->verdict);
-    return 0;
-}
-
-static int
-file_reads_clear(FileReads *self)
-{
-    Py_CLEAR(self->file);
-    Py_CLEAR(self->path);
-    Py_CLEAR(self->position);
-    Py_CLEAR(self->verdict);
-    return 0;
-}
-
 static void
 file_reads_dealloc(FileReads *self)
 {
-    PyObject_GC_UnTrack(self);
-    file_reads_clear(self);
-    Py_TYPE(self)->tp_free((PyObject *)self);
+    Py_XDECREF(self->file);
+    Py_XDECREF(self->path);
+    Py_XDECREF(self->position);
+    Py_XDECREF(self->verdict);
+    PyObject_Free(self);
 }
 
 static PyObject *
@@ -868,14 +937,11 @@ file_reads_position(FileReads *self, void *closure)
     return Py_NewRef(self->position);
 }
 
-static PyMethodDef file_reads_methods[] = {
-    {"readinto", (PyCFunction)file_reads_readinto, METH_O, PyDoc_STR("io.FileIO.readinto, recorded")},
-    {"readall", (PyCFunction)file_reads_readall, METH_NOARGS, PyDoc_STR("io.FileIO.readall, recorded")},
-    {"read", (PyCFunction)(void (*)(void))file_reads_read, METH_FASTCALL, PyDoc_STR("io.FileIO.read, recorded")},
-    {"seek", (PyCFunction)(void (*)(void))file_reads_seek, METH_FASTCALL,
-     PyDoc_STR("io.FileIO.seek, the position kept")},
-    {NULL},
-};
+static PyObject *
+file_reads_bound(FileReads *self, void *which)
+{
+    return file_reads_method(self, (int)(intptr_t)which);
+}
 
 /* As reads.FileReads names its state. */
 static PyMemberDef file_reads_members[] = {
@@ -886,6 +952,10 @@ static PyMemberDef file_reads_members[] = {
 
 static PyGetSetDef file_reads_getset[] = {
     {"_position", (getter)file_reads_position, NULL, NULL, NULL},
+    {"readinto", (getter)file_reads_bound, NULL, PyDoc_STR("io.FileIO.readinto, recorded"), (void *)0},
+    {"readall", (getter)file_reads_bound, NULL, PyDoc_STR("io.FileIO.readall, recorded"), (void *)1},
+    {"read", (getter)file_reads_bound, NULL, PyDoc_STR("io.FileIO.read, recorded"), (void *)2},
+    {"seek", (getter)file_reads_bound, NULL, PyDoc_STR("io.FileIO.seek, the position kept"), (void *)3},
     {NULL},
 };
 
@@ -894,12 +964,9 @@ static PyTypeObject FileReadsType = {
     .tp_name = "stallwatch.client._speedups.FileReads",
     .tp_doc = PyDoc_STR("FileReads(file, path, verdict, position): a captured raw file's reads, recorded"),
     .tp_basicsize = sizeof(FileReads),
-    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_flags = Py_TPFLAGS_DEFAULT,
     .tp_new = file_reads_new,
-    .tp_traverse = (traverseproc)file_reads_traverse,
-    .tp_clear = (inquiry)file_reads_clear,
     .tp_dealloc = (destructor)file_reads_dealloc,
-    .tp_methods = file_reads_methods,
     .tp_members = file_reads_members,
     .tp_getset = file_reads_getset,
 };
@@ -914,15 +981,19 @@ captured_open(PyObject *opened, int binary, PyObject *path, PyObject *verdict)
     PyObject *start = file ? PyLong_FromLong(0) : NULL;
     PyObject *recorder = start ? file_reads_of(file, path, verdict, start) : NULL;
     Py_XDECREF(start);
-    if (recorder != NULL) {
+    /* Straight into the instance dict, as PyObject_SetAttr would put them (io.FileIO has no data descriptor
+       of these names), without looking each name up on the type first. */
+    PyObject *dict = recorder ? PyObject_GenericGetDict(file, NULL) : NULL;
+    if (dict != NULL) {
         for (int i = 0; i < 4; i++) {
-            PyObject *method = PyCFunction_New(&file_reads_methods[i], recorder);
-            int failed = method == NULL || PyObject_SetAttr(file, method_names[i], method) < 0;
+            PyObject *method = file_reads_method((FileReads *)recorder, i);
+            int failed = method == NULL || PyDict_SetItem(dict, method_names[i], method) < 0;
             Py_XDECREF(method);
             if (failed) {
                 break;
             }
         }
+        Py_DECREF(dict);
     }
     Py_XDECREF(buffer);
     Py_XDECREF(file);
@@ -1021,7 +1092,8 @@ PyInit__speedups(void)
     buffer_name = PyUnicode_InternFromString("buffer");
     raw_name = PyUnicode_InternFromString("raw");
     if (target_name == NULL || flush_full_name == NULL || drop_name == NULL || one == NULL ||
-        scheme_separator == NULL || buffer_name == NULL || raw_name == NULL || PyType_Ready(&OpenHookType) < 0 || PyType_Ready(&FileReadsType) < 0) {
+        scheme_separator == NULL || buffer_name == NULL || raw_name == NULL || PyType_Ready(&OpenHookType) < 0 || PyType_Ready(&FileReadsType) < 0 ||
+        PyType_Ready(&FileReadsMethodType) < 0) {
         return NULL;
     }
     if (pthread_atfork(NULL, NULL, forget_the_open_read) != 0) {
