@@ -135,8 +135,8 @@ def equal_join_columns(left: Sequence[I64], right: Sequence[npt.NDArray[np.integ
     table = np.full(math.prod(spans), -1, dtype=np.int64)
     table[left_key] = np.arange(left_key.size)
     found = table[right_key]
-    hit = found >= 0
-    return (found, rows) if hit.all() else (found[hit], rows[hit])
+    hit = np.flatnonzero(found >= 0)
+    return (found, rows) if hit.size == found.size else (found[hit], rows[hit])
 
 
 def overlap_join(

@@ -95,12 +95,16 @@ class MissRatioCurve:
         references of several slices are all sorted, since the rate may fall between slices."""
         if times is not None and keys.size <= FEED_SLICE:
             fetched = sizes > 0
-            self.failed += int(sizes.size - np.count_nonzero(fetched))
-            rows = np.flatnonzero(fetched)
-            rows = rows[self._sampled(_mix(keys[rows]))]
-            rows = rows[np.argsort(times[rows], kind="stable")]
-            keys, sizes = keys[rows], sizes[rows]
-        elif times is not None:
+            n_fetched = int(np.count_nonzero(fetched))
+            self.failed += int(sizes.size - n_fetched)
+            rows = None if n_fetched == sizes.size else np.flatnonzero(fetched)  # usually every read fetched
+            hashes = _mix(keys if rows is None else keys[rows])
+            sampled = self._sampled(hashes)
+            rows = sampled if rows is None else rows[sampled]
+            order = np.argsort(times[rows], kind="stable")
+            self._fold(hashes[sampled][order], sizes[rows[order]].astype(np.int64))
+            return
+        if times is not None:
             order = np.argsort(times, kind="stable")
             keys, sizes = keys[order], sizes[order]
         for first in range(0, keys.size, FEED_SLICE):
@@ -111,7 +115,11 @@ class MissRatioCurve:
         self.failed += int(sizes.size - fetched.size)
         hashes = _mix(keys[fetched])
         sampled = self._sampled(hashes)  # places, not masks: a window samples a few of its thousands of reads
-        hashes, sizes = hashes[sampled], sizes[fetched[sampled]].astype(np.int64)
+        self._fold(hashes[sampled], sizes[fetched[sampled]].astype(np.int64))
+
+    def _fold(self, hashes: npt.NDArray[np.uint64], sizes: npt.NDArray[np.int64]) -> None:
+        """Sampled references (their hashes, fetched sizes) into the curve, the rate lowered first where they
+        would bring the tracked keys past the cap."""
         places = self._places(hashes)
         unseen = _distinct(hashes[places < 0])
         if self._keys.size + unseen.size > self._max_keys:

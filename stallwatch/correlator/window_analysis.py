@@ -148,7 +148,9 @@ class WindowAnalyser:
         jobs = self._jobs(window, steps, stalled, own_reads, read_batches, idle_by_job, spans, set(live.job.tolist()))
         # The what-if replays the reads that crossed a spoke: a spoke's size changes nothing for the others.
         crossed = np.flatnonzero(own_reads["verdict"] != Verdict.DIRECT)
-        self.whatif.feed(own_reads["key"][crossed], own_reads["bytes"][crossed], own_reads["end_ns"][crossed])
+        replayed = own_reads if crossed.size == own_rows.size else {
+            name: own_reads[name][crossed] for name in ("key", "bytes", "end_ns")}
+        self.whatif.feed(replayed["key"], replayed["bytes"], replayed["end_ns"])
         whatif: dict[float, float] = {}
         if self.cache_capacity_bytes:
             for factor in WHATIF_FACTORS:
