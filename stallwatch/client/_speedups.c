@@ -479,8 +479,8 @@ static struct {
     PyObject *process_sender;  /* transport._current */
     Py_ssize_t sender_offset;  /* its `sender` slot: the process's sender */
     Py_ssize_t owner_offset;   /* a transport.Channel's `owner` slot */
-    Py_ssize_t rows_offset;    /* a transport.Channel's `reads` slot: the rows waiting to be sent */
-    Py_ssize_t full;           /* rows a channel holds before it flushes (transport.FULL) */
+    Py_ssize_t rows_offset;    /* a transport.Channel's `reads` slot: the packed records waiting to be sent */
+    Py_ssize_t full;           /* records a channel holds before it flushes (transport.FULL) */
     PyObject *read_key;        /* keys.read_key, for a path hash_key does not take */
     PyObject *file_readinto, *file_readall, *file_read, *file_seek;  /* io.FileIO's */
     long long empty_read_ns;   /* a read of no bytes at least this long is an event (reads.EMPTY_READ_NS) */
