@@ -464,6 +464,25 @@ def test_a_read_that_cannot_be_packed_is_counted_as_dropped_and_the_reader_reads
     assert sum(d.dropped for d in datagrams.decoded) == 1
 
 
+def test_a_file_records_all_four_of_its_calls_or_none(hook: str, tmp_path: Path) -> None:
+    """Putting the recorder's methods on a file fails partway (out of memory): none is left behind, so the file
+    reads on as it was, uncaptured, rather than recording some calls and not others."""
+    class Failing(io.FileIO):
+        def __setattr__(self, name: str, value: Any) -> None:
+            if name == "read":  # the third of the four
+                raise MemoryError("no room")
+            super().__setattr__(name, value)
+
+    path = tmp_path / "item.bin"
+    path.write_bytes(b"w" * 64)
+    with Failing(path) as raw:
+        with pytest.raises(MemoryError):
+            reads.record_reads(raw, str(path), wire.VERDICT_DIRECT)
+        assert not reads.recorded(raw)
+        assert not set(reads.RECORDED_METHODS) & set(vars(raw))
+        assert raw.read() == b"w" * 64
+
+
 class _Context:
     __slots__ = ("source",)
 

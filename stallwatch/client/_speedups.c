@@ -982,7 +982,8 @@ captured_open(PyObject *opened, int binary, PyObject *path, PyObject *verdict)
     PyObject *recorder = start ? file_reads_of(file, path, verdict, start) : NULL;
     Py_XDECREF(start);
     /* Straight into the instance dict, as PyObject_SetAttr would put them (io.FileIO has no data descriptor
-       of these names), without looking each name up on the type first. */
+       of these names), without looking each name up on the type first. All four or none: a file recording
+       only some of its calls would miscount its reads. */
     PyObject *dict = recorder ? PyObject_GenericGetDict(file, NULL) : NULL;
     if (dict != NULL) {
         for (int i = 0; i < 4; i++) {
@@ -990,6 +991,14 @@ captured_open(PyObject *opened, int binary, PyObject *path, PyObject *verdict)
             int failed = method == NULL || PyDict_SetItem(dict, method_names[i], method) < 0;
             Py_XDECREF(method);
             if (failed) {
+                PyObject *error_type, *error_value, *error_traceback;
+                PyErr_Fetch(&error_type, &error_value, &error_traceback);
+                while (i-- > 0) {
+                    if (PyDict_DelItem(dict, method_names[i]) < 0) {
+                        PyErr_Clear();
+                    }
+                }
+                PyErr_Restore(error_type, error_value, error_traceback);
                 break;
             }
         }

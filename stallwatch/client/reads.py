@@ -379,8 +379,16 @@ def record_reads(file: io.FileIO, path: str, verdict: int, position: int = 0) ->
     """Record the reads of `file` (an `io.FileIO` opened for reading, at `position`) as reads of `path` with
     `verdict`."""
     reads = file_reads(file, path, verdict, position)
-    file.readinto, file.readall, file.read, file.seek = (  # type: ignore[method-assign]
-        reads.readinto, reads.readall, reads.read, reads.seek)
+    methods = (reads.readinto, reads.readall, reads.read, reads.seek)
+    try:
+        file.readinto, file.readall, file.read, file.seek = methods  # type: ignore[method-assign]
+    except BaseException:  # all four or none: a file recording only some of its calls would miscount its reads
+        for name in RECORDED_METHODS:
+            file.__dict__.pop(name, None)
+        raise
+
+
+RECORDED_METHODS = ("readinto", "readall", "read", "seek")  # what `record_reads` puts in a file's dict
 
 
 def recorded(file: Any) -> bool:
