@@ -94,15 +94,7 @@ class MissRatioCurve:
         order: in one slice, those not sampled are left out first, so only the sampled few are sorted; the
         references of several slices are all sorted, since the rate may fall between slices."""
         if times is not None and keys.size <= FEED_SLICE:
-            fetched = sizes > 0
-            n_fetched = int(np.count_nonzero(fetched))
-            self.failed += int(sizes.size - n_fetched)
-            rows = None if n_fetched == sizes.size else np.flatnonzero(fetched)  # usually every read fetched
-            hashes = _mix(keys if rows is None else keys[rows])
-            sampled = self._sampled(hashes)
-            rows = sampled if rows is None else rows[sampled]
-            order = np.argsort(times[rows], kind="stable")
-            self._fold(hashes[sampled][order], sizes[rows[order]].astype(np.int64))
+            self._feed(keys, sizes, times)
             return
         if times is not None:
             order = np.argsort(times, kind="stable")
@@ -110,16 +102,20 @@ class MissRatioCurve:
         for first in range(0, keys.size, FEED_SLICE):
             self._feed(keys[first:first + FEED_SLICE], sizes[first:first + FEED_SLICE])
 
-    def _feed(self, keys: npt.NDArray[np.uint64], sizes: npt.NDArray[np.int64]) -> None:
-        fetched = np.flatnonzero(sizes > 0)
-        self.failed += int(sizes.size - fetched.size)
-        hashes = _mix(keys[fetched])
+    def _feed(self, keys: npt.NDArray[np.uint64], sizes: npt.NDArray[np.int64],
+              times: npt.NDArray[np.int64] | None = None) -> None:
+        """One slice: its fetched references sampled, then, with `times`, the sampled few put in time order."""
+        fetched = sizes > 0
+        n_fetched = int(np.count_nonzero(fetched))
+        self.failed += int(sizes.size - n_fetched)
+        rows = None if n_fetched == sizes.size else np.flatnonzero(fetched)  # usually every read fetched
+        hashes = _mix(keys if rows is None else keys[rows])
         sampled = self._sampled(hashes)  # places, not masks: a window samples a few of its thousands of reads
-        self._fold(hashes[sampled], sizes[fetched[sampled]].astype(np.int64))
-
-    def _fold(self, hashes: npt.NDArray[np.uint64], sizes: npt.NDArray[np.int64]) -> None:
-        """Sampled references (their hashes, fetched sizes) into the curve, the rate lowered first where they
-        would bring the tracked keys past the cap."""
+        rows, hashes = (sampled if rows is None else rows[sampled]), hashes[sampled]
+        if times is not None:
+            order = np.argsort(times[rows], kind="stable")
+            rows, hashes = rows[order], hashes[order]
+        sizes = sizes[rows].astype(np.int64)
         places = self._places(hashes)
         unseen = _distinct(hashes[places < 0])
         if self._keys.size + unseen.size > self._max_keys:
