@@ -486,7 +486,8 @@ static struct {
     long long empty_read_ns;   /* a read of no bytes at least this long is an event (reads.EMPTY_READ_NS) */
 } reads;
 
-static PyObject *target_name, *flush_full_name, *drop_name, *scheme_separator;  /* "target", "flush_full", "drop", "://" */
+static PyObject *target_name, *flush_full_name, *drop_name;  /* "target", "flush_full", "drop" */
+static PyObject *scheme_separator;  /* "://" */
 static PyObject *one;  /* 1 */
 static PyObject *buffer_name, *raw_name;  /* "buffer", "raw" */
 static PyObject *method_names[4];  /* "readinto", "readall", "read", "seek": a FileReadsMethod's `which` */
@@ -800,30 +801,30 @@ file_reads_method_call(FileReadsMethod *self, PyObject *const *args, size_t narg
         PyErr_Format(PyExc_TypeError, "FileIO.%U() takes no keyword arguments", method_names[self->which]);
         return NULL;
     }
-    if (self->which == 0 && nargs != 1) {
-        PyErr_Format(PyExc_TypeError, "FileIO.readinto() takes exactly one argument (%zd given)", nargs);
-        return NULL;
-    }
-    if (self->which == 1 && nargs != 0) {
-        PyErr_Format(PyExc_TypeError, "FileIO.readall() takes no arguments (%zd given)", nargs);
-        return NULL;
-    }
-    if (self->which == 2 && nargs > 1) {
-        PyErr_Format(PyExc_TypeError, "read expected at most 1 argument, got %zd", nargs);
-        return NULL;
-    }
-    if (self->which == 3 && nargs > 2) {
-        PyErr_Format(PyExc_TypeError, "seek expected at most 2 arguments, got %zd", nargs);
-        return NULL;
-    }
     switch (self->which) {
     case 0:
+        if (nargs != 1) {
+            PyErr_Format(PyExc_TypeError, "FileIO.readinto() takes exactly one argument (%zd given)", nargs);
+            return NULL;
+        }
         return timed_read(self->reads, reads.file_readinto, args, 1);
     case 1:
+        if (nargs != 0) {
+            PyErr_Format(PyExc_TypeError, "FileIO.readall() takes no arguments (%zd given)", nargs);
+            return NULL;
+        }
         return timed_read(self->reads, reads.file_readall, NULL, 0);
     case 2:
+        if (nargs > 1) {
+            PyErr_Format(PyExc_TypeError, "read expected at most 1 argument, got %zd", nargs);
+            return NULL;
+        }
         return timed_read(self->reads, reads.file_read, args, nargs);
     default:
+        if (nargs > 2) {
+            PyErr_Format(PyExc_TypeError, "seek expected at most 2 arguments, got %zd", nargs);
+            return NULL;
+        }
         return file_reads_seek(self->reads, args, nargs);
     }
 }
@@ -1101,8 +1102,8 @@ PyInit__speedups(void)
     buffer_name = PyUnicode_InternFromString("buffer");
     raw_name = PyUnicode_InternFromString("raw");
     if (target_name == NULL || flush_full_name == NULL || drop_name == NULL || one == NULL ||
-        scheme_separator == NULL || buffer_name == NULL || raw_name == NULL || PyType_Ready(&OpenHookType) < 0 || PyType_Ready(&FileReadsType) < 0 ||
-        PyType_Ready(&FileReadsMethodType) < 0) {
+        scheme_separator == NULL || buffer_name == NULL || raw_name == NULL || PyType_Ready(&OpenHookType) < 0 ||
+        PyType_Ready(&FileReadsType) < 0 || PyType_Ready(&FileReadsMethodType) < 0) {
         return NULL;
     }
     if (pthread_atfork(NULL, NULL, forget_the_open_read) != 0) {

@@ -375,6 +375,9 @@ if _speedups is not None:  # the same in C: ~1 µs less a read
     file_reads = _speedups.FileReads
 
 
+RECORDED_METHODS = ("readinto", "readall", "read", "seek")  # what `record_reads` puts in a file's dict
+
+
 def record_reads(file: io.FileIO, path: str, verdict: int, position: int = 0) -> None:
     """Record the reads of `file` (an `io.FileIO` opened for reading, at `position`) as reads of `path` with
     `verdict`."""
@@ -386,9 +389,6 @@ def record_reads(file: io.FileIO, path: str, verdict: int, position: int = 0) ->
         for name in RECORDED_METHODS:
             file.__dict__.pop(name, None)
         raise
-
-
-RECORDED_METHODS = ("readinto", "readall", "read", "seek")  # what `record_reads` puts in a file's dict
 
 
 def recorded(file: Any) -> bool:
