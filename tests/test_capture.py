@@ -464,6 +464,30 @@ def test_a_read_that_cannot_be_packed_is_counted_as_dropped_and_the_reader_reads
     assert sum(d.dropped for d in datagrams.decoded) == 1
 
 
+def test_a_file_whose_name_has_no_utf8_is_read_and_its_reads_counted_as_dropped(
+        capturing: Path, datagrams: Datagrams, tmp_path: Path) -> None:
+    """A name of bytes that are not UTF-8 decodes with surrogates, which have no UTF-8 to hash: each read of the
+    file (its path hashed once a file) is counted as dropped, the reader gets its bytes, and a read of another
+    file after it is keyed as before."""
+    strange = os.fsdecode(os.fsencode(tmp_path) + b"/item\xff.bin")
+    good = tmp_path / "item.bin"
+    for path in (strange, good):
+        Path(path).write_bytes(b"w" * 64)
+    channel = reads.context.target()
+    reads.set_batch(5)
+    with open(strange, "rb", buffering=32) as f:
+        assert f.read(32) == b"w" * 32 and f.read(32) == b"w" * 32
+    assert channel.dropped_total == 2
+    with open(good, "rb", buffering=32) as f:
+        f.read(32)
+        f.read(32)
+    reads.set_batch(-1)
+    transport.sender().flush_all()
+    wait_for("the good reads", lambda: len(datagrams.rows("reads")) >= 2, 10)
+    assert [(row["key"], row["bytes"]) for d in datagrams.decoded for row in d.reads] == [
+        (read_key(str(good), 0), 32), (read_key(str(good), 32), 32)]
+
+
 def test_a_file_records_all_four_of_its_calls_or_none(hook: str, tmp_path: Path) -> None:
     """Putting the recorder's methods on a file fails partway (out of memory): none is left behind, so the file
     reads on as it was, uncaptured, rather than recording some calls and not others."""

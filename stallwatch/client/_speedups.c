@@ -320,9 +320,9 @@ static PyTypeObject OpenHookType = {
     .tp_getset = hook_getset,
 };
 
-/* read_key: keys.read_key's hash, the first 8 bytes of BLAKE2b-64 (RFC 7693) of the UTF-8 of
-   "<resource>@<offset>", as a little-endian integer: hashlib's object and its digest cost ~0.6 µs of the
-   ~0.8 µs a key took in Python. */
+/* read_key: keys.read_key's hash. The resource's: the first 8 bytes of BLAKE2b-64 (RFC 7693) of its UTF-8, as
+   a little-endian integer (hashlib's object and its digest cost ~0.6 µs of the ~0.8 µs it takes in Python);
+   a captured file computes it once, at its first read. Each read's: that and its offset mixed (key_at). */
 static const uint64_t blake2b_iv[8] = {
     0x6a09e667f3bcc908ULL, 0xbb67ae8584caa73bULL, 0x3c6ef372fe94f82bULL, 0xa54ff53a5f1d36f1ULL,
     0x510e527fade682d1ULL, 0x9b05688c2b3e6c1fULL, 0x1f83d9abfb41bd6bULL, 0x5be0cd19137e2179ULL};
@@ -408,54 +408,47 @@ blake2b_64(const uint8_t *data, size_t size)
     return h[0];  /* its 8 bytes little-endian are the digest */
 }
 
+/* The hash of `resource` (an exact str): BLAKE2b-64 of its UTF-8 into `hash`, 0; or -1 with an error set,
+   UnicodeEncodeError as str.encode raises it. A file's reads share it: hashed once a file, not once a read. */
+static int
+resource_hash_of(PyObject *resource, uint64_t *hash)
+{
+    Py_ssize_t length;
+    const char *utf8 = PyUnicode_AsUTF8AndSize(resource, &length);
+    if (utf8 == NULL) {
+        return -1;
+    }
+    *hash = blake2b_64((const uint8_t *)utf8, (size_t)length);
+    return 0;
+}
+
+/* The key of the read at `offset` of the resource whose hash is `hash` (keys.key_at): splitmix64's finalizer
+   of their sum modulo 2^64, a bijection, so two reads' keys collide only as often as any 64-bit hash's. */
+static uint64_t
+key_at(uint64_t hash, long long offset)
+{
+    uint64_t z = hash + (uint64_t)offset;
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
+    return z ^ (z >> 31);
+}
+
 /* The key of `resource` (an exact str) at `offset` (an exact int) into `key`: 0, or -1 with an error set,
    TypeError or OverflowError for what it does not take (keys.read_key hashes that in Python),
    UnicodeEncodeError as str.encode raises it. */
 static int
-hash_key(PyObject *resource_object, PyObject *offset_object, uint64_t *key)
+hash_key(PyObject *resource, PyObject *offset_object, uint64_t *key)
 {
-    if (!PyUnicode_CheckExact(resource_object) || !PyLong_CheckExact(offset_object)) {
+    if (!PyUnicode_CheckExact(resource) || !PyLong_CheckExact(offset_object)) {
         PyErr_SetString(PyExc_TypeError, "read_key(resource: str, offset: int)");
         return -1;
     }
     long long offset = PyLong_AsLongLong(offset_object);
-    if (offset == -1 && PyErr_Occurred()) {
+    uint64_t hash;
+    if ((offset == -1 && PyErr_Occurred()) || resource_hash_of(resource, &hash) < 0) {
         return -1;
     }
-    Py_ssize_t length;
-    const char *resource = PyUnicode_AsUTF8AndSize(resource_object, &length);
-    if (resource == NULL) {
-        return -1;
-    }
-    char suffix[24];  /* "@" and the offset in decimal, as f"{offset}" writes it */
-    char digits[21];
-    int count = 0;
-    unsigned long long rest = offset < 0 ? 0ULL - (unsigned long long)offset : (unsigned long long)offset;
-    do {
-        digits[count++] = (char)('0' + rest % 10);
-        rest /= 10;
-    } while (rest);
-    int suffix_length = 0;
-    suffix[suffix_length++] = '@';
-    if (offset < 0) {
-        suffix[suffix_length++] = '-';
-    }
-    while (count) {
-        suffix[suffix_length++] = digits[--count];
-    }
-    size_t size = (size_t)length + (size_t)suffix_length;
-    uint8_t local[512];
-    uint8_t *message = size <= sizeof local ? local : PyMem_Malloc(size);
-    if (message == NULL) {
-        PyErr_NoMemory();
-        return -1;
-    }
-    memcpy(message, resource, length);
-    memcpy(message + length, suffix, suffix_length);
-    *key = blake2b_64(message, size);
-    if (message != local) {
-        PyMem_Free(message);
-    }
+    *key = key_at(hash, offset);
     return 0;
 }
 
@@ -519,12 +512,29 @@ put_le64(char *at, uint64_t value)
     }
 }
 
+/* A captured raw file's reads: reads.FileReads in C. The file stays the io.FileIO that open() made (its
+   buffer keeps its fast paths); its instance dict holds this object's `readinto`, `readall`, `read` and
+   `seek`, which the buffer and any caller find before the type's. It holds the file weakly (no cycle
+   through the file's dict: a file nobody closes is still closed when dropped), and otherwise only an exact
+   str and exact ints, so neither it nor its methods can be part of a cycle: none is tracked by the cyclic
+   garbage collector, whose bookkeeping (and the collections that five tracked objects an open would bring
+   on) cost more than the rest of a capture's open. */
+typedef struct {
+    PyObject_HEAD
+    PyObject *file;      /* a weak reference */
+    PyObject *path;      /* the str its reads are keyed by */
+    PyObject *position;  /* an int: where the file's next read starts (a tell() would be a system call) */
+    PyObject *verdict;
+    int keyed;               /* 0: not yet; 1: resource_hash is its path's; -1: keys.read_key keys its reads */
+    uint64_t resource_hash;  /* its path's, for every read's key (keys.resource_hash) */
+} FileReads;
+
 /* reads.record_read, inline: the read's record packed, as `Channel.read` packs it, and appended to the
    channel's records. 0 once recorded or lost (an Exception loses the event, never reaching the reader;
    one that cannot be packed is counted as dropped, as there); -1 with anything else set
    (KeyboardInterrupt), as there. */
 static int
-record(PyObject *path, PyObject *position, Py_ssize_t nbytes, long long start, long long end, PyObject *verdict)
+record(FileReads *self, PyObject *position, Py_ssize_t nbytes, long long start, long long end)
 {
     PyObject *packed = NULL, *channel = read_channel();
     PyObject *batch = SLOT(reads.context, reads.batch_offset);
@@ -532,18 +542,25 @@ record(PyObject *path, PyObject *position, Py_ssize_t nbytes, long long start, l
     if (batch == NULL || rows == NULL || !PyList_CheckExact(rows)) {
         goto failed;
     }
-    Py_ssize_t url = !PyUnicode_Check(path) ? 0
-                     : PyUnicode_KIND(path) == PyUnicode_1BYTE_KIND  /* most paths: a byte search, no call */
-                     ? (memmem(PyUnicode_DATA(path), PyUnicode_GET_LENGTH(path), "://", 3) == NULL ? -1 : 0)
-                     : PyUnicode_Find(path, scheme_separator, 0, PY_SSIZE_T_MAX, 1);
-    if (url == -2) {
-        goto failed;
-    }
-    /* A file's path is its resource (keys.resource_of); anything else, keys.read_key decides. */
-    uint64_t key;
-    if (url != -1 || hash_key(path, position, &key) < 0) {
+    if (self->keyed == 0) {  /* the file's first read: is its path a URL, and if not, its hash */
+        PyObject *path = self->path;
+        Py_ssize_t url = PyUnicode_KIND(path) == PyUnicode_1BYTE_KIND  /* most paths: a byte search, no call */
+                         ? (memmem(PyUnicode_DATA(path), PyUnicode_GET_LENGTH(path), "://", 3) == NULL ? -1 : 0)
+                         : PyUnicode_Find(path, scheme_separator, 0, PY_SSIZE_T_MAX, 1);
+        if (url == -2) {
+            goto failed;
+        }
+        /* A file's path is its resource (keys.resource_of); a URL, or a path with no UTF-8, keys.read_key keys. */
+        self->keyed = url == -1 && resource_hash_of(path, &self->resource_hash) == 0 ? 1 : -1;
         PyErr_Clear();
-        PyObject *hashed = PyObject_CallFunctionObjArgs(reads.read_key, path, position, NULL);
+    }
+    uint64_t key;
+    long long offset = self->keyed == 1 ? PyLong_AsLongLong(position) : -1;
+    if (self->keyed == 1 && !(offset == -1 && PyErr_Occurred())) {
+        key = key_at(self->resource_hash, offset);
+    } else {
+        PyErr_Clear();
+        PyObject *hashed = PyObject_CallFunctionObjArgs(reads.read_key, self->path, position, NULL);
         key = hashed ? PyLong_AsUnsignedLongLong(hashed) : 0;
         Py_XDECREF(hashed);
         if (PyErr_Occurred()) {
@@ -551,7 +568,7 @@ record(PyObject *path, PyObject *position, Py_ssize_t nbytes, long long start, l
         }
     }
     long long batch_value = PyLong_AsLongLong(batch);
-    long verdict_value = PyLong_AsLong(verdict);
+    long verdict_value = PyLong_AsLong(self->verdict);
     if (PyErr_Occurred()) {
         goto unpackable;
     }
@@ -609,21 +626,6 @@ monotonic_ns(void)
     clock_gettime(CLOCK_MONOTONIC, &now);  /* time.monotonic_ns()'s clock */
     return (long long)now.tv_sec * 1000000000LL + now.tv_nsec;
 }
-
-/* A captured raw file's reads: reads.FileReads in C. The file stays the io.FileIO that open() made (its
-   buffer keeps its fast paths); its instance dict holds this object's `readinto`, `readall`, `read` and
-   `seek`, which the buffer and any caller find before the type's. It holds the file weakly (no cycle
-   through the file's dict: a file nobody closes is still closed when dropped), and otherwise only an exact
-   str and exact ints, so neither it nor its methods can be part of a cycle: none is tracked by the cyclic
-   garbage collector, whose bookkeeping (and the collections that five tracked objects an open would bring
-   on) cost more than the rest of a capture's open. */
-typedef struct {
-    PyObject_HEAD
-    PyObject *file;      /* a weak reference */
-    PyObject *path;      /* the str its reads are keyed by */
-    PyObject *position;  /* an int: where the file's next read starts (a tell() would be a system call) */
-    PyObject *verdict;
-} FileReads;
 
 static PyObject *
 file_of(FileReads *self)
@@ -742,7 +744,7 @@ timed_read(FileReads *self, PyObject *method, PyObject *const *args, Py_ssize_t 
     }
     long long ended = monotonic_ns();
     if (nbytes || ended - started >= reads.empty_read_ns) {
-        if (record(self->path, position, nbytes, started, ended, self->verdict) < 0) {
+        if (record(self, position, nbytes, started, ended) < 0) {
             Py_CLEAR(result);
             goto done;
         }
@@ -900,6 +902,7 @@ file_reads_of(PyObject *file, PyObject *path, PyObject *verdict, PyObject *posit
         return NULL;
     }
     self->file = weak;
+    self->keyed = 0;
     self->path = PyUnicode_CheckExact(path) ? Py_NewRef(path) : PyUnicode_FromObject(path);
     self->verdict = PyNumber_Index(verdict);
     self->position = PyNumber_Index(position);

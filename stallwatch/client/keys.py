@@ -2,7 +2,9 @@
 
 A read is named by its resource (a file path, or a URL's path without scheme, host or query) and
 its byte offset, hashed to 64 bits: both sides of the cache compute the same key, so the correlator
-can join a worker's read to the spoke's log line without ever carrying a path as a label.
+can join a worker's read to the spoke's log line without ever carrying a path as a label. The
+resource is hashed alone (`resource_hash`) and the offset mixed in after (`key_at`), so a file read
+in many pieces hashes its path once, not once a read.
 Standard library only: the training client imports this.
 """
 
@@ -13,6 +15,8 @@ from collections.abc import Callable
 from urllib.parse import urlsplit
 
 _hash_in_c: Callable[[str, int], int] | None
+MASK = (1 << 64) - 1
+
 try:  # the same hash in C where the client was built with it: ~0.6 µs less a key
     from stallwatch.client._speedups import read_key as _hash_in_c
 except ImportError:
@@ -37,9 +41,22 @@ def read_key(location: str, offset: int = 0) -> int:
 
 
 def hash_in_python(resource: str, offset: int) -> int:
-    """A key: the first 8 bytes of BLAKE2b-64 of `<resource>@<offset>` (UTF-8), little-endian."""
-    digest = hashlib.blake2b(f"{resource}@{offset}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little")
+    return key_at(resource_hash(resource), offset)
+
+
+def resource_hash(resource: str) -> int:
+    """The first 8 bytes of BLAKE2b-64 of the resource's UTF-8, little-endian."""
+    return int.from_bytes(hashlib.blake2b(resource.encode(), digest_size=8).digest(), "little")
+
+
+def key_at(resource_hash: int, offset: int) -> int:
+    """The key of a read at `offset` of a resource: splitmix64's finalizer of `resource_hash + offset` modulo
+    2^64. The finalizer is a bijection, so keys collide only as often as any 64-bit hash's, and neighbouring
+    offsets of one file get unrelated keys."""
+    z = (resource_hash + offset) & MASK
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & MASK
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & MASK
+    return z ^ (z >> 31)
 
 
 def range_start(text: str) -> int:

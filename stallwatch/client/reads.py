@@ -177,7 +177,13 @@ def record_read(
 ) -> None:
     """Record one read that already happened."""
     try:
-        context.target().read((context.batch, read_key(location, offset), nbytes, start_ns, end_ns, verdict))
+        target = context.target()
+        try:
+            key = read_key(location, offset)
+        except Exception:  # no key (a name with no UTF-8): lost, and counted, as a record that cannot be packed
+            target.drop(1)
+            return
+        target.read((context.batch, key, nbytes, start_ns, end_ns, verdict))
     except Exception:  # never into the reader; the event is lost
         return
 
