@@ -13,12 +13,22 @@ a sample by 68,000 instructions with the order of the files alone. The flush thr
 past the run, so the events are packed as full buffers fill and at the end, in the process and
 counted.
 
+With `--pipeline`, the whole client on the DataLoader pipeline itself, every process counted: the
+jpeg-files loader of `client_overhead.py` (2 persistent workers, batches of 64 stacked, the trainer's
+step of matrix products), plain and through `instrument` with its workers capturing their reads, for one
+epoch of 256 samples and for four; callgrind follows each worker's fork, and the difference of the two
+runs' totals over the 768 extra samples is what a sample costs in the trainer and its workers together:
+numbering, tagging and handing over batches, the steps, the capture and the sending. The flush thread
+wakes on the wall clock, so its interval is stretched by valgrind's slowdown (`VALGRIND_SLOWDOWN`) to
+wake as often a sample as at full speed. One count a side: a pipeline's threads make it vary by a few
+hundred instructions a sample.
+
 Instructions are not time: the capture's code runs with the caches each decode left cold, at fewer
 instructions a cycle than the decoder (docs/benchmarks.md). They say where the cost is and whether a
 change took any away, in one run, however busy the host. Needs valgrind (and `setarch`); says so and
 exits 0 without them.
 
-    PYTHONPATH=. python benchmarks/capture_instructions.py [--samples N]
+    PYTHONPATH=. python benchmarks/capture_instructions.py [--samples N] [--pipeline]
 """
 
 from __future__ import annotations
@@ -33,11 +43,16 @@ import sys
 import tempfile
 from pathlib import Path
 
-from benchmarks.client_overhead import DRAIN, jpeg_images
+from benchmarks.client_overhead import BATCH, DRAIN, jpeg_images, stack
 
 FEW = 64
 REPEATS = 3  # the median of three: one invocation in ten counted a side's samples 5 % high, cause unknown
 SIDES = ("plain", "captured")
+PIPELINE_SIDES = ("plain", "instrumented")
+EPOCH = 256  # samples an epoch of the pipeline: four batches
+VALGRIND_SLOWDOWN = 50  # about how much slower a sample runs under callgrind (~0.6 ms natively, ~30 ms there)
+ENV = {"PYTHONHASHSEED": "0", "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1",
+       "GLIBC_TUNABLES": "glibc.malloc.mmap_threshold=131072"}
 
 
 def load(side: str, samples: int, folder: str) -> None:
@@ -60,27 +75,65 @@ def load(side: str, samples: int, folder: str) -> None:
     transport.sender().flush_all()
 
 
-def instructions(side: str, samples: int, folder: str) -> int:
+def load_pipeline(side: str, epochs: int, folder: str) -> None:
+    """The child of `--pipeline`: `epochs` epochs of the jpeg-files loader, through `instrument` on its side."""
+    import numpy
+    import torch
+    from PIL import Image
+    from torch.utils.data import DataLoader, Dataset
+
+    from stallwatch.client import transport
+    from stallwatch.client.torch import instrument
+
+    transport.FLUSH_INTERVAL_NS *= VALGRIND_SLOWDOWN
+    transport.configure(os.path.join(folder, "events.sock"))
+    files = sorted(str(path) for path in Path(folder).glob("*.jpg"))
+
+    class Files(Dataset[numpy.ndarray]):
+        def __len__(self) -> int:
+            return EPOCH
+
+        def __getitem__(self, index: int) -> numpy.ndarray:  # torchvision's `pil_loader`, cut to 64 floats
+            with open(files[index % len(files)], "rb") as file:
+                pixels = numpy.asarray(Image.open(file).convert("RGB"))
+            return pixels[::28, ::28].astype(numpy.float32).ravel()[:64] / 255
+
+    loader = DataLoader(Files(), batch_size=BATCH, collate_fn=stack, num_workers=2, persistent_workers=True)
+    if side == "instrumented":
+        instrument(loader, job="bench", rank=0)
+    torch.set_num_threads(1)
+    weights = torch.randn(64, 64, generator=torch.Generator().manual_seed(1))
+    for _ in range(epochs):
+        for batch in loader:
+            activations = torch.from_numpy(batch)
+            for _ in range(40):  # the trainer's step, as in client_overhead.py
+                activations = torch.tanh(activations @ weights)
+    loader._iterator._shutdown_workers()  # type: ignore[union-attr]
+
+
+def instructions(side: str, samples: int, folder: str, pipeline: bool = False) -> int:
+    """The instructions of one child run under callgrind, of every process it forked (each its own file)."""
     out = os.path.join(folder, f"callgrind.{side}.{samples}")
-    env = {**os.environ, "PYTHONHASHSEED": "0", "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1",
-           "GLIBC_TUNABLES": "glibc.malloc.mmap_threshold=131072"}
-    done = subprocess.run(["setarch", "-R", "valgrind", "--tool=callgrind", f"--callgrind-out-file={out}",
-                           sys.executable, __file__, "--child", side, str(samples), folder],
-                          capture_output=True, text=True, env=env, check=True)
-    found = re.search(r"Collected : (\d+)", done.stderr)
-    if found is None:
+    command = ["setarch", "-R", "valgrind", "--tool=callgrind", f"--callgrind-out-file={out}.%p", sys.executable,
+               __file__, "--child", side, str(samples), folder, *(["--pipeline"] if pipeline else [])]
+    done = subprocess.run(command, capture_output=True, text=True, env={**os.environ, **ENV}, check=True)
+    counts = [int(found) for found in re.findall(r"Collected : (\d+)", done.stderr)]
+    if not counts:
         raise RuntimeError(f"callgrind printed no count:\n{done.stderr[-2000:]}")
-    return int(found.group(1))
+    # A forked worker's count starts from its parent's at the fork, the same in the short and the long run.
+    return sum(counts)
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--samples", type=int, default=320, help="samples of the long run (the short has 64)")
+    parser.add_argument("--pipeline", action="store_true",
+                        help="the whole client on the jpeg-files DataLoader pipeline (1 and 4 epochs of 256 samples)")
     parser.add_argument("--child", nargs=3, metavar=("SIDE", "SAMPLES", "FOLDER"), help=argparse.SUPPRESS)
     options = parser.parse_args()
     if options.child:
         side, samples, folder = options.child
-        load(side, int(samples), folder)
+        (load_pipeline if options.pipeline else load)(side, int(samples), folder)
         return 0
     missing = [tool for tool in ("valgrind", "setarch") if shutil.which(tool) is None]
     if missing:
@@ -93,17 +146,27 @@ def main() -> int:
                                  stdout=subprocess.PIPE, text=True)
         try:
             assert drain.stdout is not None and drain.stdout.readline().strip() == "ready"
-            extra = options.samples - FEW
-            per_sample = {side: statistics.median(
-                (instructions(side, options.samples, folder) - instructions(side, FEW, folder)) / extra
-                for _ in range(REPEATS)) for side in SIDES}
+            if options.pipeline:
+                extra = 3 * EPOCH
+                per_sample = {side: (instructions(side, 4, folder, True) - instructions(side, 1, folder, True)) / extra
+                              for side in PIPELINE_SIDES}
+            else:
+                extra = options.samples - FEW
+                per_sample = {side: statistics.median(
+                    (instructions(side, options.samples, folder) - instructions(side, FEW, folder)) / extra
+                    for _ in range(REPEATS)) for side in SIDES}
         finally:
             drain.kill()
             drain.wait()
-    added = per_sample["captured"] - per_sample["plain"]
-    print(f"instructions a sample (a JPEG opened and decoded), {extra} samples, medians of {REPEATS}: "
-          f"plain {per_sample['plain']:,.0f}, captured {per_sample['captured']:,.0f}")
-    print(f"capture adds {added:,.0f} instructions a sample: {100 * added / per_sample['plain']:+.2f} %")
+    plain, client = per_sample.values()
+    if options.pipeline:
+        print(f"instructions a sample of the jpeg-files DataLoader pipeline (the trainer and its 2 workers), "
+              f"{extra} samples: plain {plain:,.0f}, instrumented with read capture {client:,.0f}")
+        print(f"the client adds {client - plain:,.0f} instructions a sample: {100 * (client - plain) / plain:+.2f} %")
+    else:
+        print(f"instructions a sample (a JPEG opened and decoded), {extra} samples, medians of {REPEATS}: "
+              f"plain {plain:,.0f}, captured {client:,.0f}")
+        print(f"capture adds {client - plain:,.0f} instructions a sample: {100 * (client - plain) / plain:+.2f} %")
     return 0
 
 
