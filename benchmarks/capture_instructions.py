@@ -25,10 +25,12 @@ hundred instructions a sample.
 
 Instructions are not time: the capture's code runs with the caches each decode left cold, at fewer
 instructions a cycle than the decoder (docs/benchmarks.md). They say where the cost is and whether a
-change took any away, in one run, however busy the host. Needs valgrind (and `setarch`); says so and
-exits 0 without them.
+change took any away, in one run, however busy the host. With `--cache`, valgrind's cachegrind
+simulates the caches as well and the figures a sample are its counts: instructions, first-level
+instruction-cache misses (the capture's code, evicted by each decode, is fetched again), first-level
+and last-level data misses. Needs valgrind (and `setarch`); says so and exits 0 without them.
 
-    PYTHONPATH=. python benchmarks/capture_instructions.py [--samples N] [--pipeline]
+    PYTHONPATH=. python benchmarks/capture_instructions.py [--samples N] [--pipeline] [--cache]
 """
 
 from __future__ import annotations
@@ -111,6 +113,11 @@ def load_pipeline(side: str, epochs: int, folder: str) -> None:
     loader._iterator._shutdown_workers()  # type: ignore[union-attr]
 
 
+# What `--cache` reports, by cachegrind's event names: each a sum of its events.
+CACHE_FIGURES = {"instructions": ("Ir",), "I1 misses": ("I1mr",), "D1 misses": ("D1mr", "D1mw"),
+                 "last-level misses": ("ILmr", "DLmr", "DLmw")}
+
+
 def instructions(side: str, samples: int, folder: str, pipeline: bool = False) -> int:
     """The instructions of one child run under callgrind, of every process it forked (each its own file)."""
     out = os.path.join(folder, f"callgrind.{side}.{samples}")
@@ -124,11 +131,32 @@ def instructions(side: str, samples: int, folder: str, pipeline: bool = False) -
     return sum(counts)
 
 
+def cache_counts(side: str, samples: int, folder: str, pipeline: bool = False) -> dict[str, int]:
+    """CACHE_FIGURES of one child run under cachegrind with its cache simulation, every process summed."""
+    out = os.path.join(folder, f"cachegrind.{side}.{samples}")
+    command = ["setarch", "-R", "valgrind", "--tool=cachegrind", "--cache-sim=yes", f"--cachegrind-out-file={out}.%p",
+               sys.executable, __file__, "--child", side, str(samples), folder, *(["--pipeline"] if pipeline else [])]
+    subprocess.run(command, capture_output=True, text=True, env={**os.environ, **ENV}, check=True)
+    events: dict[str, int] = {}
+    for path in Path(folder).glob(f"cachegrind.{side}.{samples}.*"):
+        lines = path.read_text().splitlines()
+        names = next(line.split()[1:] for line in lines if line.startswith("events:"))
+        totals = next(line.split()[1:] for line in lines if line.startswith("summary:"))
+        for name, count in zip(names, totals, strict=True):
+            events[name] = events.get(name, 0) + int(count)
+        path.unlink()
+    if not events:
+        raise RuntimeError("cachegrind wrote no counts")
+    return {figure: sum(events[name] for name in names) for figure, names in CACHE_FIGURES.items()}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--samples", type=int, default=320, help="samples of the long run (the short has 64)")
     parser.add_argument("--pipeline", action="store_true",
                         help="the whole client on the jpeg-files DataLoader pipeline (1 and 4 epochs of 256 samples)")
+    parser.add_argument("--cache", action="store_true",
+                        help="count with cachegrind's cache simulation: instructions and cache misses a sample")
     parser.add_argument("--child", nargs=3, metavar=("SIDE", "SAMPLES", "FOLDER"), help=argparse.SUPPRESS)
     options = parser.parse_args()
     if options.child:
@@ -146,7 +174,12 @@ def main() -> int:
                                  stdout=subprocess.PIPE, text=True)
         try:
             assert drain.stdout is not None and drain.stdout.readline().strip() == "ready"
-            if options.pipeline:
+            if options.cache:
+                sides, (few, many) = (PIPELINE_SIDES, (1, 4)) if options.pipeline else (SIDES, (FEW, options.samples))
+                extra = (many - few) * (EPOCH if options.pipeline else 1)
+                counted = {(side, n): cache_counts(side, n, folder, options.pipeline)
+                           for side in sides for n in (few, many)}
+            elif options.pipeline:
                 extra = 3 * EPOCH
                 per_sample = {side: (instructions(side, 4, folder, True) - instructions(side, 1, folder, True)) / extra
                               for side in PIPELINE_SIDES}
@@ -158,6 +191,15 @@ def main() -> int:
         finally:
             drain.kill()
             drain.wait()
+    if options.cache:
+        workload = "of the jpeg-files DataLoader pipeline (the trainer and its 2 workers)" if options.pipeline else (
+            "(a JPEG opened and decoded)")
+        print(f"cachegrind's counts a sample {workload}, {extra} samples:")
+        for figure in CACHE_FIGURES:
+            plain, client = ((counted[side, many][figure] - counted[side, few][figure]) / extra for side in sides)
+            change = f"{100 * (client - plain) / plain:+.2f} %" if plain else "n/a"
+            print(f"  {figure}: {sides[0]} {plain:,.1f}, {sides[1]} {client:,.1f}, {client - plain:+,.1f} ({change})")
+        return 0
     plain, client = per_sample.values()
     if options.pipeline:
         print(f"instructions a sample of the jpeg-files DataLoader pipeline (the trainer and its 2 workers), "

@@ -30,6 +30,17 @@
 #include <stdint.h>
 #include <time.h>
 
+/* A captured read's path runs once a file read, between two of which the reader's own work (a JPEG's decode)
+   evicts it from the instruction cache: what runs only at a file's first read, beside another read or on an
+   error is kept out of line, in the compiler's section for cold code, so the lines each read misses are few. */
+#if defined(__GNUC__)
+#define COLD __attribute__((cold, noinline))
+#define UNLIKELY(condition) __builtin_expect(!!(condition), 0)
+#else
+#define COLD
+#define UNLIKELY(condition) (condition)
+#endif
+
 /* Folders a path may lie under, each a str ending in the separator: laid out back to back when all are
    Latin-1 (each its length, a Py_ssize_t, and its bytes), so a Latin-1 path is compared with memcmp. */
 typedef struct {
@@ -371,8 +382,10 @@ blake2b_compress(uint64_t h[8], const uint8_t block[128], uint64_t counted, int 
     if (last) {
         v[14] = ~v[14];
     }
+    /* Rolled: unrolled, the twelve rounds are 6 KB of code, which the work between two files (a JPEG's decode)
+       evicts from the instruction cache, so each file's hash missed it ~100 times; rolled, ~0.7 KB. */
 #if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC unroll 12
+#pragma GCC unroll 1
 #endif
     for (int round = 0; round < 12; round++) {
         const uint8_t *s = blake2b_sigma[round];
@@ -516,98 +529,73 @@ put_le64(char *at, uint64_t value)
    buffer keeps its fast paths); its instance dict holds this object's `readinto`, `readall`, `read` and
    `seek`, which the buffer and any caller find before the type's. It holds the file weakly (no cycle
    through the file's dict: a file nobody closes is still closed when dropped), and otherwise only an exact
-   str and exact ints, so neither it nor its methods can be part of a cycle: none is tracked by the cyclic
+   str and an exact int, so neither it nor its methods can be part of a cycle: none is tracked by the cyclic
    garbage collector, whose bookkeeping (and the collections that five tracked objects an open would bring
    on) cost more than the rest of a capture's open. */
 typedef struct {
     PyObject_HEAD
     PyObject *file;      /* a weak reference */
     PyObject *path;      /* the str its reads are keyed by */
-    PyObject *position;  /* an int: where the file's next read starts (a tell() would be a system call) */
+    long long position;  /* where the file's next read starts (a tell() would be a system call) */
     PyObject *verdict;
+    int verdict_byte;        /* the verdict as its record packs it; outside -128..127 its reads cannot be packed */
     int keyed;               /* 0: not yet; 1: resource_hash is its path's; -1: keys.read_key keys its reads */
     uint64_t resource_hash;  /* its path's, for every read's key (keys.resource_hash) */
 } FileReads;
 
-/* reads.record_read, inline: the read's record packed, as `Channel.read` packs it, and appended to the
-   channel's records. 0 once recorded or lost (an Exception loses the event, never reaching the reader;
-   one that cannot be packed is counted as dropped, as there); -1 with anything else set
-   (KeyboardInterrupt), as there. */
+/* Whether `text` holds "://": its colons found by memchr, whose code the interpreter keeps warm (memmem's
+   is ten times the size, and each file's first read missed it in the instruction cache). */
 static int
-record(FileReads *self, PyObject *position, Py_ssize_t nbytes, long long start, long long end)
+has_scheme_separator(const char *text, size_t size)
 {
-    PyObject *packed = NULL, *channel = read_channel();
-    PyObject *batch = SLOT(reads.context, reads.batch_offset);
-    PyObject *rows = channel ? SLOT(channel, reads.rows_offset) : NULL;
-    if (batch == NULL || rows == NULL || !PyList_CheckExact(rows)) {
-        goto failed;
-    }
-    if (self->keyed == 0) {  /* the file's first read: is its path a URL, and if not, its hash */
-        PyObject *path = self->path;
-        Py_ssize_t url = PyUnicode_KIND(path) == PyUnicode_1BYTE_KIND  /* most paths: a byte search, no call */
-                         ? (memmem(PyUnicode_DATA(path), PyUnicode_GET_LENGTH(path), "://", 3) == NULL ? -1 : 0)
-                         : PyUnicode_Find(path, scheme_separator, 0, PY_SSIZE_T_MAX, 1);
-        if (url == -2) {
-            goto failed;
-        }
-        /* A file's path is its resource (keys.resource_of); a URL, or a path with no UTF-8, keys.read_key keys. */
-        self->keyed = url == -1 && resource_hash_of(path, &self->resource_hash) == 0 ? 1 : -1;
-        PyErr_Clear();
-    }
-    uint64_t key;
-    long long offset = self->keyed == 1 ? PyLong_AsLongLong(position) : -1;
-    if (self->keyed == 1 && !(offset == -1 && PyErr_Occurred())) {
-        key = key_at(self->resource_hash, offset);
-    } else {
-        PyErr_Clear();
-        PyObject *hashed = PyObject_CallFunctionObjArgs(reads.read_key, self->path, position, NULL);
-        key = hashed ? PyLong_AsUnsignedLongLong(hashed) : 0;
-        Py_XDECREF(hashed);
-        if (PyErr_Occurred()) {
-            goto unpackable;
+    const char *end = text + size;
+    for (const char *colon = memchr(text, ':', size); colon != NULL; colon = memchr(colon + 1, ':', end - colon - 1)) {
+        if (end - colon >= 3 && colon[1] == '/' && colon[2] == '/') {
+            return 1;
         }
     }
-    long long batch_value = PyLong_AsLongLong(batch);
-    long verdict_value = PyLong_AsLong(self->verdict);
-    if (PyErr_Occurred()) {
-        goto unpackable;
-    }
-    if (verdict_value < -128 || verdict_value > 127) {
-        PyErr_SetString(PyExc_OverflowError, "a verdict is a signed byte");
-        goto unpackable;
-    }
-    packed = PyBytes_FromStringAndSize(NULL, READ_RECORD_SIZE);
-    if (packed == NULL) {
-        goto failed;
-    }
-    char *at = PyBytes_AS_STRING(packed);
-    put_le64(at, (uint64_t)batch_value);
-    put_le64(at + 8, key);
-    put_le64(at + 16, (uint64_t)nbytes);
-    put_le64(at + 24, (uint64_t)start);
-    put_le64(at + 32, (uint64_t)end);
-    at[40] = (char)verdict_value;
-    if (PyList_Append(rows, packed) < 0) {
-        goto failed;
-    }
-    Py_CLEAR(packed);
-    if (PyList_GET_SIZE(rows) >= reads.full) {
-        PyObject *done = PyObject_CallMethodNoArgs(channel, flush_full_name);
-        if (done == NULL) {
-            goto failed;
-        }
-        Py_DECREF(done);
-    }
-    Py_DECREF(channel);
     return 0;
-unpackable:
-    if (PyErr_ExceptionMatches(PyExc_Exception)) {
+}
+
+/* The file's first read: whether its path is a URL, and if not, its hash (keys.resource_of: a file's path is its
+   resource; a URL, or a path with no UTF-8, keys.read_key keys). 0, or -1 with an error set. */
+COLD static int
+key_the_file(FileReads *self)
+{
+    PyObject *path = self->path;
+    Py_ssize_t url = PyUnicode_KIND(path) == PyUnicode_1BYTE_KIND  /* most paths: a byte search, no call */
+                     ? (has_scheme_separator(PyUnicode_DATA(path), (size_t)PyUnicode_GET_LENGTH(path)) ? 0 : -1)
+                     : PyUnicode_Find(path, scheme_separator, 0, PY_SSIZE_T_MAX, 1);
+    if (url == -2) {
+        return -1;
+    }
+    self->keyed = url == -1 && resource_hash_of(path, &self->resource_hash) == 0 ? 1 : -1;
+    PyErr_Clear();
+    return 0;
+}
+
+/* The key keys.read_key gives the read at `position`: 0, or -1 with an error set. */
+COLD static int
+key_in_python(FileReads *self, long long position, uint64_t *key)
+{
+    PyObject *offset = PyLong_FromLongLong(position);
+    PyObject *hashed = offset ? PyObject_CallFunctionObjArgs(reads.read_key, self->path, offset, NULL) : NULL;
+    Py_XDECREF(offset);
+    *key = hashed ? PyLong_AsUnsignedLongLong(hashed) : 0;
+    Py_XDECREF(hashed);
+    return PyErr_Occurred() ? -1 : 0;
+}
+
+/* A record lost: an event that cannot be packed (`unpackable`, an Exception set) counted as dropped on the
+   channel. 0 with nothing set unless something other than an Exception is set: -1 with it. */
+COLD static int
+record_lost(PyObject *channel, int unpackable)
+{
+    if (unpackable && PyErr_ExceptionMatches(PyExc_Exception)) {
         PyErr_Clear();
         PyObject *counted = PyObject_CallMethodObjArgs(channel, drop_name, one, NULL);
         Py_XDECREF(counted);
     }
-failed:
-    Py_XDECREF(packed);
     Py_XDECREF(channel);
     if (!PyErr_Occurred()) {
         return 0;  /* unset or not a list: the AttributeError or TypeError record_read would drop */
@@ -617,6 +605,63 @@ failed:
         return 0;
     }
     return -1;
+}
+
+/* reads.record_read, inline: the read's record packed, as `Channel.read` packs it, and appended to the
+   channel's records. 0 once recorded or lost (an Exception loses the event, never reaching the reader;
+   one that cannot be packed is counted as dropped, as there); -1 with anything else set
+   (KeyboardInterrupt), as there. */
+static int
+record(FileReads *self, long long position, Py_ssize_t nbytes, long long start, long long end)
+{
+    PyObject *channel = read_channel();
+    PyObject *batch = SLOT(reads.context, reads.batch_offset);
+    PyObject *rows = channel ? SLOT(channel, reads.rows_offset) : NULL;
+    if (UNLIKELY(batch == NULL || rows == NULL || !PyList_CheckExact(rows))) {
+        return record_lost(channel, 0);
+    }
+    if (UNLIKELY(self->keyed == 0) && key_the_file(self) < 0) {
+        return record_lost(channel, 0);
+    }
+    uint64_t key;
+    if (self->keyed == 1) {
+        key = key_at(self->resource_hash, position);
+    } else if (key_in_python(self, position, &key) < 0) {
+        return record_lost(channel, 1);
+    }
+    long long batch_value = PyLong_AsLongLong(batch);
+    if (UNLIKELY(PyErr_Occurred())) {
+        return record_lost(channel, 1);
+    }
+    if (UNLIKELY(self->verdict_byte < -128 || self->verdict_byte > 127)) {
+        PyErr_SetString(PyExc_OverflowError, "a verdict is a signed byte");
+        return record_lost(channel, 1);
+    }
+    PyObject *packed = PyBytes_FromStringAndSize(NULL, READ_RECORD_SIZE);
+    if (UNLIKELY(packed == NULL)) {
+        return record_lost(channel, 0);
+    }
+    char *at = PyBytes_AS_STRING(packed);
+    put_le64(at, (uint64_t)batch_value);
+    put_le64(at + 8, key);
+    put_le64(at + 16, (uint64_t)nbytes);
+    put_le64(at + 24, (uint64_t)start);
+    put_le64(at + 32, (uint64_t)end);
+    at[40] = (char)self->verdict_byte;
+    int appended = PyList_Append(rows, packed);
+    Py_DECREF(packed);
+    if (UNLIKELY(appended < 0)) {
+        return record_lost(channel, 0);
+    }
+    if (UNLIKELY(PyList_GET_SIZE(rows) >= reads.full)) {
+        PyObject *done = PyObject_CallMethodNoArgs(channel, flush_full_name);
+        if (done == NULL) {
+            return record_lost(channel, 0);
+        }
+        Py_DECREF(done);
+    }
+    Py_DECREF(channel);
+    return 0;
 }
 
 static long long
@@ -644,7 +689,7 @@ file_of(FileReads *self)
 static struct {
     unsigned long thread;  /* 0: none */
     PyObject *path;
-    PyObject *position;
+    long long position;
     long long start;
 } the_open_read;
 
@@ -660,7 +705,7 @@ open_reads(PyObject *module, PyObject *unused)
     if (the_open_read.thread == 0) {
         return PyList_New(0);
     }
-    return Py_BuildValue("[(OOL)]", the_open_read.path, the_open_read.position, the_open_read.start);
+    return Py_BuildValue("[(OLL)]", the_open_read.path, the_open_read.position, the_open_read.start);
 }
 
 /* The bytes a read's result holds: an int (readinto), bytes (read, readall), None (nothing ready). */
@@ -676,14 +721,72 @@ bytes_read(PyObject *result)
     return PyLong_AsSsize_t(result);
 }
 
+/* The end of a timed read that returned `result` (a new reference) since `started`: recorded when it read bytes
+   or waited, and the position moved on. `result`, or NULL with an error set and `result` released. */
+static PyObject *
+read_done(FileReads *self, PyObject *result, long long position, long long started)
+{
+    Py_ssize_t nbytes = bytes_read(result);
+    if (UNLIKELY(nbytes == -1 && PyErr_Occurred())) {
+        Py_DECREF(result);
+        return NULL;
+    }
+    long long ended = monotonic_ns();
+    if ((nbytes || ended - started >= reads.empty_read_ns) &&
+        UNLIKELY(record(self, position, nbytes, started, ended) < 0)) {
+        Py_DECREF(result);
+        return NULL;
+    }
+    self->position = position + nbytes;
+    return result;
+}
+
+/* timed_read beside another read: a read inside one of this thread's recorded reads is that read's, and only
+   read; a read while another thread's is open is kept open under its thread in `context.reading`. */
+COLD static PyObject *
+timed_read_beside(FileReads *self, PyObject *method, PyObject *const *call, Py_ssize_t nargs, PyObject *reading,
+                  long long position)
+{
+    PyObject *result = NULL, *start = NULL, *open_read = NULL;
+    unsigned long ident = PyThread_get_thread_ident();
+    PyObject *thread = PyLong_FromUnsignedLong(ident);
+    int inside = thread == NULL ? -1 : the_open_read.thread == ident ? 1 : PyDict_Contains(reading, thread);
+    if (inside != 0) {
+        result = inside < 0 ? NULL : PyObject_Vectorcall(method, call, nargs, NULL);
+        goto done;
+    }
+    long long started = monotonic_ns();
+    start = PyLong_FromLongLong(started);
+    open_read = start ? Py_BuildValue("(OLO)", self->path, position, start) : NULL;
+    if (open_read == NULL || PyDict_SetItem(reading, thread, open_read) < 0) {
+        goto done;
+    }
+    result = PyObject_Vectorcall(method, call, nargs, NULL);
+    /* As `reading.pop(thread, None)` in a finally: a ReadSpan inside may have ended it already. */
+    PyObject *error_type, *error_value, *error_traceback;
+    PyErr_Fetch(&error_type, &error_value, &error_traceback);
+    if (PyDict_Contains(reading, thread) == 1 && PyDict_DelItem(reading, thread) < 0) {
+        PyErr_Clear();
+    }
+    PyErr_Restore(error_type, error_value, error_traceback);
+    if (result != NULL) {
+        result = read_done(self, result, position, started);
+    }
+done:
+    Py_XDECREF(thread);
+    Py_XDECREF(start);
+    Py_XDECREF(open_read);
+    return result;
+}
+
 /* reads.timed_read for `method(file, *args)`: timed, open in `context.reading` while it runs, recorded
    when it read bytes or waited, and the position moved on; a read inside another recorded read of this
    thread is that read's, and only read. */
 static PyObject *
 timed_read(FileReads *self, PyObject *method, PyObject *const *args, Py_ssize_t nargs)
 {
-    PyObject *call[3], *file = file_of(self);
-    if (file == NULL) {
+    PyObject *call[3], *result, *file = file_of(self);
+    if (UNLIKELY(file == NULL)) {
         return NULL;
     }
     call[0] = file;
@@ -691,81 +794,30 @@ timed_read(FileReads *self, PyObject *method, PyObject *const *args, Py_ssize_t 
         call[i + 1] = args[i];
     }
     PyObject *reading = SLOT(reads.context, reads.reading_offset);
-    if (reading == NULL || !PyDict_CheckExact(reading)) {
-        PyObject *result = PyObject_Vectorcall(method, call, nargs + 1, NULL);
+    if (UNLIKELY(reading == NULL || !PyDict_CheckExact(reading))) {
+        result = PyObject_Vectorcall(method, call, nargs + 1, NULL);
         Py_DECREF(file);
         return result;
     }
     Py_INCREF(reading);  /* a fork handler may put another in the slot meanwhile */
-    PyObject *result = NULL, *start = NULL, *open_read = NULL, *thread = NULL, *position = Py_NewRef(self->position);
-    unsigned long ident = PyThread_get_thread_ident();
-    long long started;
+    long long position = self->position;
     if (the_open_read.thread == 0 && PyDict_GET_SIZE(reading) == 0) {
         /* No other read open: this one is `the_open_read`, without an object made or a dict touched. */
-        started = monotonic_ns();
+        long long started = monotonic_ns();
         the_open_read.path = self->path;
         the_open_read.position = position;
         the_open_read.start = started;
-        the_open_read.thread = ident;
+        the_open_read.thread = PyThread_get_thread_ident();
         result = PyObject_Vectorcall(method, call, nargs + 1, NULL);
         the_open_read.thread = 0;
-        if (result == NULL) {
-            goto done;
+        if (result != NULL) {
+            result = read_done(self, result, position, started);
         }
     } else {
-        thread = PyLong_FromUnsignedLong(ident);
-        int inside = thread == NULL ? -1 : the_open_read.thread == ident ? 1 : PyDict_Contains(reading, thread);
-        if (inside != 0) {
-            result = inside < 0 ? NULL : PyObject_Vectorcall(method, call, nargs + 1, NULL);
-            goto done;
-        }
-        started = monotonic_ns();
-        start = PyLong_FromLongLong(started);
-        open_read = start ? PyTuple_Pack(3, self->path, position, start) : NULL;
-        if (open_read == NULL || PyDict_SetItem(reading, thread, open_read) < 0) {
-            goto done;
-        }
-        result = PyObject_Vectorcall(method, call, nargs + 1, NULL);
-        /* As `reading.pop(thread, None)` in a finally: a ReadSpan inside may have ended it already. */
-        PyObject *error_type, *error_value, *error_traceback;
-        PyErr_Fetch(&error_type, &error_value, &error_traceback);
-        if (PyDict_Contains(reading, thread) == 1 && PyDict_DelItem(reading, thread) < 0) {
-            PyErr_Clear();
-        }
-        PyErr_Restore(error_type, error_value, error_traceback);
-        if (result == NULL) {
-            goto done;
-        }
+        result = timed_read_beside(self, method, call, nargs + 1, reading, position);
     }
-    Py_ssize_t nbytes = bytes_read(result);
-    if (nbytes == -1 && PyErr_Occurred()) {
-        Py_CLEAR(result);
-        goto done;
-    }
-    long long ended = monotonic_ns();
-    if (nbytes || ended - started >= reads.empty_read_ns) {
-        if (record(self, position, nbytes, started, ended) < 0) {
-            Py_CLEAR(result);
-            goto done;
-        }
-    }
-    if (nbytes > 0) {
-        PyObject *count = PyLong_FromSsize_t(nbytes);
-        PyObject *moved = count ? PyNumber_Add(position, count) : NULL;
-        Py_XDECREF(count);
-        if (moved == NULL) {
-            Py_CLEAR(result);
-        } else {
-            Py_SETREF(self->position, moved);
-        }
-    }
-done:
     Py_DECREF(reading);
     Py_DECREF(file);
-    Py_DECREF(position);
-    Py_XDECREF(thread);
-    Py_XDECREF(start);
-    Py_XDECREF(open_read);
     return result;
 }
 
@@ -780,7 +832,12 @@ file_reads_seek(FileReads *self, PyObject *const *args, Py_ssize_t nargs)
     PyObject *moved = PyObject_Vectorcall(reads.file_seek, call, nargs + 1, NULL);
     Py_DECREF(file);
     if (moved != NULL) {
-        Py_XSETREF(self->position, Py_NewRef(moved));
+        long long position = PyLong_AsLongLong(moved);  /* lseek's: an off_t */
+        if (position == -1 && PyErr_Occurred()) {
+            Py_CLEAR(moved);
+        } else {
+            self->position = position;
+        }
     }
     return moved;
 }
@@ -803,25 +860,29 @@ file_reads_method_call(FileReadsMethod *self, PyObject *const *args, size_t narg
         PyErr_Format(PyExc_TypeError, "FileIO.%U() takes no keyword arguments", method_names[self->which]);
         return NULL;
     }
+    PyObject *method;
     switch (self->which) {
     case 0:
         if (nargs != 1) {
             PyErr_Format(PyExc_TypeError, "FileIO.readinto() takes exactly one argument (%zd given)", nargs);
             return NULL;
         }
-        return timed_read(self->reads, reads.file_readinto, args, 1);
+        method = reads.file_readinto;
+        break;
     case 1:
         if (nargs != 0) {
             PyErr_Format(PyExc_TypeError, "FileIO.readall() takes no arguments (%zd given)", nargs);
             return NULL;
         }
-        return timed_read(self->reads, reads.file_readall, NULL, 0);
+        method = reads.file_readall;
+        break;
     case 2:
         if (nargs > 1) {
             PyErr_Format(PyExc_TypeError, "read expected at most 1 argument, got %zd", nargs);
             return NULL;
         }
-        return timed_read(self->reads, reads.file_read, args, nargs);
+        method = reads.file_read;
+        break;
     default:
         if (nargs > 2) {
             PyErr_Format(PyExc_TypeError, "seek expected at most 2 arguments, got %zd", nargs);
@@ -829,6 +890,7 @@ file_reads_method_call(FileReadsMethod *self, PyObject *const *args, size_t narg
         }
         return file_reads_seek(self->reads, args, nargs);
     }
+    return timed_read(self->reads, method, args, nargs);  /* one call: one copy of it, in the cache */
 }
 
 static void
@@ -891,9 +953,9 @@ file_reads_method(FileReads *reads_of_file, int which)
 static PyTypeObject FileReadsType;
 
 /* A FileReads of `file` (held weakly) from `position`, or NULL with an error set. The path becomes an exact
-   str and the verdict and position exact ints (see FileReads: nothing it holds may lead back to the file). */
+   str and the verdict an exact int (see FileReads: nothing it holds may lead back to the file). */
 static PyObject *
-file_reads_of(PyObject *file, PyObject *path, PyObject *verdict, PyObject *position)
+file_reads_of(PyObject *file, PyObject *path, PyObject *verdict, long long position)
 {
     PyObject *weak = PyWeakref_NewRef(file, NULL);
     FileReads *self = weak ? PyObject_New(FileReads, &FileReadsType) : NULL;
@@ -905,21 +967,24 @@ file_reads_of(PyObject *file, PyObject *path, PyObject *verdict, PyObject *posit
     self->keyed = 0;
     self->path = PyUnicode_CheckExact(path) ? Py_NewRef(path) : PyUnicode_FromObject(path);
     self->verdict = PyNumber_Index(verdict);
-    self->position = PyNumber_Index(position);
-    if (self->path == NULL || self->verdict == NULL || self->position == NULL) {
+    self->position = position;
+    if (self->path == NULL || self->verdict == NULL) {
         Py_DECREF(self);
         return NULL;
     }
+    int overflow;
+    long byte = PyLong_AsLongAndOverflow(self->verdict, &overflow);
+    self->verdict_byte = overflow || byte < -128 || byte > 127 ? INT_MAX : (int)byte;
     return (PyObject *)self;
 }
 
 static PyObject *
 file_reads_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
 {
-    PyObject *file, *path, *verdict, *position;
+    PyObject *file, *path, *verdict;
+    long long position;
     static char *names[] = {"file", "path", "verdict", "position", NULL};
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OUOO!:FileReads", names, &file, &path, &verdict, &PyLong_Type,
-                                     &position)) {
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OUOL:FileReads", names, &file, &path, &verdict, &position)) {
         return NULL;
     }
     return file_reads_of(file, path, verdict, position);
@@ -930,7 +995,6 @@ file_reads_dealloc(FileReads *self)
 {
     Py_XDECREF(self->file);
     Py_XDECREF(self->path);
-    Py_XDECREF(self->position);
     Py_XDECREF(self->verdict);
     PyObject_Free(self);
 }
@@ -938,7 +1002,7 @@ file_reads_dealloc(FileReads *self)
 static PyObject *
 file_reads_position(FileReads *self, void *closure)
 {
-    return Py_NewRef(self->position);
+    return PyLong_FromLongLong(self->position);
 }
 
 static PyObject *
@@ -982,9 +1046,7 @@ captured_open(PyObject *opened, int binary, PyObject *path, PyObject *verdict)
 {
     PyObject *buffer = binary ? Py_NewRef(opened) : PyObject_GetAttr(opened, buffer_name);
     PyObject *file = buffer ? PyObject_GetAttr(buffer, raw_name) : NULL;
-    PyObject *start = file ? PyLong_FromLong(0) : NULL;
-    PyObject *recorder = start ? file_reads_of(file, path, verdict, start) : NULL;
-    Py_XDECREF(start);
+    PyObject *recorder = file ? file_reads_of(file, path, verdict, 0) : NULL;
     /* Straight into the instance dict, as PyObject_SetAttr would put them (io.FileIO has no data descriptor
        of these names), without looking each name up on the type first. All four or none: a file recording
        only some of its calls would miscount its reads. */
