@@ -197,8 +197,8 @@ def main() -> int:
         print(f"cachegrind's counts a sample {workload}, {extra} samples:")
         for figure in CACHE_FIGURES:
             plain, client = ((counted[side, many][figure] - counted[side, few][figure]) / extra for side in sides)
-            change = f"{100 * (client - plain) / plain:+.2f} %" if plain else "n/a"
-            print(f"  {figure}: {sides[0]} {plain:,.1f}, {sides[1]} {client:,.1f}, {client - plain:+,.1f} ({change})")
+            change = f" ({100 * (client - plain) / plain:+.2f} %)" if plain >= 100 else ""  # none of a handful
+            print(f"  {figure}: {sides[0]} {plain:,.1f}, {sides[1]} {client:,.1f}, {client - plain:+,.1f}{change}")
         return 0
     plain, client = per_sample.values()
     if options.pipeline:

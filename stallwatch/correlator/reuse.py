@@ -109,5 +109,7 @@ def _in_blocks(values: I64, weights: F64) -> F64:
     grid = np.concatenate((values, np.full(padding, -1, dtype=values.dtype))).reshape(blocks, _BLOCK)
     grid_weights = np.concatenate((weights, np.zeros(padding))).reshape(blocks, _BLOCK)
     larger = (grid[:, None, :] > grid[:, :, None]) & np.tri(_BLOCK, _BLOCK, -1, dtype=bool)  # [k, q, r]
-    out += np.matmul(larger.astype(np.float64), grid_weights[:, :, None]).reshape(-1)
+    # einsum's own loop, not a matrix product: no float copy of the table, and no call into BLAS, whose threads
+    # then spin on the other cores for a while (CPU the agent would be charged for)
+    out += np.einsum("kqr,kr->kq", larger, grid_weights).reshape(-1)
     return out[:m]
