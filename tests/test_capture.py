@@ -273,18 +273,19 @@ def test_a_captured_read_is_seen_in_flight_while_it_waits(capturing: Path, tmp_p
                 if record[0] == wire.OPEN_READ]
 
 
-def test_a_path_that_reads_as_a_url_is_keyed_as_read_key_keys_it(capturing: Path, datagrams: Datagrams,
-                                                                 tmp_path: Path) -> None:
+@pytest.mark.parametrize(("folder", "url"), [("a:", True), ("b:c::a:", True), ("a:b", False), ("a", False)])
+def test_a_path_is_keyed_as_read_key_keys_it_whatever_its_colons(capturing: Path, datagrams: Datagrams,
+                                                                 tmp_path: Path, folder: str, url: bool) -> None:
     """A file's path is its resource, unless it holds `://` (keys.resource_of): the C recording leaves
-    those to read_key."""
-    (tmp_path / "a:").mkdir()
-    name = f"/{tmp_path}/a://item.bin"  # `//tmp/...`: read as a URL, its host `tmp`
+    those to read_key, found past any colons before them."""
+    (tmp_path / folder).mkdir()
+    name = f"/{tmp_path}/{folder}//item:"  # `//tmp/...`: as a URL, its host `tmp`
     Path(name).write_bytes(b"z" * 64)
     with open(name, "rb") as f:
         f.read(10)  # the buffer's refill: the raw file's readinto
     transport.sender().flush_all()
     wait_for("the read", lambda: len(datagrams.rows("reads")) >= 1, 10)
-    assert keys.resource_of(name) != name
+    assert (keys.resource_of(name) != name) == url
     assert [row["key"] for d in datagrams.decoded for row in d.reads] == [read_key(name, 0)]
 
 
