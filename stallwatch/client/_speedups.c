@@ -737,7 +737,9 @@ read_done(FileReads *self, PyObject *result, long long position, long long start
         Py_DECREF(result);
         return NULL;
     }
-    self->position = position + nbytes;
+    if (nbytes > 0) {  /* else as a seek during the read left it */
+        self->position = position + nbytes;
+    }
     return result;
 }
 
