@@ -118,25 +118,29 @@ CACHE_FIGURES = {"instructions": ("Ir",), "I1 misses": ("I1mr",), "D1 misses": (
                  "last-level misses": ("ILmr", "DLmr", "DLmw")}
 
 
+def under_valgrind(tool: list[str], side: str, samples: int, folder: str, pipeline: bool) -> str:
+    """Run one child under valgrind's `tool` (its options, each process's output file `<out>.<pid>` in `folder`);
+    valgrind's report on stderr."""
+    name = tool[0].removeprefix("--tool=")
+    out = os.path.join(folder, f"{name}.{side}.{samples}")
+    command = ["setarch", "-R", "valgrind", *tool, f"--{name}-out-file={out}.%p", sys.executable, __file__,
+               "--child", side, str(samples), folder, *(["--pipeline"] if pipeline else [])]
+    return subprocess.run(command, capture_output=True, text=True, env={**os.environ, **ENV}, check=True).stderr
+
+
 def instructions(side: str, samples: int, folder: str, pipeline: bool = False) -> int:
     """The instructions of one child run under callgrind, of every process it forked (each its own file)."""
-    out = os.path.join(folder, f"callgrind.{side}.{samples}")
-    command = ["setarch", "-R", "valgrind", "--tool=callgrind", f"--callgrind-out-file={out}.%p", sys.executable,
-               __file__, "--child", side, str(samples), folder, *(["--pipeline"] if pipeline else [])]
-    done = subprocess.run(command, capture_output=True, text=True, env={**os.environ, **ENV}, check=True)
-    counts = [int(found) for found in re.findall(r"Collected : (\d+)", done.stderr)]
+    stderr = under_valgrind(["--tool=callgrind"], side, samples, folder, pipeline)
+    counts = [int(found) for found in re.findall(r"Collected : (\d+)", stderr)]
     if not counts:
-        raise RuntimeError(f"callgrind printed no count:\n{done.stderr[-2000:]}")
+        raise RuntimeError(f"callgrind printed no count:\n{stderr[-2000:]}")
     # A forked worker's count starts from its parent's at the fork, the same in the short and the long run.
     return sum(counts)
 
 
 def cache_counts(side: str, samples: int, folder: str, pipeline: bool = False) -> dict[str, int]:
     """CACHE_FIGURES of one child run under cachegrind with its cache simulation, every process summed."""
-    out = os.path.join(folder, f"cachegrind.{side}.{samples}")
-    command = ["setarch", "-R", "valgrind", "--tool=cachegrind", "--cache-sim=yes", f"--cachegrind-out-file={out}.%p",
-               sys.executable, __file__, "--child", side, str(samples), folder, *(["--pipeline"] if pipeline else [])]
-    subprocess.run(command, capture_output=True, text=True, env={**os.environ, **ENV}, check=True)
+    under_valgrind(["--tool=cachegrind", "--cache-sim=yes"], side, samples, folder, pipeline)
     events: dict[str, int] = {}
     for path in Path(folder).glob(f"cachegrind.{side}.{samples}.*"):
         lines = path.read_text().splitlines()
