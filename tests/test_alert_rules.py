@@ -123,8 +123,22 @@ CASES = (
         s(c.SPOKE_HUB_ERRORS, 'spoke="s1"', N1): "0+30x20",
         s(c.SPOKE_HUB_FETCH_DURATION, 'spoke="s1"', N1, suffix="_count"): "0+30x20",
         s(c.STALL_SECONDS, 'training_job="train"', N1, 'rank="0"', 'cause="remote_fetch"'): "0+30x20",
-    }, "15m", (({"spoke": "s1"}, "Spoke s1: 50% of fetches from the hub fail while training ranks reading "
-                                 "through it stall."),)),
+    }, "15m", (({"spoke": "s1"}, "Spoke s1: 50% of fetches from the hub (or of the nodes' probes of it) fail "
+                                 "while training ranks reading through it stall."),)),
+    Case("StallwatchHubFailingWhileTrainingStalls", {
+        # The hub accepts connections and answers nothing: no fetch ends, so none fails yet, but n1's probes of it
+        # time out (from minute 3 on), and n1's rank waits on its misses.
+        s(c.SPOKE_HUB_FETCH_DURATION, 'spoke="s1"', N1, suffix="_count"): "0+30x2 90x17",
+        s(c.SPOKE_HUB_PROBE_SUCCESS, 'spoke="s1"', N1): "1x2 0x17",
+        s(c.STALL_SECONDS, 'training_job="train"', N1, 'rank="0"', 'cause="remote_fetch"'): "0+1x2 2+60x17",
+    }, "15m", (({"spoke": "s1"}, "Spoke s1: 100% of fetches from the hub (or of the nodes' probes of it) fail "
+                                 "while training ranks reading through it stall."),)),
+    Case("StallwatchHubFailingWhileTrainingStalls", {
+        # A probe in three fails (a lossy link) and no fetch does: the hub still serves, whoever stalls.
+        s(c.SPOKE_HUB_FETCH_DURATION, 'spoke="s1"', N1, suffix="_count"): "0+30x20",
+        s(c.SPOKE_HUB_PROBE_SUCCESS, 'spoke="s1"', N1): " ".join(["1 1 0"] * 7),
+        s(c.STALL_SECONDS, 'training_job="train"', N1, 'rank="0"', 'cause="remote_fetch"'): "0+60x20",
+    }, "15m"),
     Case("StallwatchHubFailingWhileTrainingStalls", {  # the hub fails but nobody stalls on it
         s(c.SPOKE_HUB_ERRORS, 'spoke="s1"', N1): "0+30x20",
         s(c.SPOKE_HUB_FETCH_DURATION, 'spoke="s1"', N1, suffix="_count"): "0+30x20",

@@ -8,7 +8,9 @@ is scrapeable; instead each correlator sample is placed at the time it becomes s
 than that: onsets are exact, ends late). The spoke's counters are stamped at the scrape and need no
 shift. Input samples are a second apart, as scrapes every second would take them.
 
-Each alert must be raised while the outage lasts (firing before it ends when its `for` is shorter than
+Two outages: fetches through the spoke fail (refused, timed out), or the hub accepts connections and answers
+nothing, so no fetch fails and only the agents' probes of the hub (timing out) tell. Each alert must be raised
+while the outage lasts (firing before it ends when its `for` is shorter than
 the outage), have fired by its `for` plus the rate window plus 30 s after the cut, be firing then if the
 outage still lasts, and be gone a rate window plus the rules' lag after the outage ends.
 """
@@ -63,11 +65,18 @@ STEADY = Rates(stall_remote=0.02, stall_cache=0.01, hub_fetches=5, hub_errors=0,
 # Every rank waits on a fetch that cannot succeed, its GPU idle; the node's loader workers retry their
 # misses, each failing (a refused connection, a timeout): one failure every 2 s across the node.
 OUTAGE = Rates(stall_remote=1.0, stall_cache=0, hub_fetches=0, hub_errors=0.5, hits=0)
+# The hub accepts connections and answers nothing (a broken long-haul link): no fetch ends, so none fails
+# within the spoke's timeout; only the agents' probes of the hub, timing out, say so.
+HANGING = Rates(stall_remote=1.0, stall_cache=0, hub_fetches=0, hub_errors=0, hits=0)
+# The agents' probes with the collector's defaults: one every 15 s, given up after 5 s. The first to time out
+# ends at most interval + timeout after the cut; the first to succeed, an interval after the hub is back.
+PROBE_INTERVAL, PROBE_TIMEOUT = 15, 5
 
 
 @dataclass(frozen=True)
 class Run:
     outage: int  # seconds
+    during: Rates = OUTAGE
 
     @property
     def end(self) -> int:
@@ -89,24 +98,31 @@ class Run:
             value += per_second * seconds
         return " ".join(parts)
 
+    def probe_success(self) -> str:
+        """promtool's values, a second apart, of a node's probe gauge: 0 from the first probe that timed out
+        after the cut until the first that succeeds after the outage."""
+        failing_from, failing_until = CUT + PROBE_INTERVAL + PROBE_TIMEOUT, self.end + PROBE_INTERVAL
+        return f"1x{failing_from - 1} 0x{failing_until - failing_from - 1} 1x{self.settled + 60 - failing_until - 1}"
+
     def series(self) -> dict[str, str]:
         out: dict[str, str] = {}
         for node in NODES:
             target = (f'instance="{node}:9842"', f'node="{node}"')
             for rank in range(RANKS_PER_NODE):
                 who = (f'{c.JOB_LABEL}="{JOB}"', *target)
-                for cause, steady, outage in (("remote_fetch", STEADY.stall_remote, OUTAGE.stall_remote),
-                                              ("cache_read", STEADY.stall_cache, OUTAGE.stall_cache)):
+                for cause, steady, outage in (("remote_fetch", STEADY.stall_remote, self.during.stall_remote),
+                                              ("cache_read", STEADY.stall_cache, self.during.stall_cache)):
                     stalled = self.counter(steady, outage, shift=ARRIVAL)
                     out[selector(c.STALL_SECONDS, *who, f'rank="{rank}"', f'cause="{cause}"')] = stalled
                     out[selector(c.GPU_STALL_IDLE_SECONDS, *who, f'gpu="{rank}"', f'cause="{cause}"')] = stalled
             spoke = (f'spoke="{SPOKE}"', *target)
             out[selector(c.SPOKE_HUB_FETCH_DURATION, *spoke, suffix="_count")] = self.counter(
-                STEADY.hub_fetches, OUTAGE.hub_fetches)
-            out[selector(c.SPOKE_HUB_ERRORS, *spoke)] = self.counter(STEADY.hub_errors, OUTAGE.hub_errors)
-            out[selector(c.SPOKE_REQUESTS, *spoke, 'result="hit"')] = self.counter(STEADY.hits, OUTAGE.hits)
+                STEADY.hub_fetches, self.during.hub_fetches)
+            out[selector(c.SPOKE_HUB_ERRORS, *spoke)] = self.counter(STEADY.hub_errors, self.during.hub_errors)
+            out[selector(c.SPOKE_REQUESTS, *spoke, 'result="hit"')] = self.counter(STEADY.hits, self.during.hits)
             out[selector(c.SPOKE_REQUESTS, *spoke, 'result="miss"')] = self.counter(
-                STEADY.hub_fetches, OUTAGE.hub_errors)
+                STEADY.hub_fetches, self.during.hub_errors)
+            out[selector(c.SPOKE_HUB_PROBE_SUCCESS, *spoke)] = self.probe_success()
         return out
 
 
@@ -144,10 +160,11 @@ def checks(run: Run, alert: AlertRule) -> list[dict[str, object]]:
     return out
 
 
-@pytest.mark.parametrize("minutes", [10, 20], ids=["10m outage", "20m outage"])
+@pytest.mark.parametrize(("minutes", "during"), [(10, OUTAGE), (20, OUTAGE), (10, HANGING)],
+                         ids=["10m outage", "20m outage", "10m outage, the hub answering nothing"])
 def test_the_outage_alerts_fire_while_it_lasts_and_resolve_after(promtool: str, tmp_path: Path,
-                                                                   minutes: int) -> None:
-    run = Run(outage=minutes * 60)
+                                                                   minutes: int, during: Rates) -> None:
+    run = Run(outage=minutes * 60, during=during)
     tests = tmp_path / "live.test.yaml"
     tests.write_text(yaml.safe_dump({
         "rule_files": RULE_FILES,

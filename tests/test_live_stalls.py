@@ -33,6 +33,7 @@ from tests.conftest import ROOT, require_binary
 pytestmark = pytest.mark.slow
 STALL_THRESHOLD_S = 0.001  # the correlator's: shorter waits are not stalls
 STARVED = "StallwatchGPUsStarvedByRemoteFetches"
+HUB_FAILING = "StallwatchHubFailingWhileTrainingStalls"
 
 
 class Items(Dataset[bytes]):
@@ -194,42 +195,49 @@ def test_a_short_jobs_series_reach_the_agent_within_3_s_of_its_end(
     print(f"the short job's last seconds on /metrics {reached - truth['ended']:.2f} s after its end")
 
 
+Outage = tuple[Outcome, dict[str, dict[str, list[float]]]]
+
+
 @pytest.fixture(scope="module")
-def outage(tmp_path_factory: pytest.TempPathFactory) -> tuple[Outcome, dict[str, list[float]]]:
-    """The demo with a 60 s outage, cut 22 s in (so the job trains 92 s), and the times Prometheus had
-    the starvation alert pending and firing."""
+def outage(tmp_path_factory: pytest.TempPathFactory) -> Outage:
+    """The demo with a 60 s outage, cut 22 s in (so the job trains 92 s), and per alert (the starvation and the
+    failing-hub alerts) the times Prometheus had it pending and firing. The demo's hub answers nothing while
+    cut, as a broken long-haul link does: no fetch through the spoke fails within its timeout."""
     for binary, package in (("nginx", "nginx-light"), ("prometheus", "prometheus"),
                             ("prometheus-alertmanager", "prometheus-alertmanager")):
         require_binary(binary, package)
     settings = Settings(duration=40, shards=48, shard_mib=1, bandwidth_mbit=100, outage=True, outage_seconds=60,
                         quiet=True, workdir=tmp_path_factory.mktemp("outage"))
-    states: dict[str, list[float]] = {}
+    states: dict[str, dict[str, list[float]]] = {STARVED: {}, HUB_FAILING: {}}
 
     def alert_states(prometheus: str | None, agent: str) -> None:
         assert prometheus is not None
-        reply = query(prometheus, f'ALERTS{{alertname="{STARVED}"}}[10m]')["data"]["result"]
-        for series in reply:
-            states.setdefault(series["metric"]["alertstate"], []).extend(float(at) for at, _ in series["values"])
+        for alert, by_state in states.items():
+            for series in query(prometheus, f'ALERTS{{alertname="{alert}"}}[10m]')["data"]["result"]:
+                by_state.setdefault(series["metric"]["alertstate"], []).extend(
+                    float(at) for at, _ in series["values"])
 
     return Demo(settings).run(while_running=alert_states), states
 
 
-def test_the_outage_alert_fires_during_the_outage(outage: tuple[Outcome, dict[str, list[float]]]) -> None:
-    """The starvation alert, not firing when the hub is cut, fires while it is still cut, and no later than
-    the cut plus its `for`, its rate window and 30 s: the stall is booked as it lasts, not after the outage."""
+@pytest.mark.parametrize(("alert", "for_"), [(STARVED, DEMO_THRESHOLDS.gpu_starved_for),
+                                             (HUB_FAILING, DEMO_THRESHOLDS.hub_failing_for)])
+def test_the_outage_alerts_fire_during_the_outage(outage: Outage, alert: str, for_: str) -> None:
+    """Each alert, not firing when the hub is cut, fires while it is still cut, and no later than the cut plus its
+    `for`, its rate window and 30 s: the stall is booked as it lasts, not after the outage, and a hub that
+    answers nothing fails the agent's probes of it long before any fetch gives up."""
     outcome, states = outage
     cut = outcome.cut_at
-    assert cut is not None and STARVED in outcome.fired_at, (outcome.alerts, states)
-    firing = states.get("firing", [])
+    assert cut is not None and alert in outcome.fired_at, (outcome.alerts, states)
+    firing = states[alert].get("firing", [])
     assert not [at for at in firing if cut - 2.0 <= at <= cut], "already firing when the hub was cut"
     fired = min(at for at in firing if at > cut)
-    pending = min(at for at in states.get("pending", []) if at > cut - 2.0)
-    received = outcome.fired_at[STARVED]
+    pending = min(at for at in states[alert].get("pending", []) if at > cut - 2.0)
+    received = outcome.fired_at[alert]
     since_cut = {"pending": pending - cut, "firing": fired - cut, "received": received - cut}
-    deadline = cut + duration_seconds(DEMO_THRESHOLDS.gpu_starved_for) + duration_seconds(
-        DEMO_THRESHOLDS.rate_window) + 30.0
+    deadline = cut + duration_seconds(for_) + duration_seconds(DEMO_THRESHOLDS.rate_window) + 30.0
     assert fired <= received < min(cut + 60.0, deadline), since_cut
-    print(f"starvation alert after the cut (s): {since_cut}")
+    print(f"{alert} after the cut (s): {since_cut}")
 
 
 def test_the_demos_live_line_shows_a_stall_from_the_last_scrapes() -> None:

@@ -85,7 +85,9 @@ class Settings(HubSettings):
     workers: int = 4
     batch_size: int = 2
     outage: bool = False
-    outage_seconds: float = 30.0
+    # Long enough for the alerts to fire while the hub is still cut: about 35 s (the stall and probe-failure shares
+    # over the 30 s rate window, then a 10 s `for`).
+    outage_seconds: float = 60.0
     window_seconds: float = CorrelatorSettings().window_s
     prices: pricing.Prices = field(default_factory=pricing.Prices)  # the report's
     workdir: Path = field(default_factory=lambda: Path("stallwatch-demo"))

@@ -125,6 +125,11 @@ def spoke_alerts(t: Thresholds) -> tuple[AlertRule, ...]:
     best = f"max_over_time({ratio}[{t.hit_ratio_baseline_window}])"
     hub_errors = by("spoke", "sum", rate(c.SPOKE_HUB_ERRORS, t.rate_window))
     hub_fetches = by("spoke", "sum", rate(c.SPOKE_HUB_FETCH_DURATION, t.rate_window, suffix="_count"))
+    # The share of a window's probes that failed: each scrape reads the last probe's result.
+    probe_success = f"avg_over_time({selector(c.SPOKE_HUB_PROBE_SUCCESS)}[{t.rate_window}])"
+    probes_failed = f"1 - {by('spoke', 'avg', probe_success)}"
+    failing = (f"({_share(hub_errors, hub_fetches)} > {t.hub_error_ratio}) "
+               f"or ({probes_failed} > {t.hub_probe_failure_ratio})")
     stalling = f"{_stall_share_by_spoke(t)} > {t.hub_failing_stall_ratio}"
     hub_bytes = by("", "sum", increase(c.SPOKE_BYTES, "1h", 'source="hub"'))
     egress_usd = f"{hub_bytes} / 1e9 * {t.egress_price_usd_per_gb}"
@@ -147,12 +152,15 @@ def spoke_alerts(t: Thresholds) -> tuple[AlertRule, ...]:
         ),
         AlertRule(
             name=f"{ALERT_PREFIX}HubFailingWhileTrainingStalls",
-            expr=f"({_share(hub_errors, hub_fetches)} > {t.hub_error_ratio}) and on (spoke) ({stalling})",
+            expr=f"({failing}) and on (spoke) ({stalling})",
             for_=t.hub_failing_for, severity="critical",
             summary="The hub is unreachable or failing while training ranks stall.",
-            description="Spoke {{ $labels.spoke }}: {{ $value | humanizePercentage }} of fetches from the hub fail "
-                        "while training ranks reading through it stall.",
-            runbook="Fetches from the spoke to the hub fail (upstream errors, timeouts, refused connections) and "
+            description="Spoke {{ $labels.spoke }}: {{ $value | humanizePercentage }} of fetches from the hub (or of "
+                        "the nodes' probes of it) fail while training ranks reading through it stall.",
+            runbook="Fetches from the spoke to the hub fail (upstream errors, timeouts, refused connections), or "
+                    f"more than {t.hub_probe_failure_ratio:.0%} of the node agents' probes of the hub do (a hub "
+                    "that accepts connections and answers nothing fails no fetch until the spoke gives up, "
+                    "minutes later), and "
                     "the training ranks reading through that spoke are stalling: every miss now blocks a loader "
                     f"worker. A rank reads through the spoke when its node's agent reports that spoke (a spoke "
                     f"collector, the hub probe or the correlator's what-if); the alert needs one such rank "

@@ -67,6 +67,10 @@ class Thresholds:
     hit_ratio_for: str = field(default="10m", metadata=_doc("How long the regression lasts before the alert."))
     hub_error_ratio: float = field(default=0.05, metadata=_doc(
         "Share of hub fetches that fail (all of them when the hub is unreachable) while ranks stall."))
+    hub_probe_failure_ratio: float = field(default=0.5, metadata=_doc(
+        "Share of the node agents' probes of a hub over the rate window that failed, past which the hub counts as "
+        "failing too: a hub that accepts connections and answers nothing fails no fetch until the spoke's own "
+        "timeout (nginx: a minute or more), but its probes time out within seconds."))
     hub_failing_stall_ratio: float = field(default=0.05, metadata=_doc(
         "Share of its time a rank reading through a failing spoke must spend stalled for the hub alert to "
         "fire (5 %: TensorFlow's 'moderately input-bound')."))
