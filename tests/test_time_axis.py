@@ -190,6 +190,25 @@ def test_a_stall_reported_open_is_booked_and_published_as_each_of_its_windows_cl
     assert sum(sum(g.idle_s) for p in published for g in p.result.gpus) == pytest.approx(30.0, abs=0.01)
 
 
+def test_a_wait_open_longer_than_the_ranks_are_remembered_keeps_its_batch_and_its_cause() -> None:
+    """A rank waits 150 s (2 s to 152 s), past twice the retention, after which a rank that took no step is
+    forgotten as gone. Its worker 0 reads the awaited batch 20 throughout; worker 1, which handed batch 19 over
+    before the wait and reports so at every flush, reads batch 21. The rank is waiting, not gone: every window
+    of the wait books it to the open read of batch 20 (remote_fetch), never to batch 19's handover (delivery)."""
+    results: list[WindowResult] = []
+    correlator = CorrelatorPipeline(FIVE_S, listeners=[results.append])
+    reports = [in_flight(0, 0, 2.0, 152.0, wire.OPEN_WAIT), in_flight(0, 0, 2.0, 151.5, wire.OPEN_READ, 20, 0),
+               in_flight(0, 0, 2.0, 152.0, wire.OPEN_BATCH, 20, 0),
+               in_flight(0, 0, 1.9, 152.0, wire.OPEN_HANDED, 19, 1), in_flight(0, 0, 2.0, 152.0, wire.OPEN_READ, 21, 1)]
+    correlator.run(in_time_order([gpu_idle_while(2.0, 152.0, 165.0), regular(0, 0, 0.0, 2.0),
+                                  miss(0, 0, 20, 2.0, 151.5), steps(0, 0, [(2.0, 152.0, 152.1)], first_batch=20),
+                                  regular(0, 0, 152.1, 165.0, first_batch=21), *reports]))
+    pieces = by_window(results)
+    assert sum(split.sum() for split in pieces.values()) == pytest.approx(150.0, abs=1e-6)
+    for start in np.arange(5.0, 150.0, 5.0):
+        assert pieces[start][REMOTE] == pytest.approx(5.0), (start, pieces[start])
+
+
 @pytest.mark.parametrize("outage_s", [30.0, 60.0, 600.0])
 def test_the_window_file_draws_an_open_stall_where_the_gpu_idles(outage_s: float, tmp_path: Path) -> None:
     """Default windows (0.5 s); a hub outage of 30 s, 60 s or 10 min reported open as it lasts: the report's

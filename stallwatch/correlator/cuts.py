@@ -189,12 +189,15 @@ class EarlyBooking:
 
     def forget_before(self, ns: int) -> None:
         """Let go of waits booked longer than the retention before `ns` (a wait whose step never came: its process
-        died) and of ranks that stepped last twice that long before (they left). A rank is kept while an open
-        record older than its last step can still be at hand (the retention), so that record is never taken
-        for a wait still open."""
+        died) and of ranks that stepped last twice that long before and wait for nothing booked since (they left).
+        A rank is kept while an open record older than its last step can still be at hand (the retention), so that
+        record is never taken for a wait still open, and while its wait is still being booked: the batch it took
+        last says which one it waits for (without it, the oldest batch its workers report, one handed over before
+        the wait, would turn a long outage into delivery)."""
         self._until = {key: until for key, until in self._until.items() if until >= ns - self._retention_ns}
+        waiting = {(job, rank) for job, rank, _ in self._until}
         self._stepped = {key: s for key, s in self._stepped.items()
-                         if s.until_ns >= ns - 2 * self._retention_ns or s.until_ns < 0}
+                         if s.until_ns >= ns - 2 * self._retention_ns or s.until_ns < 0 or key in waiting}
 
 
 FOREVER = np.iinfo(np.int64).max
