@@ -4,12 +4,17 @@ and the spoke's counters; the flags' help says the defaults the demo uses; where
 from __future__ import annotations
 
 import json
+import os
+import socket
+import time
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import pytest
 
 from stallwatch import catalogue as c
 from stallwatch.demo.epochs import EpochFigures, WindowFile, epoch_line, spoke_requests
+from stallwatch.demo.hub import Hub
 from stallwatch.demo.outputs import files_left
 from stallwatch.demo.run import Demo, Settings, main
 from stallwatch.harness import Samples
@@ -122,3 +127,25 @@ def test_the_demo_says_where_its_files_stay_and_how_big(tmp_path: Path) -> None:
     (tmp_path / "report.html").write_bytes(b"y" * 1_000_000)
     assert files_left(tmp_path).startswith(f"files left in {tmp_path}: 4 MB (")
     assert files_left(tmp_path).endswith(f"rm -r {tmp_path} removes them")
+
+
+def test_a_fetch_whose_client_left_during_an_outage_ends_without_a_traceback(
+        tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    """The spoke gives up on a fetch the outage holds (nginx at its read timeout) and closes it; when the hub
+    answers, its write fails, and the demo's terminal must not get the server's traceback for it."""
+    (tmp_path / "shard").write_bytes(os.urandom(4 << 20))
+    hub = Hub(tmp_path, rtt_seconds=0.0, bandwidth_bytes_per_second=1e9).start()
+    try:
+        hub.cut_for(0.5)
+        address = urlsplit(hub.url)
+        with socket.create_connection((address.hostname, address.port)) as client:
+            client.sendall(b"GET /shard HTTP/1.1\r\nHost: hub\r\n\r\n")
+        hub.wait_out_outage()
+        deadline = time.monotonic() + 5.0
+        while hub.requests == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.5)  # the handler's writes meet the closed connection
+        assert hub.requests == 1
+    finally:
+        hub.close()
+    assert "Traceback" not in capfd.readouterr().err

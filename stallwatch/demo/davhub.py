@@ -19,7 +19,7 @@ from typing import Any
 from urllib.parse import quote, unquote, urlsplit
 from xml.sax.saxutils import escape
 
-from stallwatch.demo.hub import Hub
+from stallwatch.demo.hub import Hub, OutageHandler
 
 
 class DavHub:
@@ -59,7 +59,7 @@ def _byte_range(header: str | None, size: int) -> tuple[int, int] | None:
     return start, max(end - start + 1, 0)
 
 
-class _DavHandler(BaseHTTPRequestHandler):
+class _DavHandler(OutageHandler, BaseHTTPRequestHandler):  # named too: lint knows do_* by it
     dav: DavHub
     protocol_version = "HTTP/1.1"
 
