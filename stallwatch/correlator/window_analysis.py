@@ -252,9 +252,13 @@ class WindowAnalyser:
               spans: Mapping[int, Spans], waiting: set[int]) -> tuple[JobRow, ...]:
         """Per job, the window's warm-up row; `reads` are the window's own, with their resolved `verdict`, and
         `read_batches` their batches, taken only for a forecast that wants them. Only the reads that crossed a spoke
-        count towards its hit ratio."""
+        count towards its hit ratio, and of those only the ones that got bytes: a fetch that failed (the hub out,
+        the spoke's miss ending in an error) says nothing of how warm the cache is, as the what-if leaves it out."""
         read_jobs = reads["job"]
         missed, hit, direct = (reads["verdict"] == verdict for verdict in (Verdict.MISS, Verdict.HIT, Verdict.DIRECT))
+        if not reads["bytes"].all():
+            fetched = reads["bytes"] > 0
+            missed, hit = missed & fetched, hit & fetched
         for job, first in self._earliest(steps, reads).items():
             self._first_seen[job] = min(self._first_seen.get(job, first), first)
         step_seconds = (steps.compute_end - steps.wait_start) / 1e9
