@@ -141,10 +141,8 @@ class OutageHandler(BaseHTTPRequestHandler):
     terminal gets no traceback for it."""
 
     def handle(self) -> None:
-        try:
+        with contextlib.suppress(BrokenPipeError, ConnectionResetError):
             super().handle()
-        except (BrokenPipeError, ConnectionResetError):
-            self.close_connection = True
 
 
 class _HubHandler(OutageHandler):
