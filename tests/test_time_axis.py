@@ -66,13 +66,20 @@ def regular(job: int, rank: int, start_s: float, end_s: float, first_batch: int 
     return steps(job, rank, [(t, t + 0.0005, t + 0.1) for t in starts], first_batch)
 
 
+def reads(batches: list[int], starts_s: list[float], ends_s: list[float], verdict: int = Verdict.MISS,
+          nbytes: int = 4096, job: int = 0, rank: int = 0) -> EventBatch:
+    """A read by worker 0 of each batch, from its start to its end, of `nbytes` (0: a fetch that failed)."""
+    n = len(batches)
+    return EventBatch("read", {"job": np.full(n, job, np.int32), "rank": np.full(n, rank, np.int32),
+                               "worker": np.zeros(n, np.int16), "batch": np.array(batches, np.int64),
+                               "key": np.array(batches, np.uint64), "bytes": np.full(n, nbytes, np.int64),
+                               "start_ns": np.array([ns(t) for t in starts_s], np.int64),
+                               "end_ns": np.array([ns(t) for t in ends_s], np.int64),
+                               "verdict": np.full(n, verdict, np.int8)})
+
+
 def miss(job: int, rank: int, batch: int, start_s: float, end_s: float) -> EventBatch:
-    return EventBatch("read", {"job": np.array([job], np.int32), "rank": np.array([rank], np.int32),
-                               "worker": np.zeros(1, np.int16), "batch": np.array([batch], np.int64),
-                               "key": np.array([batch], np.uint64), "bytes": np.array([4096], np.int64),
-                               "start_ns": np.array([ns(start_s)], np.int64),
-                               "end_ns": np.array([ns(end_s)], np.int64),
-                               "verdict": np.array([Verdict.MISS], np.int8)})
+    return reads([batch], [start_s], [end_s], job=job, rank=rank)
 
 
 def gpu_idle_while(start_s: float, end_s: float, until_s: float) -> EventBatch:
@@ -243,31 +250,23 @@ def test_the_window_file_draws_an_open_stall_where_the_gpu_idles(outage_s: float
     assert total == pytest.approx(outage_s, abs=1e-6)
 
 
-def fetches(batches: range, at_s: list[float], verdict: int, nbytes: int) -> EventBatch:
-    """One read of 0.05 s for each batch, ending at its time, of `nbytes` (0: a fetch that failed)."""
-    n = len(at_s)
-    return EventBatch("read", {"job": np.zeros(n, np.int32), "rank": np.zeros(n, np.int32),
-                               "worker": np.zeros(n, np.int16), "batch": np.array(list(batches), np.int64),
-                               "key": np.array(list(batches), np.uint64), "bytes": np.full(n, nbytes, np.int64),
-                               "start_ns": np.array([ns(t - 0.05) for t in at_s], np.int64),
-                               "end_ns": np.array([ns(t) for t in at_s], np.int64),
-                               "verdict": np.full(n, verdict, np.int8)})
-
-
 def test_fetches_that_fail_through_an_outage_do_not_make_a_warm_cache_cold() -> None:
     """A job steady on hits (0 to 20 s) waits 20 s for the hub (20 to 40 s), its worker's fetch failing every 2 s
     (the spoke's miss ends with an error, no bytes), then hits again. A failed fetch says the hub is out, not
     that the cache is cold: no window of the outage calls the job cold."""
     results: list[WindowResult] = []
     correlator = CorrelatorPipeline(CorrelatorSettings(), listeners=[results.append])
+
+    def fetches(first: int, ends_s: list[float], verdict: int, nbytes: int = 4096) -> EventBatch:
+        return reads(list(range(first, first + len(ends_s))), [t - 0.05 for t in ends_s], ends_s, verdict, nbytes)
+
     hits_before = [t + 0.09 for t in np.arange(0.0, 20.0, 0.1)]
     retries = list(np.arange(22.0, 40.0, 2.0))
     hits_after = [t + 0.09 for t in np.arange(40.1, 50.0, 0.1)]
     correlator.run(in_time_order([
-        regular(0, 0, 0.0, 20.0), fetches(range(0, 200), hits_before, Verdict.HIT, 4096),
-        fetches(range(200, 200 + len(retries)), retries, Verdict.MISS, 0),
+        regular(0, 0, 0.0, 20.0), fetches(0, hits_before, Verdict.HIT), fetches(200, retries, Verdict.MISS, 0),
         steps(0, 0, [(20.0, 40.0, 40.1)], first_batch=200), regular(0, 0, 40.1, 50.0, first_batch=201),
-        fetches(range(201, 201 + len(hits_after)), hits_after, Verdict.HIT, 4096)]))
+        fetches(201, hits_after, Verdict.HIT)]))
     phases = {(r.start_ns - BASE_NS) / S: job.phase for r in results for job in r.jobs}
     assert phases[19.5] == "steady"
     assert not [start for start, phase in phases.items() if start > 10.0 and phase == "cold"], phases
