@@ -18,7 +18,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from stallwatch import catalogue
 from stallwatch.client import wire
-from stallwatch.correlator.attribution import Reads, Steps, attribute, gpu_idle_in_stalls
+from stallwatch.correlator.attribution import Reads, Steps, attribute, gpu_idle_in_stalls, with_retry_backoff
 from stallwatch.correlator.eventfile import EventFileError, EventFileWriter, read_events, recorded_wall_offset
 from stallwatch.correlator.intervals import (
     composite_key,
@@ -171,6 +171,33 @@ def test_worked_example_of_the_docs() -> None:
     idle = gpu_idle_in_stalls(steps, split, sample_ts=a(50 * ms, 100 * ms), sample_period=a(50 * ms, 50 * ms),
                               sample_gpu=a(0, 0), sample_util=np.zeros(2, np.float32))
     assert (idle[0] / ms).tolist() == [30, 20, 0, 30, 10, 10]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 1), st.integers(-1, 2), st.integers(0, 2), st.integers(0, 60),
+                          st.integers(0, 9), st.booleans()), min_size=1, max_size=24))
+def test_a_failed_fetch_lasts_until_its_batch_tries_the_same_key_again(
+        rows: list[tuple[int, int, int, int, int, bool]]) -> None:
+    """Against the rule read one fetch at a time: a failed fetch of a batch (rank, batch, key, start, length) is a
+    miss; it ends where the batch's next read (the first to start once it ended) begins when that read has its
+    key, stays as it was when that read has another, and lasts until now when there is none."""
+    rank, batch, key, start, length, failed = (np.array(column, dtype=np.int64) for column in zip(*rows, strict=True))
+    reads = Reads(job=np.zeros(rank.size, np.int32), rank=rank.astype(np.int32), batch=batch, start=start,
+                  end=start + length, verdict=np.full(rank.size, Verdict.HIT, np.int8))
+    now = 100
+    extended = with_retry_backoff(reads, key.astype(np.uint64), np.flatnonzero(failed), now)
+    for i in range(rank.size):
+        expected = start[i] + length[i]
+        if failed[i] and batch[i] >= 0:
+            later = [j for j in range(rank.size) if j != i and (rank[j], batch[j]) == (rank[i], batch[i])
+                     and start[j] >= start[i] + length[i]]
+            following = min(later, key=lambda j: (start[j], later.index(j))) if later else None
+            if following is None:
+                expected = max(expected, now)
+            elif key[following] == key[i]:
+                expected = start[following]
+        assert extended.end[i] == expected, (i, rows)
+        assert extended.verdict[i] == (Verdict.MISS if failed[i] else Verdict.HIT)
 
 
 def test_reads_that_cross_no_spoke_are_direct_reads_after_misses_and_before_hits() -> None:

@@ -38,19 +38,30 @@ HUB_FAILING = "StallwatchHubFailingWhileTrainingStalls"
 
 class Items(Dataset[bytes]):
     """Small files, each read through the client (`ReadSpan`); the read of item `hang_index` hangs
-    `hang_s` inside its span (a remote read that does not answer), and says on stdout when it began."""
+    `hang_s` inside its span (a remote read that does not answer), or with `fail_fast` fails at once and is
+    retried after a second's back-off for `hang_s` (a spoke answering an error for an unreachable hub), and
+    says on stdout when that began."""
 
-    def __init__(self, folder: str, items: int, hang_index: int, hang_s: float) -> None:
+    def __init__(self, folder: str, items: int, hang_index: int, hang_s: float, fail_fast: bool = False) -> None:
         self.folder, self.items, self.hang_index, self.hang_s = Path(folder), items, hang_index, hang_s
+        self.fail_fast = fail_fast
 
     def __len__(self) -> int:
         return self.items
 
     def __getitem__(self, index: int) -> bytes:
         path = self.folder / str(index % 8)
+        if index == self.hang_index:
+            started = time.time()
+            print(json.dumps({"hang_started": started}), flush=True)
+            while self.fail_fast and time.time() < started + self.hang_s:
+                try:
+                    with ReadSpan(str(path)):
+                        raise ConnectionError("502 Bad Gateway")
+                except ConnectionError:
+                    time.sleep(1.0)
         with ReadSpan(str(path)) as span:
-            if index == self.hang_index:
-                print(json.dumps({"hang_started": time.time()}), flush=True)
+            if index == self.hang_index and not self.fail_fast:
                 time.sleep(self.hang_s)
             data = path.read_bytes()
             span.bytes = len(data)
@@ -64,7 +75,8 @@ def job(options: dict[str, Any]) -> None:
     folder = Path(options["folder"])
     for name in range(8):
         (folder / str(name)).write_bytes(os.urandom(4096))
-    dataset = Items(str(folder), options["items"], options.get("hang_index", -1), options.get("hang_s", 0.0))
+    dataset = Items(str(folder), options["items"], options.get("hang_index", -1), options.get("hang_s", 0.0),
+                    options.get("fail_fast", False))
     loader = instrument(DataLoader(dataset, batch_size=4, num_workers=2), job=options["job"], rank=0)
     computed = stalled = 0.0
     deadline = time.monotonic() + options["train_s"]
@@ -127,13 +139,16 @@ def prometheus_stalls(prometheus: str, name: str) -> dict[str, float]:
     return {r["metric"]["cause"]: float(r["value"][1]) for r in reply["data"]["result"]}
 
 
+@pytest.mark.parametrize("fail_fast", [False, True], ids=["hanging", "failing fast"])
 def test_a_hanging_reads_stall_is_booked_while_it_lasts(
-        agent: AgentProcess, prometheus: Server, socket: str, tmp_path: Path) -> None:
+        agent: AgentProcess, prometheus: Server, socket: str, tmp_path: Path, fail_fast: bool) -> None:
     """A worker's read hangs 20 s; 12 s into it the agent and Prometheus (1 s scrapes) hold 8 s or more of
     the rank's stall, nearly all remote_fetch (an open read that long is a miss): the counter rises with the
-    stall, within about 2 s of real time, not when the batch finally arrives."""
+    stall, within about 2 s of real time, not when the batch finally arrives. Alike when the read fails at
+    once, again and again, the worker sleeping a second between tries: the back-off waits on the hub too
+    (booked as the worker's own work, `preprocess`, before)."""
     process = start_job(socket, folder=str(tmp_path), job="hang", items=400, hang_index=160, hang_s=20.0,
-                        compute_s=0.05, train_s=1.0)
+                        compute_s=0.05, train_s=1.0, fail_fast=fail_fast)
     try:
         hang_started = next_line(process)["hang_started"]
         before = stalls(scrape(agent.url), "hang")

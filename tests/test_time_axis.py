@@ -272,6 +272,49 @@ def test_fetches_that_fail_through_an_outage_do_not_make_a_warm_cache_cold() -> 
     assert not [start for start, phase in phases.items() if start > 10.0 and phase == "cold"], phases
 
 
+def backoff_run(next_key: int) -> tuple[list[WindowResult], list[Publication]]:
+    """One rank waiting 30 s (2 s to 32 s) for batch 20, reported open as the client does. Its worker's fetch of
+    key 20 fails fast every second (5 ms, no bytes: a spoke answering for an unreachable hub, which latency alone
+    calls a hit), sleeping 1 s between tries, until at 30.5 s it reads key `next_key` of the batch: a miss until
+    31.5 s, then half a second of decoding."""
+    results: list[WindowResult] = []
+    published: list[Publication] = []
+    hold = WindowHold(60.0, [published.append], wall_offset=lambda: 0)
+    correlator = CorrelatorPipeline(FIVE_S, listeners=[results.append, hold.add])
+    tries = [2.0 + k * 1.005 for k in range(29)]
+    failed = reads([20] * len(tries), tries, [t + 0.005 for t in tries], Verdict.HIT, nbytes=0)
+    last = reads([20], [30.5], [31.5])
+    last.columns["key"][:] = next_key
+    reports = [in_flight(0, 0, 2.0, 32.0, wire.OPEN_WAIT), in_flight(0, 0, 2.0, 32.0, wire.OPEN_BATCH, 20, 0)]
+    correlator.run(in_time_order([regular(0, 0, 0.0, 2.0), failed, last, steps(0, 0, [(2.0, 32.0, 32.1)], 20),
+                                  regular(0, 0, 32.1, 45.0, first_batch=21), *reports]))
+    hold.flush()
+    return results, published
+
+
+def test_the_back_off_between_failed_fetches_is_booked_remote_fetch_while_it_lasts() -> None:
+    """The worker sleeping between fetches that fail is waiting on the hub: `remote_fetch`, as the outage goes
+    on and in total, not `preprocess` (the sleeps) or `cache_read` (the failures, fast)."""
+    results, published = backoff_run(next_key=20)
+    live = by_window([p.result for p in published if p.result.end_ns <= ns(30.0)])
+    for start in (5.0, 10.0, 15.0, 20.0, 25.0):  # published before the stall ended, each window whole
+        assert live[start][REMOTE] == pytest.approx(5.0, abs=1e-6), (start, live[start])
+    total = np.sum(list(by_window(results).values()), axis=0)
+    assert total[REMOTE] == pytest.approx(29.5, abs=1e-6)
+    assert total[PREPROCESS] == pytest.approx(0.5, abs=1e-6)
+    assert total.sum() == pytest.approx(30.0, abs=1e-6)
+
+
+def test_a_failed_fetch_given_up_for_another_read_is_only_its_own_time() -> None:
+    """When the worker reads another key after the last failure (it skipped the sample), its time in between was its
+    own work: the failures are misses, the gap after the last one `preprocess`."""
+    _, published = backoff_run(next_key=21)
+    closed = [p.result for p in published if p.result.start_ns >= ns(30.0)]
+    total = np.sum(list(by_window([p.result for p in published]).values()), axis=0)
+    assert by_window(closed)[30.0][PREPROCESS] == pytest.approx(0.5 + (30.5 - (2.0 + 28 * 1.005 + 0.005)), abs=1e-6)
+    assert total.sum() == pytest.approx(30.0, abs=1e-6)
+
+
 def test_a_rank_whose_loop_ended_is_not_waited_for() -> None:
     published: list[Publication] = []
     hold = WindowHold(60.0, [published.append], wall_offset=lambda: 0)

@@ -10,7 +10,8 @@ one cause, so the causes always sum to the stall:
   worker producing batch k. From the first read of batch k on, that worker is busy with it: an
   instant covered by a missed read of batch k is `remote_fetch`, else by a read that crossed no spoke
   `direct_read`, else by a hit `cache_read`, else (busy but not reading) `preprocess`. Before the
-  worker started batch k: `other`.
+  worker started batch k: `other`. A failed fetch is a miss until the worker tries its key again
+  (`with_retry_backoff`).
 - Overlap, when it has none: the rank's reads (any worker) overlapping the wait, in the same order;
   uncovered instants are `other` (without tags, a busy worker cannot be told from an idle one).
 
@@ -32,6 +33,7 @@ from stallwatch.correlator.intervals import (
     I64,
     composite_key,
     covered_and_subsets,
+    distinct_rows,
     equal_join_columns,
     overlap_join,
 )
@@ -104,6 +106,44 @@ def _clipped(reads: Reads, rows: I64, low: I64, high: I64) -> tuple[I64, I64]:
         np.minimum(values, high, out=values)
         clipped.append(values)
     return clipped[0], clipped[1]
+
+
+def with_retry_backoff(reads: Reads, key: npt.NDArray[np.uint64], failed: I64, now_ns: int) -> Reads:
+    """The reads with each failed fetch (rows `failed`: through a spoke, no bytes) a miss that lasts until its worker
+    tries the same key again. It went to the hub and got nothing, however fast (a spoke answers an unreachable hub at
+    once), and the worker's back-off before the retry waits on the hub too: without this, an outage whose fetches
+    fail fast is booked `preprocess`, the sleeps between them. A failed fetch followed by a read of another key of
+    its batch was given up (the worker moved on): its own time is all. One followed by no read of its batch yet
+    lasts until `now_ns`, as the back-off under way does; attribution clips it to the wait."""
+    verdict = reads.verdict.copy()
+    verdict[failed] = Verdict.MISS
+    end = reads.end
+    tagged = failed[reads.batch[failed] >= 0]  # a worker's back-off is known by the batch it serves
+    if tagged.size:
+        end = end.copy()
+        columns = (reads.batch, reads.job, reads.rank)
+        first, group = distinct_rows(*(column[tagged] for column in columns))
+        group_of, member = equal_join_columns(tuple(column[tagged[first]].astype(np.int64) for column in columns),
+                                              columns)
+        # Each failed fetch beside every read of its batch, those in order of start: its next read is the first
+        # that starts once it ended.
+        order = np.lexsort((reads.start[member], group_of))
+        member = member[order]
+        sizes = np.bincount(group_of, minlength=first.size)
+        group_first = np.cumsum(sizes) - sizes
+        fetch_of = np.repeat(np.arange(tagged.size), sizes[group])
+        pair_first = np.cumsum(sizes[group]) - sizes[group]
+        beside = member[np.repeat(group_first[group] - pair_first, sizes[group]) + np.arange(fetch_of.size)]
+        fetch = tagged[fetch_of]
+        after = np.flatnonzero((reads.start[beside] >= reads.end[fetch]) & (beside != fetch))
+        fetches_followed, first_after = np.unique(fetch_of[after], return_index=True)
+        following = np.full(tagged.size, -1, dtype=np.int64)
+        following[fetches_followed] = beside[after[first_after]]
+        retried = (following >= 0) & (key[np.maximum(following, 0)] == key[tagged])
+        end[tagged[retried]] = reads.start[following[retried]]
+        open_ended = tagged[following < 0]
+        end[open_ended] = np.maximum(end[open_ended], now_ns)
+    return Reads(reads.job, reads.rank, reads.batch, reads.start, end, verdict)
 
 
 def attribute(steps: Steps, reads: Reads, threshold_ns: int, stalled: npt.NDArray[np.bool_] | None = None

@@ -14,7 +14,14 @@ import numpy as np
 import numpy.typing as npt
 
 from stallwatch.catalogue import CAUSES
-from stallwatch.correlator.attribution import Attribution, Reads, Steps, gpu_idle_in_stalls, is_stall
+from stallwatch.correlator.attribution import (
+    Attribution,
+    Reads,
+    Steps,
+    gpu_idle_in_stalls,
+    is_stall,
+    with_retry_backoff,
+)
 from stallwatch.correlator.cuts import CutSteps, EarlyBooking, attribute_cut, cut_at_windows
 from stallwatch.correlator.inflight import InFlight, in_flight
 from stallwatch.correlator.intervals import composite_key, distinct_ids, distinct_rows
@@ -113,7 +120,12 @@ class WindowAnalyser:
         flight = in_flight(window.context["open"])
         self.passes.update(window.context["open"])
         received = Reads(raw["job"], raw["rank"], raw["batch"], raw["start_ns"], raw["end_ns"], verdict)
-        reads = self._with_open_reads(received, flight, window)
+        reads, open_keys = self._with_open_reads(received, flight, window)
+        if not raw["bytes"].all():  # a failed fetch among them (outages only: a steady window pays this test)
+            failed = np.flatnonzero((raw["bytes"] == 0) & (verdict != Verdict.DIRECT))
+            if failed.size:
+                reads = with_retry_backoff(reads, np.concatenate((raw["key"], open_keys)), failed,
+                                           window.watermark_ns)
         threshold = seconds_to_ns(s.stall_threshold_s)
         stalled = _stalled(steps, threshold)
         later = _steps(window.later_steps) if window.later_steps else None
@@ -180,13 +192,13 @@ class WindowAnalyser:
         return WindowResult(window_start, window_start + window_ns, ranks, self._gpus(pieces, idle[rows]), (),
                             stall_spans=_spans(pieces, np.ones(rows.size, dtype=bool)))
 
-    def _with_open_reads(self, reads: Reads, flight: InFlight, window: WindowInput) -> Reads:
+    def _with_open_reads(self, reads: Reads, flight: InFlight, window: WindowInput) -> tuple[Reads, np.ndarray]:
         """The window's reads and, for the stalls booked while open, the reads still open as last seen: a miss
         when the spoke logged one for its key or it is already open longer than a hit takes (direct when reads
-        cross no spoke)."""
+        cross no spoke). With the open ones' keys."""
         opened = flight.open_reads()
         if opened["key"].size == 0:
-            return reads
+            return reads, opened["key"]
         done = composite_key(np.concatenate((opened["job"], reads.job)), np.concatenate((opened["rank"], reads.rank)),
                              np.concatenate((opened["start_ns"], reads.start)))
         still_open = ~np.isin(done[:opened["key"].size], done[opened["key"].size:])
@@ -195,7 +207,7 @@ class WindowAnalyser:
                                  opened["start_ns"], opened["end_ns"], window)
         return Reads(*(np.concatenate((mine, theirs)) for mine, theirs in (
             (reads.job, opened["job"]), (reads.rank, opened["rank"]), (reads.batch, opened["batch"]),
-            (reads.start, opened["start_ns"]), (reads.end, opened["end_ns"]), (reads.verdict, verdict))))
+            (reads.start, opened["start_ns"]), (reads.end, opened["end_ns"]), (reads.verdict, verdict)))), opened["key"]
 
     def _verdicts(self, reads: dict[str, np.ndarray], window: WindowInput, own_verdict: np.ndarray,
                   own_reads: Columns) -> np.ndarray:
