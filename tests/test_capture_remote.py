@@ -318,6 +318,36 @@ def test_a_reply_urllib3_reads_on_arrival_is_one_read(spoke: tuple[str, str], da
         (read_key("/object.bin"), len(OBJECT), wire.VERDICT_MISS)]
 
 
+def test_an_error_reply_is_one_failed_fetch_with_no_bytes(tmp_path: Path, datagrams: Datagrams) -> None:
+    """The hub gone, nginx answers 502 at once: requests' GET (its body read 10 KiB at a time) and urllib3's (read on
+    arrival) are each one read of no bytes, a failed fetch (the correlator books its worker's back-off to the hub),
+    from the request to the reply, and the error page counts no bytes."""
+    import urllib3
+
+    hub_root = tmp_path / "hub"
+    hub_root.mkdir()
+    hub = Hub(hub_root)
+    nginx = Nginx(tmp_path / "nginx", spoke_server_block(f"http://127.0.0.1:{hub.port}"))
+    hub.close()
+    started(nginx.url())
+    try:
+        with reads.reads_as(SOURCE):
+            sent = time.monotonic_ns()
+            statuses = [requests.get(f"{nginx.url()}/object.bin", timeout=10).status_code,
+                        urllib3.request("GET", f"{nginx.url()}/object.bin").status]
+            answered = time.monotonic_ns()
+    finally:
+        capture.stop()
+        nginx.close()
+    assert statuses == [502, 502]
+    transport.sender().flush_all()
+    wait_for("the failed fetches", lambda: len(datagrams.rows("reads")) >= 2, 10)
+    time.sleep(0.2)
+    rows = datagrams.rows("reads")
+    assert [(row["key"], row["bytes"]) for row in rows] == [(read_key("/object.bin"), 0)] * 2
+    assert all(sent <= row["start_ns"] <= row["end_ns"] <= answered for row in rows)
+
+
 class _ChunkedCDN(BaseHTTPRequestHandler):
     """Three chunks of `OBJECT`, `BODY_DELAY` apart after the headers, as a CDN's edge (`X-Cache`) streams them."""
 

@@ -10,7 +10,8 @@ a source (`reads.bound`), each through `reads.timed_read`: one event a read call
   read through them) and each chunk of `read_chunked`, keyed by the request's URL at its Range start plus
   the bytes read before. The first read starts when the request was sent: the wait for the reply's headers
   is part of reading it, and the last read ends when the body's bytes were read. A reply urllib3 reads whole
-  as it arrives (`preload_content`) is one event.
+  as it arrives (`preload_content`) is one event, and so is an error reply (status 400 or more, a failed
+  fetch): no bytes, from the request to its headers; its page is no dataset bytes and is not recorded.
 - fsspec (s3fs, gcsfs, HTTP): each `read` of an `AbstractBufferedFile` (`readinto`, `readline` and
   iteration read through it), keyed `protocol://path` at the file's position; the fetches from the
   store happen inside it. A file class with a `read` of its own (fsspec's `HTTPFile`, which fetches a
@@ -157,7 +158,9 @@ def _follow(scheme: str, connection: Any, response: Any, sent: int, url: str, ra
         if "://" not in url:  # a path, as a client asks a server that is no proxy
             url = f"{scheme}://{connection.host}:{connection.port}{url}"
         verdict, offset = _verdict(url, response.headers), range_start(ranges)
-        if preloaded:
+        if response.status >= 400:  # a failed fetch (a spoke's 502 for a hub out): no bytes of the dataset, its page
+            record_read(url, offset, 0, sent, time.monotonic_ns(), verdict)  # unread, the wait for it recorded
+        elif preloaded:
             record_read(url, offset, len(response.data), sent, time.monotonic_ns(), verdict)
         else:
             response.__dict__[_BODY] = _Body(url, offset, verdict, sent)
