@@ -86,6 +86,7 @@ class Hub:
         self.bandwidth = bandwidth_bytes_per_second
         self._clock = clock
         self._outage_until = 0.0
+        self._refusing = False
         self.requests = 0
         self.bytes_sent = 0
         self._lock = threading.Lock()
@@ -108,13 +109,20 @@ class Hub:
         self._server.shutdown()
         self._server.server_close()
 
-    def cut_for(self, seconds: float) -> None:
+    def cut_for(self, seconds: float, refuse: bool = False) -> None:
+        """Out for `seconds`: answering nothing until then, or with `refuse`, closing each connection a round trip
+        after it asks (the spoke answers its client 502 at once)."""
+        self._refusing = refuse
         self._outage_until = self._clock() + seconds
 
     def in_outage(self) -> bool:
         return self._clock() < self._outage_until
 
     def wait_out_outage(self) -> None:
+        """Return once the hub is back, or raise `RefusedError` while it refuses."""
+        if self._refusing and self.in_outage():
+            time.sleep(self.rtt_seconds)
+            raise RefusedError
         while self.in_outage():
             time.sleep(0.05)
 
@@ -135,13 +143,17 @@ class Hub:
         self.account(sent)
 
 
+class RefusedError(Exception):
+    """The hub refuses a request: its connection closes unanswered."""
+
+
 class OutageHandler(BaseHTTPRequestHandler):
     """A handler whose requests an outage holds: by the time the hub answers, the spoke may have given up on one
     (nginx closes it at its read timeout), and writing to it fails. Nothing is left to answer, and the demo's
-    terminal gets no traceback for it."""
+    terminal gets no traceback for it. A request the hub refuses ends its connection the same way."""
 
     def handle(self) -> None:
-        with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+        with contextlib.suppress(BrokenPipeError, ConnectionResetError, RefusedError):
             super().handle()
 
 

