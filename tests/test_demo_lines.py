@@ -149,3 +149,35 @@ def test_a_fetch_whose_client_left_during_an_outage_ends_without_a_traceback(
     finally:
         hub.close()
     assert "Traceback" not in capfd.readouterr().err
+
+
+def test_a_hub_cut_to_refuse_closes_each_request_unanswered_after_a_round_trip(
+        tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    """`--outage-refuses`: a GET (and the probe's HEAD) while the hub refuses ends, a round trip after it was sent,
+    with the connection closed and no reply (nginx answers its client 502), quietly; once the cut ends, it is
+    answered again."""
+    (tmp_path / "shard").write_bytes(b"x" * 1024)
+    hub = Hub(tmp_path, rtt_seconds=0.05, bandwidth_bytes_per_second=1e9).start()
+    address = urlsplit(hub.url)
+
+    def ask(method: str) -> tuple[bytes, float]:
+        with socket.create_connection((address.hostname, address.port), timeout=5) as client:
+            sent = time.monotonic()
+            client.sendall(f"{method} /shard HTTP/1.1\r\nHost: hub\r\nConnection: close\r\n\r\n".encode())
+            reply = b""
+            while chunk := client.recv(65536):
+                reply += chunk
+            return reply, time.monotonic() - sent
+
+    try:
+        hub.cut_for(2.0, refuse=True)
+        for method in ("GET", "HEAD"):
+            reply, took = ask(method)
+            assert reply == b"" and 0.05 <= took < 1.0, (method, reply, took)
+        while hub.in_outage():
+            time.sleep(0.05)
+        reply, _ = ask("GET")
+        assert reply.startswith(b"HTTP/1.1 200") and reply.endswith(b"x" * 1024)
+    finally:
+        hub.close()
+    assert "Traceback" not in capfd.readouterr().err
