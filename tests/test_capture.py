@@ -4,7 +4,9 @@ files themselves unchanged: same bytes, positions and exceptions, pickling and f
 from __future__ import annotations
 
 import builtins
+import contextlib
 import copy
+import errno
 import functools
 import inspect
 import io
@@ -300,6 +302,31 @@ def test_a_read_that_finds_the_end_at_once_is_no_event(capturing: Path, datagram
     wait_for("the read", lambda: len(datagrams.rows("reads")) >= 1, 10)
     time.sleep(0.3)  # a second event would have come with the first
     assert [(row["key"], row["bytes"]) for row in datagrams.rows("reads")] == [(read_key(str(path), 0), 1000)]
+
+
+def test_a_read_that_fails_is_an_event_of_no_bytes_and_raises_as_it_would(capturing: Path,
+                                                                          datagrams: Datagrams) -> None:
+    """A read the file system fails (here its descriptor closed under it; a FUSE spoke's EIO with the hub out) raises
+    the same error as without capture and is one event of no bytes at its offset: a failed fetch, whose worker's
+    back-off the correlator books to the hub when the file is a spoke's."""
+    path = capturing / "shard.bin"
+    path.write_bytes(b"s" * 4096)
+    errors = []
+    for captured in (False, True):
+        file = open(path, "rb", buffering=256) if captured else io.BufferedReader(io.FileIO(path), 256)  # noqa: SIM115
+        assert file.read(100) == b"s" * 100  # the buffer's first 256 bytes
+        os.close(file.fileno())
+        with pytest.raises(OSError) as raised:
+            file.read(1000)  # the rest of the buffer, then a read of the file system
+        errors.append((type(raised.value), raised.value.errno))
+        with contextlib.suppress(OSError):
+            file.close()
+    assert errors[0] == errors[1] == (OSError, errno.EBADF)
+    transport.sender().flush_all()
+    wait_for("the reads", lambda: len(datagrams.rows("reads")) >= 2, 10)
+    time.sleep(0.3)
+    assert [(row["key"], row["bytes"]) for row in datagrams.rows("reads")] == [
+        (read_key(str(path), 0), 256), (read_key(str(path), 256), 0)]
 
 
 def test_files_it_skips_are_the_originals_and_record_nothing(capturing: Path, tmp_path: Path) -> None:

@@ -348,6 +348,55 @@ def test_an_error_reply_is_one_failed_fetch_with_no_bytes(tmp_path: Path, datagr
     assert all(sent <= row["start_ns"] <= row["end_ns"] <= answered for row in rows)
 
 
+class _HeadersThenSilence(BaseHTTPRequestHandler):
+    """A reply's headers, then nothing for 2 s: a hub that went away mid-body."""
+
+    protocol_version = "HTTP/1.1"
+
+    def do_GET(self) -> None:
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(OBJECT)))
+        self.end_headers()
+        self.wfile.flush()
+        time.sleep(2.0)
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+
+def test_a_body_read_that_times_out_is_one_failed_fetch_and_raises_as_it_would(datagrams: Datagrams) -> None:
+    """requests' read timeout fires in the body's first read: that read is one event of no bytes, from the request
+    to the timeout, and requests raises as without capture."""
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _HeadersThenSilence)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_port}/far/object.bin"
+    raised = []
+    try:
+        for captured in (False, True):
+            if captured:
+                started()
+            try:
+                with reads.reads_as(SOURCE):
+                    sent = time.monotonic_ns()
+                    with pytest.raises(requests.ConnectionError) as error:
+                        requests.get(url, timeout=(2, 0.3))  # the body is read in get()
+                    failed = time.monotonic_ns()
+                raised.append(type(error.value))
+            finally:
+                capture.stop()
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert raised[0] is raised[1]
+    transport.sender().flush_all()
+    wait_for("the failed read", lambda: len(datagrams.rows("reads")) >= 1, 10)
+    time.sleep(0.2)
+    rows = datagrams.rows("reads")
+    assert [(row["key"], row["bytes"]) for row in rows] == [(read_key("/far/object.bin"), 0)]
+    assert sent <= rows[0]["start_ns"] and rows[0]["end_ns"] - rows[0]["start_ns"] >= 0.3e9
+    assert rows[0]["end_ns"] <= failed
+
+
 class _ChunkedCDN(BaseHTTPRequestHandler):
     """Three chunks of `OBJECT`, `BODY_DELAY` apart after the headers, as a CDN's edge (`X-Cache`) streams them."""
 

@@ -743,6 +743,22 @@ read_done(FileReads *self, PyObject *result, long long position, long long start
     return result;
 }
 
+/* The end of a timed read that raised since `started`: an Exception is recorded as a failed read, of no bytes,
+   and left set as it was. */
+COLD static void
+read_failed(FileReads *self, long long position, long long started)
+{
+    if (!PyErr_ExceptionMatches(PyExc_Exception)) {
+        return;
+    }
+    PyObject *error_type, *error_value, *error_traceback;
+    PyErr_Fetch(&error_type, &error_value, &error_traceback);
+    if (record(self, position, 0, started, monotonic_ns()) < 0) {
+        PyErr_Clear();  /* the read's own error is the one to raise */
+    }
+    PyErr_Restore(error_type, error_value, error_traceback);
+}
+
 /* timed_read beside another read: a read inside one of this thread's recorded reads is that read's, and only
    read; a read while another thread's is open is kept open under its thread in `context.reading`. */
 COLD static PyObject *
@@ -773,6 +789,8 @@ timed_read_beside(FileReads *self, PyObject *method, PyObject *const *call, Py_s
     PyErr_Restore(error_type, error_value, error_traceback);
     if (result != NULL) {
         result = read_done(self, result, position, started);
+    } else {
+        read_failed(self, position, started);
     }
 done:
     Py_XDECREF(thread);
@@ -814,6 +832,8 @@ timed_read(FileReads *self, PyObject *method, PyObject *const *args, Py_ssize_t 
         the_open_read.thread = 0;
         if (result != NULL) {
             result = read_done(self, result, position, started);
+        } else {
+            read_failed(self, position, started);
         }
     } else {
         result = timed_read_beside(self, method, call, nargs + 1, reading, position);

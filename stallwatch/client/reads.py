@@ -195,10 +195,11 @@ def timed_read(location: str, offset: int, verdict: int, start_ns: int, count: C
                read: Callable[[Any, Any], T], target: Any, argument: Any) -> tuple[T, int]:
     """`read(target, argument)` recorded as one read of `location` at `offset`, started at `start_ns` (0: now):
     its result and the bytes `count` finds in it; -1 bytes when it ran inside another recorded read of this
-    thread (a `ReadSpan`, a wrapper of the same file), which is the event. A read that raises is not recorded,
-    nor one that found the end at once (no bytes within `EMPTY_READ_NS`: the last of most files' reads,
-    it neither read nor waited). A method and its object, not a bound method (`call` calls one): a captured
-    file's every read of the file system passes here, and makes none (benchmarks/capture_overhead.py)."""
+    thread (a `ReadSpan`, a wrapper of the same file), which is the event. A read that raises an Exception is
+    recorded as a failed one, of no bytes (the correlator books its worker's back-off to the hub), and raises as
+    it would; one that found the end at once is not recorded (no bytes within `EMPTY_READ_NS`: the last of most
+    files' reads, it neither read nor waited). A method and its object, not a bound method (`call` calls one): a
+    captured file's every read of the file system passes here, and makes none (benchmarks/capture_overhead.py)."""
     thread, reading = get_ident(), context.reading
     if thread in reading:
         return read(target, argument), -1
@@ -206,6 +207,9 @@ def timed_read(location: str, offset: int, verdict: int, start_ns: int, count: C
     reading[thread] = (location, offset, start)
     try:
         result = read(target, argument)
+    except Exception:
+        record_read(location, offset, 0, start, monotonic_ns(), verdict)
+        raise
     finally:
         reading.pop(thread, None)  # a ReadSpan inside it may have ended it already
     nbytes, end = count(result), monotonic_ns()
