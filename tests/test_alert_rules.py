@@ -119,6 +119,14 @@ CASES = (
         s(c.SPOKE_REQUESTS, 'spoke="s2"', N1, 'result="hit"'): "0+60x60 3630+30x60",
         s(c.SPOKE_REQUESTS, 'spoke="s2"', N1, 'result="miss"'): "0+40x60 2470+70x60",
     }, "90m"),
+    Case("StallwatchSpokeHitRatioRegressed", {
+        # 90 % for an hour, then 50 %: the hub fails, and four in five of its fetches end in errors. The cache lost
+        # nothing; the failing-hub alert says what happened.
+        s(c.SPOKE_REQUESTS, 'spoke="s1"', N1, 'result="hit"'): "0+90x60 5450+50x60",
+        s(c.SPOKE_REQUESTS, 'spoke="s1"', N1, 'result="miss"'): "0+10x60 610+50x60",
+        s(c.SPOKE_HUB_ERRORS, 'spoke="s1"', N1): "0x60 0+40x60",
+        s(c.SPOKE_HUB_FETCH_DURATION, 'spoke="s1"', N1, suffix="_count"): "0+10x60 610+50x60",
+    }, "90m"),
     Case("StallwatchHubFailingWhileTrainingStalls", {
         s(c.SPOKE_HUB_ERRORS, 'spoke="s1"', N1): "0+30x20",
         s(c.SPOKE_HUB_FETCH_DURATION, 'spoke="s1"', N1, suffix="_count"): "0+30x20",

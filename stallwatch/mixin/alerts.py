@@ -136,7 +136,10 @@ def spoke_alerts(t: Thresholds) -> tuple[AlertRule, ...]:
     return (
         AlertRule(
             name=f"{ALERT_PREFIX}SpokeHitRatioRegressed",
-            expr=f"({ratio} < {best} - {t.hit_ratio_drop}) and ({best} >= {t.hit_ratio_steady})",
+            # Not while its hub fails: its misses then end in errors, the hub is out and the cache lost nothing, and
+            # the failing-hub alert says so.
+            expr=f"({ratio} < {best} - {t.hit_ratio_drop}) and ({best} >= {t.hit_ratio_steady}) "
+                 f"unless on (spoke) ({failing})",
             for_=t.hit_ratio_for, severity="warning",
             summary="A warmed-up spoke's hit ratio fell well below its best.",
             description="Spoke {{ $labels.spoke }} serves only {{ $value | humanizePercentage }} of requests from "
@@ -144,7 +147,8 @@ def spoke_alerts(t: Thresholds) -> tuple[AlertRule, ...]:
                         f"{t.hit_ratio_baseline_window}.",
             runbook="After reaching a steady hit ratio the spoke now misses much more: evictions (the working "
                     "set outgrew the cache, or another job shares it), a new dataset or shard order, or the "
-                    "cache was flushed or restarted.\n\n"
+                    "cache was flushed or restarted. It stays quiet while the spoke's hub is failing (its misses "
+                    "then end in errors: that is the failing-hub alert's).\n\n"
                     "Check: *Spoke cache*: evictions, cache size against capacity, the what-if hit ratio at "
                     "larger capacities; on *Training input stalls*, whether jobs fell out of steady state.\n\n"
                     "Act: grow the cache if the what-if curve says it would help; separate jobs that thrash a "
