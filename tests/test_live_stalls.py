@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -253,6 +255,20 @@ def test_the_outage_alerts_fire_during_the_outage(outage: Outage, alert: str, fo
     deadline = cut + duration_seconds(for_) + duration_seconds(DEMO_THRESHOLDS.rate_window) + 30.0
     assert fired <= received < min(cut + 60.0, deadline), since_cut
     print(f"{alert} after the cut (s): {since_cut}")
+
+
+@pytest.mark.parametrize("alert", [STARVED, HUB_FAILING])
+def test_the_outage_alerts_resolve_once_the_hub_is_back(outage: Outage, alert: str) -> None:
+    """The demo waits for the outage's alerts to end: each resolves after the hub is back, within its rate window
+    and 30 s of it (the job's stalls end, the probes succeed again), and the webhook hears it."""
+    outcome, _ = outage
+    assert outcome.cut_at is not None
+    back = outcome.cut_at + 60.0
+    resolved = [a for a in outcome.alerts if a["labels"]["alertname"] == alert and a["status"] == "resolved"]
+    assert resolved, [(a["labels"]["alertname"], a["status"]) for a in outcome.alerts]
+    ended = datetime.fromisoformat(re.sub(r"(\.\d{6})\d*", r"\1", resolved[-1]["endsAt"])).timestamp()
+    print(f"{alert} resolved {ended - back:.1f} s after the hub came back")
+    assert back < ended <= back + duration_seconds(DEMO_THRESHOLDS.rate_window) + 30.0, ended - back
 
 
 def test_the_demos_live_line_shows_a_stall_from_the_last_scrapes() -> None:

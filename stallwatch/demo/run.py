@@ -300,6 +300,11 @@ class Demo:
                 deadline = time.monotonic() + ALERT_GRACE_SECONDS
                 while not self.watch.alerts and time.monotonic() < deadline:
                     time.sleep(0.5)
+            if s.outage and self.watch.firing:  # the outage's story ends when its alerts do
+                self.say("  the hub is back: waiting for the alerts to resolve")
+                deadline = time.monotonic() + ALERT_GRACE_SECONDS
+                while self.watch.firing and time.monotonic() < deadline:
+                    time.sleep(0.5)
             metrics = scrape(agent_url)
             self._say_time_to_steady(metrics, windows)
             self.say(f"final, {status_line([(time.time(), metrics)])}{self._after_the_end(metrics, windows)}")
