@@ -61,10 +61,13 @@ def training_alerts(t: Thresholds) -> tuple[AlertRule, ...]:
             description=f"GPUs of job {JOB_NAME} spent {{{{ $value | humanizePercentage }}}} of their time idle "
                         "during stalls attributed to remote fetches from the hub.",
             runbook="The correlator saw the job's GPUs idle while its ranks waited for batches whose critical "
-                    "path went through reads that missed the spoke and went to the hub.\n\n"
+                    "path went through reads that missed the spoke and went to the hub, or that failed there and "
+                    "were being retried (a loader's back-off between failed fetches counts as waiting on the hub)."
+                    "\n\n"
                     "Check: the *Training input stalls* dashboard (stall seconds by cause, GPU idle by cause), "
                     "then the *Spoke cache* dashboard: is the hit ratio low (cold or too small a cache, see the "
-                    "what-if panel) or is hub latency high?\n\n"
+                    "what-if panel), is hub latency high, or is the hub failing "
+                    "(`StallwatchHubFailingWhileTrainingStalls`, the *Hub fetch errors* panel)?\n\n"
                     "Act: pre-warm the spoke before the job, grow the cache if the what-if curve says a bigger one "
                     "would hit, raise loader workers or `prefetch_factor` to hide hub latency.",
         ),
