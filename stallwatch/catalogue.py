@@ -230,6 +230,11 @@ DATASET_READS = counter(
 DATASET_READ_BYTES = counter(
     "loader", "dataset_read_bytes_total", "bytes", [JOB_LABEL, "rank"], "Bytes read by loader workers."
 )
+DATASET_FAILED_READS = counter(
+    "loader", "dataset_failed_reads_total", "", [JOB_LABEL, "rank"],
+    "Dataset reads that got no bytes: failed fetches (an error reply, a read that raised or timed out), counted "
+    "in dataset_reads_total too. Their workers' back-off until they retry is booked to remote_fetch.",
+)
 DATASET_READ_DURATION = histogram(
     "loader", "dataset_read_duration_seconds", "seconds", [JOB_LABEL, "rank"],
     "Duration of single dataset reads in loader workers.",

@@ -34,7 +34,8 @@ GOLDEN = ROOT / "tests" / "golden" / "agent.txt"
 NGINX_LOG = ROOT / "tests" / "data" / "nginx-stallwatch.log"
 # Families whose every value comes from the fixtures alone: kept whole.
 FROM_FIXTURES = {metric.name.removesuffix("_total") for metric in (
-    c.SPOKE_REQUESTS, c.SPOKE_BYTES, c.SPOKE_HUB_ERRORS, c.DATASET_READS, c.DATASET_READ_BYTES, c.GPU_DEVICES)}
+    c.SPOKE_REQUESTS, c.SPOKE_BYTES, c.SPOKE_HUB_ERRORS, c.DATASET_READS, c.DATASET_READ_BYTES, c.DATASET_FAILED_READS,
+    c.GPU_DEVICES)}
 STEPS, READS_PER_STEP = 40, 2
 OPENMETRICS = "application/openmetrics-text; version=1.0.0"
 # Families whose series exist only if the run happened to stall (a preempted step on a busy machine): their

@@ -148,14 +148,17 @@ def test_a_hanging_reads_stall_is_booked_while_it_lasts(
     the rank's stall, nearly all remote_fetch (an open read that long is a miss): the counter rises with the
     stall, within about 2 s of real time, not when the batch finally arrives. Alike when the read fails at
     once, again and again, the worker sleeping a second between tries: the back-off waits on the hub too
-    (booked as the worker's own work, `preprocess`, before)."""
+    (booked as the worker's own work, `preprocess`, before), and the failures are counted as they happen."""
     process = start_job(socket, folder=str(tmp_path), job="hang", items=400, hang_index=160, hang_s=20.0,
                         compute_s=0.05, train_s=1.0, fail_fast=fail_fast)
     try:
         hang_started = next_line(process)["hang_started"]
         before = stalls(scrape(agent.url), "hang")
         time.sleep(max(0.0, hang_started + 12.0 - time.time()))
-        in_agent, in_prometheus = stalls(scrape(agent.url), "hang"), prometheus_stalls(prometheus.url, "hang")
+        samples = scrape(agent.url)
+        in_agent, in_prometheus = stalls(samples, "hang"), prometheus_stalls(prometheus.url, "hang")
+        failed = total(samples, c.DATASET_FAILED_READS.name, training_job="hang")
+        assert failed >= 10 if fail_fast else failed == 0, failed  # a try a second, counted as it fails
         booked = {cause: in_agent[cause] - before[cause] for cause in c.CAUSES}
         assert sum(booked.values()) >= 8.0, (booked, before)
         assert booked["remote_fetch"] >= 0.9 * sum(booked.values()), booked

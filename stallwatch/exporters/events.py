@@ -67,6 +67,7 @@ class _Series:
         default_factory=lambda: DurationHistogram(catalogue.DATASET_READ_DURATION.buckets))
     reads: npt.NDArray[np.int64] = field(default_factory=lambda: np.zeros(len(VERDICT_LABELS), np.int64))
     read_bytes: int = 0
+    failed_reads: int = 0
     client_dropped: int = 0
 
 
@@ -131,6 +132,7 @@ class EventsCollector:
         duration = reads["end_ns"] - reads["start_ns"]
         by_verdict = np.bincount(reads["verdict"].astype(np.int64) + 1, minlength=len(VERDICT_LABELS))
         read_bytes = int(reads["bytes"].sum())
+        failed_reads = int(np.count_nonzero(reads["bytes"] == 0))
         with self._lock:
             self._expire(now)
             series = self._series.setdefault(self._ranks.admit(job, str(decoded.source.rank), now), _Series())
@@ -139,6 +141,7 @@ class EventsCollector:
             series.read_duration.add(duration)
             series.reads += by_verdict
             series.read_bytes += read_bytes
+            series.failed_reads += failed_reads
             series.client_dropped += decoded.dropped
             self._batches["accepted"] += 1
             self._events["step"] += len(steps)
@@ -167,8 +170,9 @@ class EventsCollector:
     def collect(self) -> Iterator[Metric]:
         c = catalogue
         wait, compute, read_duration = c.LOADER_WAIT.family(), c.STEP_COMPUTE.family(), c.DATASET_READ_DURATION.family()
-        reads, read_bytes, client_dropped = (
-            c.DATASET_READS.family(), c.DATASET_READ_BYTES.family(), c.CLIENT_DROPPED_EVENTS.family()
+        reads, read_bytes, failed_reads, client_dropped = (
+            c.DATASET_READS.family(), c.DATASET_READ_BYTES.family(), c.DATASET_FAILED_READS.family(),
+            c.CLIENT_DROPPED_EVENTS.family()
         )
         batches, events = c.RECEIVER_BATCHES.family(), c.RECEIVER_EVENTS.family()
         dropped = c.RECEIVER_DROPPED_EVENTS.family()
@@ -184,6 +188,7 @@ class EventsCollector:
                 for verdict, label in VERDICT_LABELS.items():
                     reads.add_metric([*labels, label], float(series.reads[verdict + 1]))
                 read_bytes.add_metric(labels, series.read_bytes)
+                failed_reads.add_metric(labels, series.failed_reads)
                 client_dropped.add_metric(labels, series.client_dropped)
             # Counter addition keeps only positive counts: relay_lost appears once a relay lost a batch.
             by_result = self._batches + Counter(relay_lost=self._receiver.relay_lost)
@@ -197,8 +202,8 @@ class EventsCollector:
             folded.add_metric(["rank"], self._ranks.folded)
         up.add_metric([], 1.0 if self._receiver.up else 0.0)
         restarts.add_metric([], self._receiver.relay_restarts)
-        yield from (wait, compute, read_duration, reads, read_bytes, client_dropped, batches, events, dropped,
-                    folded, up, restarts)
+        yield from (wait, compute, read_duration, reads, read_bytes, failed_reads, client_dropped, batches, events,
+                    dropped, folded, up, restarts)
 
     def problems(self) -> list[str]:
         """What makes the agent unhealthy (/-/healthy): a receive relay that does not run."""
