@@ -366,7 +366,8 @@ DIRECT_READ = Cause("direct_read", "#8b572a", "reading a batch's data through no
 PREPROCESS = Cause("preprocess", "#9013fe", "a loader worker busy on the batch, not reading (decoding, augmenting)",
                    "CPU-bound loader workers")
 DELIVERY = Cause("delivery", "#4a90e2", "the finished batch on its way to the trainer (pickling, queues, "
-                 "pin-memory)", "the batch's trip from its worker (payload size, Python objects, copies)")
+                 "pin-memory)", "the batch's trip from its worker (payload size, Python objects, copies, or the "
+                 "worker's own Python holding the interpreter lock its sending threads need)")
 OTHER = Cause("other", "#9b9b9b", "none of the above: the worker had not started the batch, or reads went unseen",
               "missing read events (is the client wrapping the loader's dataset?)")
 CAUSE_TABLE = (REMOTE_FETCH, CACHE_READ, DIRECT_READ, PREPROCESS, DELIVERY, OTHER)
