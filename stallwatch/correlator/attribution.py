@@ -36,6 +36,7 @@ from stallwatch.correlator.intervals import (
     distinct_rows,
     equal_join_columns,
     overlap_join,
+    ragged_pairs,
 )
 from stallwatch.eventbatch import Verdict
 
@@ -129,11 +130,9 @@ def with_retry_backoff(reads: Reads, key: npt.NDArray[np.uint64], failed: I64, n
         # that starts once it ended.
         order = np.lexsort((reads.start[member], group_of))
         member = member[order]
-        sizes = np.bincount(group_of, minlength=first.size)
-        group_first = np.cumsum(sizes) - sizes
-        fetch_of = np.repeat(np.arange(tagged.size), sizes[group])
-        pair_first = np.cumsum(sizes[group]) - sizes[group]
-        beside = member[np.repeat(group_first[group] - pair_first, sizes[group]) + np.arange(fetch_of.size)]
+        group_end = np.cumsum(np.bincount(group_of, minlength=first.size))
+        fetch_of, place = ragged_pairs(np.concatenate(([0], group_end[:-1]))[group], group_end[group])
+        beside = member[place]
         fetch = tagged[fetch_of]
         after = np.flatnonzero((reads.start[beside] >= reads.end[fetch]) & (beside != fetch))
         fetches_followed, first_after = np.unique(fetch_of[after], return_index=True)
