@@ -297,14 +297,10 @@ class Demo:
             self._say_epochs(windows, final=True)
             if s.outage and prometheus is not None and not self.watch.alerts:
                 self.say("  waiting for the stall alert to travel through Prometheus and Alertmanager")
-                deadline = time.monotonic() + ALERT_GRACE_SECONDS
-                while not self.watch.alerts and time.monotonic() < deadline:
-                    time.sleep(0.5)
+                _wait_up_to(ALERT_GRACE_SECONDS, lambda: bool(self.watch.alerts))
             if s.outage and self.watch.firing:  # the outage's story ends when its alerts do
                 self.say("  the hub is back: waiting for the alerts to resolve")
-                deadline = time.monotonic() + ALERT_GRACE_SECONDS
-                while self.watch.firing and time.monotonic() < deadline:
-                    time.sleep(0.5)
+                _wait_up_to(ALERT_GRACE_SECONDS, lambda: not self.watch.firing)
             metrics = scrape(agent_url)
             self._say_time_to_steady(metrics, windows)
             self.say(f"final, {status_line([(time.time(), metrics)])}{self._after_the_end(metrics, windows)}")
@@ -415,6 +411,13 @@ class Demo:
                 recent = [*recent[1 - RECENT_SCRAPES:], (time.time(), scrape(agent_url))]
                 self._say_time_to_steady(recent[-1][1], windows)
                 self.live.show(status_line(recent, self.watch.firing))
+
+
+def _wait_up_to(seconds: float, done: Callable[[], bool]) -> None:
+    """Until `done()`, or `seconds` have passed: the demo goes on either way."""
+    deadline = time.monotonic() + seconds
+    while not done() and time.monotonic() < deadline:
+        time.sleep(0.5)
 
 
 def _size(text: str) -> int:
