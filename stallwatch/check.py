@@ -229,9 +229,16 @@ def reads(samples: Samples, job: str) -> list[Finding]:
         return [Finding(f"the agent has no step or read of job {job!r} yet: run this beside the running job to see "
                         "them (a job's series last while it sends, --events.expire-after).", note=True)]
     verdicts = ", ".join(f"{verdict} {n:.0f}" for verdict, n in by_verdict.items() if n)
-    return [Finding(f"the agent counts {steps:.0f} steps and {count:.0f} reads of job {job!r}; the reads' own "
-                    f"verdicts: {verdicts} (hit/miss: the cache's answer the reader saw; direct: read through no "
-                    "spoke; unknown: left to the agent).")]
+    findings = [Finding(f"the agent counts {steps:.0f} steps and {count:.0f} reads of job {job!r}; the reads' own "
+                        f"verdicts: {verdicts} (hit/miss: the cache's answer the reader saw; direct: read through no "
+                        "spoke; unknown: left to the agent).")]
+    failed = total(samples, catalogue.DATASET_FAILED_READS.name, **mine)
+    if failed:
+        findings.append(Finding(f"{failed:.0f} of those reads got no bytes (an error reply, a read that raised: the "
+                                "hub out, a spoke's miss ending in an error); while a read through a spoke fails, its "
+                                "worker's back-off is booked remote_fetch (the training dashboard's Failed reads "
+                                "panel).", note=True))
+    return findings
 
 
 def gpus(samples: Samples, source: wire.Source) -> list[Finding]:

@@ -83,6 +83,21 @@ def test_a_small_job_through_the_real_client_checks_out(agent: Callable[..., Age
     assert total(scrape(running.url), "stallwatch_loader_wait_seconds_count", training_job="resnet") == STEPS
 
 
+def test_failed_reads_are_counted_and_pointed_at(agent: Callable[..., Agent], tmp_path: Path) -> None:
+    running, path = agent()
+    env = {"STALLWATCH_SOCKET": path, "STALLWATCH_JOB": "resnet"}
+    run_job(tmp_path, env)
+    status, out = run_check(running.url, env)
+    assert status == 0 and "got no bytes" not in out, out
+    # Three fetches that got nothing (the client records a read that raised with the bytes it got: none).
+    failing = ("import time\nfrom stallwatch.client import monitor, record_read\n"
+               "for n in monitor(range(3)):\n    now = time.monotonic_ns()\n"
+               "    record_read('http://hub/x', n, 0, now - 2_000_000, now)\n")
+    subprocess.run([sys.executable, "-c", failing], env={**os.environ, **env}, cwd=ROOT, check=True, timeout=120)
+    status, out = run_check(running.url, env)
+    assert status == 0 and "3 of those reads got no bytes" in out and "Failed reads" in out, out
+
+
 def test_a_wrong_socket_path_records_nothing_and_the_check_says_so(
     agent: Callable[..., Agent], tmp_path: Path
 ) -> None:

@@ -193,6 +193,19 @@ def training(t: Thresholds) -> Dashboard:
                 Panel("Stall share of remote fetches", "What share of all stall seconds in the time range did "
                       "remote fetches cause?", Viz.STAT, "percentunit", (Query(stall_share_remote),), width=6),
             )),
+            Row("Reads: how the workers' reads were answered", (
+                Panel("Reads by verdict",
+                      "How many reads a second do the chosen jobs' workers make, and were they spoke hits, misses, "
+                      "reads through no spoke (direct) or left to the agent (unknown)?", Viz.TIMESERIES, "reqps",
+                      (Query(by("verdict", "sum", rate(c.DATASET_READS, RATE, JOB, NODE)), "{{verdict}}"),),
+                      stacked=True),
+                Panel("Failed reads",
+                      "Which ranks' reads get no bytes (an error reply, a read that raised: the hub out, a spoke's "
+                      "miss ending in an error), whose workers' back-off until they retry is booked remote_fetch?",
+                      Viz.TIMESERIES, "cps",
+                      (Query(by(f"{J}, rank", "sum", rate(c.DATASET_FAILED_READS, RATE, JOB, NODE)),
+                             f"{{{{{J}}}}}/{{{{rank}}}}"),)),
+            )),
             job_across_nodes(t),
             Row("Warm-up", (
                 Panel("Warm-up phase", "Is each job cold, in transition or steady, and when did it change?",
