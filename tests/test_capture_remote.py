@@ -33,7 +33,7 @@ from stallwatch.client.keys import read_key
 from stallwatch.client.torch import instrument
 from stallwatch.demo import hub as demo_hub
 from stallwatch.demo.spoke import spoke_server_block
-from stallwatch.harness import AgentProcess, scrape, total, wait_for
+from stallwatch.harness import AgentProcess, free_port, scrape, total, wait_for
 from tests.realspoke import Hub, Nginx
 from tests.test_client_open import Datagrams
 from tests.test_live_stalls import stalls
@@ -395,6 +395,91 @@ def test_a_body_read_that_times_out_is_one_failed_fetch_and_raises_as_it_would(d
     assert [(row["key"], row["bytes"]) for row in rows] == [(read_key("/far/object.bin"), 0)]
     assert sent <= rows[0]["start_ns"] and rows[0]["end_ns"] - rows[0]["start_ns"] >= 0.3e9
     assert rows[0]["end_ns"] <= failed
+
+
+class _SilentForAWhile(BaseHTTPRequestHandler):
+    """Takes a request and answers nothing for 2 s: a hub gone quiet before its reply's headers."""
+
+    protocol_version = "HTTP/1.1"
+
+    def do_GET(self) -> None:
+        time.sleep(2.0)
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+
+def test_a_request_with_no_reply_is_an_open_read_while_it_waits_then_one_failed_fetch(datagrams: Datagrams) -> None:
+    """A GET waiting for its reply's headers is its thread's open read from when it was sent (what the client
+    reports in flight: a quiet hub is a read under way, not the worker's own work); one that gets no reply, a
+    timeout waiting for the headers or a refused connection, is one failed fetch of no bytes, and raises as
+    without capture. Nothing of it stays open after."""
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _SilentForAWhile)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    quiet, refused = f"http://127.0.0.1:{server.server_port}/quiet.bin", f"http://127.0.0.1:{free_port()}/gone.bin"
+    raised: list[list[type[requests.RequestException]]] = []
+    seen_open: list[dict[int, tuple[str, int, int]]] = []
+    try:
+        for captured in (False, True):
+            if captured:
+                started(f"http://127.0.0.1:{server.server_port}")
+            errors: list[type[requests.RequestException]] = []
+            try:
+                with reads.reads_as(SOURCE):
+                    waiting = threading.Timer(0.2, lambda: seen_open.append(dict(reads.context.reading)))
+                    waiting.start()
+                    sent = time.monotonic_ns()
+                    for url, timeout in ((quiet, (2.0, 0.5)), (refused, 2.0)):
+                        with pytest.raises(requests.RequestException) as error:
+                            requests.get(url, timeout=timeout)
+                        errors.append(type(error.value))
+                    failed = time.monotonic_ns()
+                    waiting.join()
+            finally:
+                capture.stop()
+            raised.append(errors)
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert raised[0] == raised[1]
+    assert seen_open[0] == {}  # without capture nothing is known in flight
+    (location, offset, since), = seen_open[1].values()
+    assert (location, offset) == (remote.normal_url(quiet), 0) and sent <= since < failed
+    assert reads.context.reading == {}
+    rows = events(datagrams, 2)
+    assert [(row["key"], row["bytes"], row["verdict"]) for row in rows] == [
+        (read_key("/quiet.bin"), 0, wire.VERDICT_UNKNOWN), (read_key("/gone.bin"), 0, wire.VERDICT_DIRECT)]
+    assert rows[0]["start_ns"] == since and rows[0]["end_ns"] - rows[0]["start_ns"] >= 0.5e9
+    assert rows[1]["end_ns"] <= failed
+
+
+def test_a_request_whose_reply_is_never_asked_for_leaves_nothing_open(spoke: tuple[str, str],
+                                                                       datagrams: Datagrams) -> None:
+    """urllib3 may send a GET and not ask for its reply (a read timeout of 0): the thread's next GET is its open
+    read then, and once answered nothing stays open, so later reads of the thread are recorded as their own."""
+    import urllib3
+
+    spoke_url, _ = spoke
+    host, port = spoke_url.removeprefix("http://").split(":")
+    started(spoke_url)
+    try:
+        with reads.reads_as(SOURCE):
+            urllib3.connection.HTTPConnection(host, int(port)).request("GET", "/object.bin")  # never answered
+            second = urllib3.connection.HTTPConnection(host, int(port))
+            second.request("GET", "/object.bin", preload_content=False)
+            assert [location for location, _, _ in reads.context.reading.values()] == [f"{spoke_url}/object.bin"]
+            reply = second.getresponse()
+            assert reply.read() == OBJECT and reads.context.reading == {}
+    finally:
+        capture.stop()
+    # The hub in this process reads its file through open(), captured too: only the reply's reads here.
+    def replies() -> list[int]:
+        return [row["bytes"] for row in datagrams.rows("reads") if row["key"] == read_key("/object.bin")]
+    transport.sender().flush_all()
+    wait_for("the reply's read", lambda: bool(replies()), 10)
+    time.sleep(0.2)
+    assert replies() == [len(OBJECT)]
 
 
 class _ChunkedCDN(BaseHTTPRequestHandler):

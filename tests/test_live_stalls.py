@@ -14,9 +14,11 @@ import re
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator
 from datetime import datetime
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -41,12 +43,14 @@ HUB_FAILING = "StallwatchHubFailingWhileTrainingStalls"
 class Items(Dataset[bytes]):
     """Small files, each read through the client (`ReadSpan`); the read of item `hang_index` hangs
     `hang_s` inside its span (a remote read that does not answer), or with `fail_fast` fails at once and is
-    retried after a second's back-off for `hang_s` (a spoke answering an error for an unreachable hub), and
+    retried after a second's back-off for `hang_s` (a spoke answering an error for an unreachable hub), or,
+    given `hanging_url`, is a plain `requests.get` of it (captured, as `stallwatch run` captures it), and
     says on stdout when that began."""
 
-    def __init__(self, folder: str, items: int, hang_index: int, hang_s: float, fail_fast: bool = False) -> None:
+    def __init__(self, folder: str, items: int, hang_index: int, hang_s: float, fail_fast: bool = False,
+                 hanging_url: str = "") -> None:
         self.folder, self.items, self.hang_index, self.hang_s = Path(folder), items, hang_index, hang_s
-        self.fail_fast = fail_fast
+        self.fail_fast, self.hanging_url = fail_fast, hanging_url
 
     def __len__(self) -> int:
         return self.items
@@ -56,6 +60,9 @@ class Items(Dataset[bytes]):
         if index == self.hang_index:
             started = time.time()
             print(json.dumps({"hang_started": started}), flush=True)
+            if self.hanging_url:
+                import requests
+                return bytes(requests.get(self.hanging_url, timeout=self.hang_s + 30).content)
             while self.fail_fast and time.time() < started + self.hang_s:
                 try:
                     with ReadSpan(str(path)):
@@ -78,7 +85,7 @@ def job(options: dict[str, Any]) -> None:
     for name in range(8):
         (folder / str(name)).write_bytes(os.urandom(4096))
     dataset = Items(str(folder), options["items"], options.get("hang_index", -1), options.get("hang_s", 0.0),
-                    options.get("fail_fast", False))
+                    options.get("fail_fast", False), options.get("hanging_url", ""))
     loader = instrument(DataLoader(dataset, batch_size=4, num_workers=2), job=options["job"], rank=0)
     computed = stalled = 0.0
     deadline = time.monotonic() + options["train_s"]
@@ -94,10 +101,10 @@ def job(options: dict[str, Any]) -> None:
     print(json.dumps({"ended": time.time(), "computed": computed, "stalled": stalled}), flush=True)
 
 
-def start_job(socket: str, **options: Any) -> subprocess.Popen[str]:
+def start_job(socket: str, env: dict[str, str] | None = None, **options: Any) -> subprocess.Popen[str]:
     code = f"import json; from tests.test_live_stalls import job; job(json.loads({json.dumps(options)!r}))"
     return subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stdout=subprocess.PIPE, text=True,
-                            env=dict(os.environ, STALLWATCH_SOCKET=socket))
+                            env=dict(os.environ, STALLWATCH_SOCKET=socket, **(env or {})))
 
 
 def next_line(process: subprocess.Popen[str]) -> dict[str, Any]:
@@ -169,6 +176,53 @@ def test_a_hanging_reads_stall_is_booked_while_it_lasts(
     finally:
         process.kill()
         process.wait()
+
+
+QUIET_S = 20.0
+
+
+class _QuietHub(BaseHTTPRequestHandler):
+    """Answers a GET only after `QUIET_S`: a hub, or a spoke waiting on one, gone quiet."""
+
+    protocol_version = "HTTP/1.1"
+
+    def do_GET(self) -> None:
+        time.sleep(QUIET_S)
+        body = os.urandom(4096)
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+
+def test_a_plain_http_read_waiting_for_its_reply_is_booked_while_it_lasts(
+        agent: AgentProcess, socket: str, tmp_path: Path) -> None:
+    """A worker's plain `requests.get` through a spoke (captured: the Dataset calls no stallwatch API) waits 20 s
+    for the reply's headers. 12 s in, the agent holds 8 s or more of the stall, nearly all remote_fetch: the
+    request is an open read from when it was sent, not the worker's own work (`preprocess`)."""
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _QuietHub)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    spoke = f"http://127.0.0.1:{server.server_port}"
+    process = start_job(socket, {"STALLWATCH_SPOKE_URLS": spoke}, folder=str(tmp_path), job="quiet", items=400,
+                        hang_index=160, hang_s=QUIET_S, compute_s=0.05, train_s=1.0, hanging_url=f"{spoke}/item.bin")
+    try:
+        hang_started = next_line(process)["hang_started"]
+        before = stalls(scrape(agent.url), "quiet")
+        time.sleep(max(0.0, hang_started + 12.0 - time.time()))
+        booked = {cause: seconds - before[cause] for cause, seconds in stalls(scrape(agent.url), "quiet").items()}
+        print(f"12 s into a request's wait for its reply: {sum(booked.values()):.2f} s booked, by cause {booked}")
+        assert sum(booked.values()) >= 8.0, (booked, before)
+        assert booked["remote_fetch"] >= 0.9 * sum(booked.values()), booked
+        assert next_line(process)["ended"] > hang_started + QUIET_S
+    finally:
+        process.kill()
+        process.wait()
+        server.shutdown()
+        server.server_close()
 
 
 def test_a_slow_read_on_a_node_without_a_spoke_is_a_direct_read_not_a_remote_fetch(

@@ -9,9 +9,10 @@ a source (`reads.bound`), each through `reads.timed_read`: one event a read call
   the body of a GET reply, each `read`/`read1` of it (`stream()`, `readinto` and requests' `iter_content`
   read through them) and each chunk of `read_chunked`, keyed by the request's URL at its Range start plus
   the bytes read before. The first read starts when the request was sent: the wait for the reply's headers
-  is part of reading it, and the last read ends when the body's bytes were read. A reply urllib3 reads whole
-  as it arrives (`preload_content`) is one event, and so is an error reply (status 400 or more, a failed
-  fetch): no bytes, from the request to its headers; its page is no dataset bytes and is not recorded.
+  is part of reading it (the request is its thread's open read from then), and the last read ends when the
+  body's bytes were read. A reply urllib3 reads whole as it arrives (`preload_content`) is one event, and so
+  is an error reply (status 400 or more, a failed fetch): no bytes, from the request to its headers; its page
+  is no dataset bytes and is not recorded. A request that gets no reply (refused, reset, timed out) is one too.
 - fsspec (s3fs, gcsfs, HTTP): each `read` of an `AbstractBufferedFile` (`readinto`, `readline` and
   iteration read through it), keyed `protocol://path` at the file's position; the fetches from the
   store happen inside it. A file class with a `read` of its own (fsspec's `HTTPFile`, which fetches a
@@ -34,6 +35,7 @@ import os
 import sys
 import time
 from collections.abc import Callable, Generator, Mapping
+from threading import get_ident
 from types import ModuleType
 from typing import Any
 from urllib.parse import urlsplit
@@ -45,6 +47,7 @@ from stallwatch.client.reads import (
     RecordedFile,
     bound,
     call,
+    context,
     record_read,
     recorded,
     timed_read,
@@ -128,42 +131,98 @@ def _size(data: bytes | None) -> int:
     return len(data) if data else 0
 
 
-def _request(original: Callable[..., Any]) -> Callable[..., Any]:
+# Per thread, the open read of the GET it sent last, until its reply's headers (`context.reading` holds it too).
+_awaiting: dict[int, tuple[str, int, int]] = {}
+
+
+class _Sent:
+    """A GET sent on a connection, until its reply's headers. The wait for them is part of reading the reply, so
+    the request is its thread's open read from when it was sent (a hub gone quiet is a read in flight while it
+    lasts), unless the thread is inside another recorded read (a `ReadSpan`), which is the read then."""
+
+    __slots__ = ("location", "offset", "open", "preloaded", "start")
+
+    def __init__(self, location: str, offset: int, preloaded: bool) -> None:
+        self.location, self.offset, self.preloaded = location, offset, preloaded
+        self.start = time.monotonic_ns()
+        thread, reading = get_ident(), context.reading
+        current = reading.get(thread)
+        if current is not None and current is _awaiting.get(thread):
+            current = None  # an earlier GET's, never answered (urllib3 asks for no reply with a read timeout of 0)
+        self.open = (location, offset, self.start) if current is None else None
+        if self.open is not None:
+            reading[thread] = _awaiting[thread] = self.open
+
+    def answered(self) -> None:
+        """The headers came (or nothing will): the thread's open read is the body's, if any, from here on."""
+        if self.open is None:
+            return
+        thread = get_ident()
+        for opened in (context.reading, _awaiting):
+            if opened.get(thread) is self.open:
+                del opened[thread]
+
+    def failed(self) -> None:
+        """No reply (the connection refused or reset, a timeout waiting for the headers): a failed fetch, of no bytes,
+        from the request until now."""
+        try:  # never into the request: its own error is what its caller gets
+            self.answered()
+            if self.open is not None:
+                record_read(self.location, self.offset, 0, self.start, time.monotonic_ns(), _verdict(self.location))
+        except Exception:
+            return
+
+
+def _request(original: Callable[..., Any], https: type) -> Callable[..., Any]:
     def request(self: Any, method: str, url: str, *args: Any, **kwargs: Any) -> Any:
+        sent = None
         if method == "GET" and bound():
-            try:  # (sent, url, Range header, preload_content), as `request(method, url, body, headers, ...)` has them
+            try:  # (url, Range header, preload_content), as `request(method, url, body, headers, ...)` has them
                 headers = kwargs.get("headers", args[1] if len(args) > 1 else None) or {}
                 ranges = next((value for name, value in headers.items() if name.lower() == "range"), "")
                 ranges = ranges.decode("latin-1") if isinstance(ranges, bytes) else ranges  # botocore's are bytes
-                self.__dict__[_SENT] = (time.monotonic_ns(), url, ranges, kwargs.get("preload_content", True))
+                location = url if "://" in url else (  # a path, as a client asks a server that is no proxy
+                    f"{'https' if isinstance(self, https) else 'http'}://{self.host}:{self.port}{url}")
+                sent = self.__dict__[_SENT] = _Sent(location, range_start(ranges), kwargs.get("preload_content", True))
             except Exception:  # never into the request: its reply is read uncaptured
                 self.__dict__.pop(_SENT, None)
-        return original(self, method, url, *args, **kwargs)
+        try:
+            return original(self, method, url, *args, **kwargs)
+        except Exception:
+            if sent is not None:
+                self.__dict__.pop(_SENT, None)
+                sent.failed()
+            raise
     return request
 
 
-def _getresponse(original: Callable[..., Any], https: type) -> Callable[..., Any]:
+def _getresponse(original: Callable[..., Any]) -> Callable[..., Any]:
     def getresponse(self: Any, *args: Any, **kwargs: Any) -> Any:
-        response = original(self, *args, **kwargs)
-        sent = self.__dict__.pop(_SENT, None)
-        if sent is not None:
-            _follow("https" if isinstance(self, https) else "http", self, response, *sent)
+        sent: _Sent | None = self.__dict__.pop(_SENT, None)
+        if sent is None:
+            return original(self, *args, **kwargs)
+        try:
+            response = original(self, *args, **kwargs)
+        except Exception:
+            sent.failed()
+            raise
+        sent.answered()
+        _follow(response, sent)
         return response
     return getresponse
 
 
-def _follow(scheme: str, connection: Any, response: Any, sent: int, url: str, ranges: str, preloaded: bool) -> None:
+def _follow(response: Any, sent: _Sent) -> None:
     """Record the reply's body as it is read (or now, read whole already)."""
     try:
-        if "://" not in url:  # a path, as a client asks a server that is no proxy
-            url = f"{scheme}://{connection.host}:{connection.port}{url}"
-        verdict, offset = _verdict(url, response.headers), range_start(ranges)
+        url, offset = sent.location, sent.offset
+        verdict = _verdict(url, response.headers)
         if response.status >= 400:  # a failed fetch (a spoke's 502 for a hub out): no bytes of the dataset, its page
-            record_read(url, offset, 0, sent, time.monotonic_ns(), verdict)  # unread, the wait for it recorded
-        elif preloaded:
-            record_read(url, offset, len(response.data), sent, time.monotonic_ns(), verdict)
+            record_read(url, offset, 0, sent.start, time.monotonic_ns(), verdict)  # unread, the wait for it recorded
+        elif sent.preloaded:
+            record_read(url, offset, len(response.data), sent.start, time.monotonic_ns(), verdict)
         else:
-            response.__dict__[_BODY] = _Body(url, offset, verdict, sent)
+            response.__dict__[_BODY] = _Body(url, offset, verdict, sent.start)
     except Exception:  # never into the reader: the body is read uncaptured
         response.__dict__.pop(_BODY, None)
 
@@ -188,8 +247,8 @@ def _read_chunked(original: Callable[..., Any]) -> Callable[..., Any]:
 def _patch_urllib3(urllib3: ModuleType) -> None:
     connection, response = urllib3.connection.HTTPConnection, urllib3.response.HTTPResponse
     https = urllib3.connection.HTTPSConnection
-    _patch(connection, "request", _request)
-    _patch(connection, "getresponse", lambda original: _getresponse(original, https))
+    _patch(connection, "request", lambda original: _request(original, https))
+    _patch(connection, "getresponse", _getresponse)
     for name in ("read", "read1"):
         _patch(response, name, _body_read)
     _patch(response, "read_chunked", _read_chunked)
