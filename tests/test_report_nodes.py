@@ -31,6 +31,7 @@ NODES = {
     "b": {"steady_at": 34.0, "tts": 30.0, "idle": 35.0, "hub": 9e8, "whatif": 0.2, "reads": 300.0},
 }
 STALL = (10.0, 30.0)
+FAILING_S = 5.0
 
 
 def _line(name: str, labels: dict[str, str], value: float, t: float) -> str:
@@ -45,6 +46,7 @@ def _series() -> str:
         own = {"instance": f"{node}:9400", "node": node}
         job = {**own, c.JOB_LABEL: JOB}
         stalled = compute = 0.0
+        failed = 0
         for end in np.arange(WINDOW_S, RUN_S + WINDOW_S / 2, WINDOW_S):
             t = T0 + end
             stalls = node == "b" and STALL[0] < end <= STALL[1]
@@ -73,6 +75,10 @@ def _series() -> str:
             emit(c.CACHE_WHATIF_KEYS.name, []).append(_line(c.CACHE_WHATIF_KEYS.name, {**own, "spoke": node}, 50, t))
             emit(c.DATASET_READS.name, []).append(_line(
                 c.DATASET_READS.name, {**job, "rank": "0", "verdict": "hit"}, figures["reads"], t))
+            failing = node == "b" and STALL[0] < end <= min(STALL[1], STALL[0] + FAILING_S)
+            failed += 1 if failing else 0  # a fetch a window fails, the first FAILING_S of b's stall
+            emit(c.DATASET_FAILED_READS.name, []).append(_line(
+                c.DATASET_FAILED_READS.name, {**job, "rank": "0"}, failed, t))
             emit(c.GPU_DEVICES.name, []).append(_line(c.GPU_DEVICES.name, own, 2, t))
     return "".join(line for lines in out.values() for line in lines) + "# EOF\n"
 
@@ -141,3 +147,6 @@ def test_a_two_node_jobs_stalls_are_drawn_where_they_were_booked(prometheus: str
     outside = (remote.end <= T0 + STALL[0]) | (remote.t >= T0 + STALL[1])
     assert not np.nan_to_num(remote.v[outside]).any()
     assert run.input_bound_ratio == pytest.approx(40 / (40 + run.compute_seconds))
+    # Node b's fetches failed through the first 5 s of its stall, one a window: the report says so.
+    assert run.failed_reads == FAILING_S / WINDOW_S
+    assert "Failed reads: 10 reads got no bytes" in render_html(run)

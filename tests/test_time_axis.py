@@ -34,6 +34,7 @@ from stallwatch.eventbatch import SCHEMAS, EventBatch, Verdict
 from stallwatch.exporters.collector import ScrapeCollector
 from stallwatch.exporters.web import MetricsServer
 from stallwatch.harness import free_port, wait_for
+from stallwatch.report.render import render_html
 from stallwatch.report.windows import run_from_windows
 from stallwatch.scraper import SCRAPER
 from tests.conftest import ROOT, require_binary
@@ -303,6 +304,20 @@ def test_the_back_off_between_failed_fetches_is_booked_remote_fetch_while_it_las
     assert total[REMOTE] == pytest.approx(29.5, abs=1e-6)
     assert total[PREPROCESS] == pytest.approx(0.5, abs=1e-6)
     assert total.sum() == pytest.approx(30.0, abs=1e-6)
+
+
+def test_both_the_window_file_and_its_report_count_the_failed_fetches(tmp_path: Path) -> None:
+    """The correlator counts each job's reads that got no bytes in its rows, the window file keeps them, and the
+    report says how many failed: what tells the outage from a cold cache."""
+    results, published = backoff_run(next_key=20)
+    assert sum(job.failed_reads for result in results for job in result.jobs) == 29
+    writer = WindowFileWriter(tmp_path / "windows.jsonl")
+    for publication in published:
+        writer.write(publication)
+    writer.close()
+    run = run_from_windows(tmp_path / "windows.jsonl")
+    assert run.failed_reads == 29
+    assert "Failed reads: 29 reads got no bytes" in render_html(run)
 
 
 def test_a_failed_fetch_given_up_for_another_read_is_only_its_own_time() -> None:

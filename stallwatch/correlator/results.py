@@ -63,6 +63,7 @@ class JobRow:
     stalled_s: float = 0.0
     forecast: Forecast | None = None  # while cold; once steady, what happened
     epoch_steps: int | None = None  # of its first epoch, as its trainers report it (`passes.py`)
+    failed_reads: int = 0  # its reads here that got no bytes (failed fetches), as the agent counts them
 
 
 @dataclass(frozen=True)
@@ -133,7 +134,7 @@ class WindowResult:
                  "hub_bytes": j.hub_bytes, "time_to_steady_s": j.time_to_steady_s,
                  "warmup_idle_gpu_s": j.warmup_idle_gpu_s, "warmup_hub_bytes": j.warmup_hub_bytes,
                  "regressions": j.regressions, "stalled_s": j.stalled_s,
-                 "epoch_steps": j.epoch_steps, **_forecast_fields(j.forecast)}
+                 "epoch_steps": j.epoch_steps, "failed_reads": j.failed_reads, **_forecast_fields(j.forecast)}
                 for j in self.jobs
             ],
             "whatif_hit_ratio": {str(factor): ratio for factor, ratio in self.whatif.items()},

@@ -268,9 +268,10 @@ class WindowAnalyser:
         the spoke's miss ending in an error) says nothing of how warm the cache is, as the what-if leaves it out."""
         read_jobs = reads["job"]
         missed, hit, direct = (reads["verdict"] == verdict for verdict in (Verdict.MISS, Verdict.HIT, Verdict.DIRECT))
+        failed = None  # usually none
         if not reads["bytes"].all():
             fetched = reads["bytes"] > 0
-            missed, hit = missed & fetched, hit & fetched
+            missed, hit, failed = missed & fetched, hit & fetched, ~fetched
         for job, first in self._earliest(steps, reads).items():
             self._first_seen[job] = min(self._first_seen.get(job, first), first)
         step_seconds = (steps.compute_end - steps.wait_start) / 1e9
@@ -307,7 +308,8 @@ class WindowAnalyser:
             rows.append(JobRow(job, state.phase, state.hit_ratio, seen.reads, seen.hub_bytes,
                                state.time_to_steady_s, state.idle_gpu_seconds, state.hub_bytes, state.regressions,
                                stalled_seconds(spans[job]) if job in spans else 0.0, state.forecast,
-                               passing[1] if passing else None))
+                               passing[1] if passing else None,
+                               int(np.count_nonzero(read_mine & failed)) if failed is not None else 0))
         return tuple(rows)
 
     def _cold(self, job: int) -> bool:

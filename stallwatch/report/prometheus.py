@@ -152,6 +152,9 @@ def run_from_prometheus(url: str, start: float, end: float, scope: Scope = EVERY
     steps, stepped = read.increments(scope.select(c.STEP_COMPUTE, suffix="_count"), "")
     if steps:
         run.steps_per_second = read.series(np.sum(list(steps.values()), axis=0) / read.step, stepped)
+    failed, _ = read.increments(scope.select(c.DATASET_FAILED_READS), "")
+    if failed:  # the agents count them from their first read of a job
+        run.failed_reads = float(sum(v.sum() for v in failed.values()))
     _gpus(read, scope, run)
     _spoke(read, scope, run)
     _warmup(read, scope, run)

@@ -158,7 +158,20 @@ def _headline(run: Run) -> str:
             f"</span> {html.escape(said)}.</p>"
             f'<table id="stalls"><tr><th>cause</th><th>stall seconds ({ranks})</th><th>share of the stall</th>'
             f'<th id="gpu-idle">GPU idle in these stalls ({html.escape(gpu or c.GPU_STALL_IDLE_SECONDS.name)})</th>'
-            f"</tr>{rows}</table>")
+            f"</tr>{rows}</table>{_failed_reads(run)}")
+
+
+def _failed_reads(run: Run) -> str:
+    """Whether reads failed: what tells an outage (the hub out, the spoke failing) from a cache that is cold."""
+    if run.failed_reads is None:
+        said = "not in this window file (its agent did not count them)"
+    elif not run.failed_reads:
+        said = "none: every read got its bytes"
+    else:
+        said = (f"{run.failed_reads:,.0f} reads got no bytes (an error reply, a request that got no reply, a read "
+                "that raised: the hub out, or the spoke failing); their workers' back-off until each retry is in "
+                f"{c.REMOTE_FETCH.name} above ({c.DATASET_FAILED_READS.name})")
+    return f'<p id="failed-reads">Failed reads: {said}.</p>'
 
 
 def _steady(run: Run) -> str:

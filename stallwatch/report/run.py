@@ -59,6 +59,7 @@ class Run:
     gpu_utilization: Series | None = None  # None: the source holds none (a window file)
     steps_per_second: Series = field(default_factory=Series.empty)
     spoke_reads: float = 0.0  # reads that crossed a spoke: none, no hit ratio or hub bytes to show
+    failed_reads: float | None = None  # reads that got no bytes (failed fetches); None: the source does not say
     hit_ratio: Series = field(default_factory=Series.empty)
     hub_bytes_per_second: Series = field(default_factory=Series.empty)
     # Stall-seconds per second per rank, by cause.

@@ -27,7 +27,7 @@ from stallwatch.report.run import FloatArray, Run, Series
 WINDOW_KEYS = {"start_s", "end_s", "ranks", "gpus", "jobs", "whatif_hit_ratio"}
 MAX_LINE_BYTES = 4 << 20
 MAX_NAMES = 100_000  # distinct jobs, or (job, rank) pairs, a file may name
-SUMS = ("steps", "compute_s", "reads", "hits", "hub_bytes", *(f"stall_{k}" for k in c.CAUSES),
+SUMS = ("steps", "compute_s", "reads", "hits", "hub_bytes", "failed_reads", *(f"stall_{k}" for k in c.CAUSES),
         *(f"idle_{k}" for k in c.CAUSES))
 
 
@@ -116,6 +116,7 @@ class _Windows:
     gpus: set[tuple[str, int]] = field(default_factory=set)  # (job, GPU) pairs of the run's windows
     job_started: float | None = None  # the first window of the run's job(s), in the span or not
     gpu_devices: int | None = None
+    failures_counted: bool = False  # a job row said its failed reads (the agents before it did not write them)
     whatif: tuple[float, dict[str, float]] | None = None  # (window start, curve) of the latest window with one
     whatif_keys: tuple[float, float] | None = None
 
@@ -166,6 +167,9 @@ class _Windows:
             sums["reads"] += reads
             sums["hits"] += reads * _number(item.get("hit_ratio"), "hit_ratio", at_most=1, none=True)
             sums["hub_bytes"] += _number(item.get("hub_bytes"), "hub_bytes", at_most=2**63)
+            if "failed_reads" in item:
+                sums["failed_reads"] += _number(item["failed_reads"], "failed_reads", at_most=2**53)
+                self.failures_counted = True
             self._phase(index, name, item, start if spanned else None, end if spanned else None)
             self.job_started = start if self.job_started is None else min(self.job_started, start)
         for key, value in sums.items():
@@ -288,6 +292,7 @@ def run_from_windows(path: Path, job: str | None = None, start: float | None = N
     run.spoke_reads = float(reads.sum())
     run.hit_ratio = series(np.divide(hits, reads, out=np.zeros_like(hits), where=reads > 0), reads > 0)
     run.hub_bytes_per_second = series(total("hub_bytes") / length)
+    run.failed_reads = float(total("failed_reads").sum()) if windows.failures_counted else None
     if job is None and len(jobs) > 1:
         run.several_jobs = tuple(jobs)  # one job's phases after another's would read as one run's
     elif jobs:
