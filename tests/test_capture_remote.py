@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import io
 import os
+import socket
+import ssl
 import tarfile
 import tempfile
 import threading
@@ -38,6 +40,7 @@ from tests.realspoke import Hub, Nginx
 from tests.test_client_open import Datagrams
 from tests.test_live_stalls import stalls
 from tests.test_run import Settled, finished, run
+from tests.test_security import self_signed
 
 SOURCE = wire.Source("remote", rank=0, worker=3)
 BODY_DELAY = 0.25  # seconds between an object's headers and its body: the hub's distance, as moto is on loopback
@@ -480,6 +483,80 @@ def test_a_request_whose_reply_is_never_asked_for_leaves_nothing_open(spoke: tup
     wait_for("the reply's read", lambda: bool(replies()), 10)
     time.sleep(0.2)
     assert replies() == [len(OBJECT)]
+
+
+class _SlowHandshake(ThreadingHTTPServer):
+    """An HTTPS server whose TLS handshake starts `HANDSHAKE_S` after it accepts: a far hub's connect."""
+
+    daemon_threads = True
+
+    def __init__(self, certificate: tuple[Path, Path]) -> None:
+        super().__init__(("127.0.0.1", 0), _Objects)
+        self.tls = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        self.tls.load_cert_chain(str(certificate[1]), str(certificate[0]))
+
+    def get_request(self) -> tuple[Any, Any]:
+        connection, address = self.socket.accept()
+        time.sleep(HANDSHAKE_S)
+        return self.tls.wrap_socket(connection, server_side=True), address
+
+
+class _Objects(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+
+    def do_GET(self) -> None:
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(OBJECT)))
+        self.end_headers()
+        self.wfile.write(OBJECT)
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+
+HANDSHAKE_S = 0.3
+
+
+def test_an_https_gets_read_includes_its_connect_and_a_connect_that_fails_is_a_failed_fetch(
+        tmp_path: Path, datagrams: Datagrams) -> None:
+    """An HTTPS connection connects and shakes hands before its request is sent: the GET's read starts there (a
+    far hub's handshake is part of fetching from it), and while the connect hangs its thread has that read open.
+    A connect that gets no handshake in time (an address that accepts and answers nothing) is one failed fetch of
+    no bytes, raising as without capture."""
+    certificate = self_signed(tmp_path, "hub")
+    server = _SlowHandshake(certificate)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    silent = socket.create_server(("127.0.0.1", 0))  # accepts (the kernel's backlog), never shakes hands
+    silent_at = f"https://127.0.0.1:{silent.getsockname()[1]}/"
+    good, dead = f"https://127.0.0.1:{server.server_port}/far/object.bin", f"{silent_at}far/object.bin"
+    seen_open: list[list[tuple[str, int, int]]] = []
+    try:
+        started()
+        with reads.reads_as(SOURCE):
+            watch = threading.Timer(0.1, lambda: seen_open.append(list(reads.context.reading.values())))
+            watch.start()
+            sent = time.monotonic_ns()
+            assert requests.get(good, timeout=10, verify=str(certificate[1])).content == OBJECT
+            watch.join()
+            with pytest.raises(requests.Timeout):  # urllib3 calls a handshake that times out a read timeout
+                requests.get(dead, timeout=(0.5, 5), verify=str(certificate[1]))
+            failed = time.monotonic_ns()
+    finally:
+        capture.stop()
+        server.shutdown()
+        server.server_close()
+        silent.close()
+    assert [[(location, offset) for location, offset, _ in reading] for reading in seen_open] == [
+        [(f"https://127.0.0.1:{server.server_port}/", 0)]]  # in the handshake: the server's, from the connect
+    transport.sender().flush_all()
+    wait_for("the failed connect", lambda: any(row["bytes"] == 0 for row in datagrams.rows("reads")), 10)
+    time.sleep(0.2)
+    *body, dead_row = datagrams.rows("reads")  # requests reads a body 10 KiB at a time: one event each
+    assert body[0]["key"] == read_key("/far/object.bin") and sum(row["bytes"] for row in body) == len(OBJECT)
+    assert body[0]["start_ns"] == seen_open[0][0][2] and body[0]["end_ns"] - body[0]["start_ns"] >= HANDSHAKE_S * 1e9
+    assert (dead_row["key"], dead_row["bytes"]) == (read_key(silent_at), 0)
+    assert sent <= dead_row["start_ns"] and dead_row["end_ns"] - dead_row["start_ns"] >= 0.5e9
+    assert dead_row["end_ns"] <= failed
 
 
 class _ChunkedCDN(BaseHTTPRequestHandler):

@@ -13,6 +13,8 @@ a source (`reads.bound`), each through `reads.timed_read`: one event a read call
   body's bytes were read. A reply urllib3 reads whole as it arrives (`preload_content`) is one event, and so
   is an error reply (status 400 or more, a failed fetch): no bytes, from the request to its headers; its page
   is no dataset bytes and is not recorded. A request that gets no reply (refused, reset, timed out) is one too.
+  An HTTPS connection's connect (and handshake) comes before its request: its first GET starts there, and a
+  connect that fails is a failed fetch of the server.
 - fsspec (s3fs, gcsfs, HTTP): each `read` of an `AbstractBufferedFile` (`readinto`, `readline` and
   iteration read through it), keyed `protocol://path` at the file's position; the fetches from the
   store happen inside it. A file class with a `read` of its own (fsspec's `HTTPFile`, which fetches a
@@ -57,6 +59,7 @@ from stallwatch.client.reads import (
 SPOKE_URLS_ENV = "STALLWATCH_SPOKE_URLS"  # spokes' URLs (prefixes), separated by spaces or commas
 _DEFAULT_PORTS = {"http": 80, "https": 443}
 _SENT = "_stallwatch_sent"  # on a urllib3 connection: the GET it sent, until its reply
+_CONNECTED = "_stallwatch_connected"  # on an HTTPS connection: when its connect began, until its first request
 _BODY = "_stallwatch_body"  # on a urllib3 reply: its body's reads (`_Body`)
 _WHERE = "_stallwatch_where"  # on an fsspec file: (location, verdict)
 
@@ -142,9 +145,9 @@ class _Sent:
 
     __slots__ = ("location", "offset", "open", "preloaded", "start")
 
-    def __init__(self, location: str, offset: int, preloaded: bool) -> None:
+    def __init__(self, location: str, offset: int, preloaded: bool, start: int | None = None) -> None:
         self.location, self.offset, self.preloaded = location, offset, preloaded
-        self.start = time.monotonic_ns()
+        self.start = start or time.monotonic_ns()
         thread, reading = get_ident(), context.reading
         current = reading.get(thread)
         if current is not None and current is _awaiting.get(thread):
@@ -173,9 +176,32 @@ class _Sent:
             return
 
 
+def _connect(original: Callable[..., Any]) -> Callable[..., Any]:
+    """An HTTPS connection connects (and shakes hands) before its request is sent, so its first GET's read starts
+    there; while it connects, its thread's open read is the server's, and a connect that fails is a failed fetch of
+    it (a hub whose address no longer answers). A plain HTTP connection connects inside `request`."""
+    def connect(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if _SENT in self.__dict__ or not bound():  # within a request (a connection reopened): the request's read
+            return original(self, *args, **kwargs)
+        try:
+            connecting = _Sent(f"https://{self.host}:{self.port}/", 0, True)
+        except Exception:  # never into the connect: it is recorded with its request, if at all
+            return original(self, *args, **kwargs)
+        try:
+            result = original(self, *args, **kwargs)
+        except Exception:
+            connecting.failed()
+            raise
+        connecting.answered()
+        self.__dict__[_CONNECTED] = connecting.start
+        return result
+    return connect
+
+
 def _request(original: Callable[..., Any], https: type) -> Callable[..., Any]:
     def request(self: Any, method: str, url: str, *args: Any, **kwargs: Any) -> Any:
         sent = None
+        connected = self.__dict__.pop(_CONNECTED, None)
         if method == "GET" and bound():
             try:  # (url, Range header, preload_content), as `request(method, url, body, headers, ...)` has them
                 headers = kwargs.get("headers", args[1] if len(args) > 1 else None) or {}
@@ -183,7 +209,8 @@ def _request(original: Callable[..., Any], https: type) -> Callable[..., Any]:
                 ranges = ranges.decode("latin-1") if isinstance(ranges, bytes) else ranges  # botocore's are bytes
                 location = url if "://" in url else (  # a path, as a client asks a server that is no proxy
                     f"{'https' if isinstance(self, https) else 'http'}://{self.host}:{self.port}{url}")
-                sent = self.__dict__[_SENT] = _Sent(location, range_start(ranges), kwargs.get("preload_content", True))
+                sent = self.__dict__[_SENT] = _Sent(location, range_start(ranges), kwargs.get("preload_content", True),
+                                                    connected)
             except Exception:  # never into the request: its reply is read uncaptured
                 self.__dict__.pop(_SENT, None)
         try:
@@ -248,6 +275,7 @@ def _patch_urllib3(urllib3: ModuleType) -> None:
     connection, response = urllib3.connection.HTTPConnection, urllib3.response.HTTPResponse
     https = urllib3.connection.HTTPSConnection
     _patch(connection, "request", lambda original: _request(original, https))
+    _patch(https, "connect", _connect)
     _patch(connection, "getresponse", _getresponse)
     for name in ("read", "read1"):
         _patch(response, name, _body_read)
