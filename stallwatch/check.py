@@ -29,7 +29,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from stallwatch import catalogue, harness
-from stallwatch.client import wire
+from stallwatch.client import capture, remote, wire
 from stallwatch.client.identity import JOB_SOURCES, source_from_environment
 from stallwatch.exporters.config import DEFAULT_PORT
 from stallwatch.harness import Samples, total
@@ -215,11 +215,16 @@ def delivery(path: str, origin: str, url: str, source: wire.Source, timeout: flo
 
 
 # --- steps, reads and spokes ------------------------------------------------------------------------------
+def _reads_by_verdict(samples: Samples, job: str) -> dict[str, float]:
+    """The job's reads counted by the verdict its clients gave them."""
+    return {verdict: total(samples, catalogue.DATASET_READS.name, verdict=verdict, **{catalogue.JOB_LABEL: job})
+            for verdict in ("hit", "miss", "direct", "unknown")}
+
+
 def reads(samples: Samples, job: str) -> list[Finding]:
     mine = {catalogue.JOB_LABEL: job}
     steps = total(samples, catalogue.LOADER_WAIT.name + "_count", **mine)
-    by_verdict = {verdict: total(samples, catalogue.DATASET_READS.name, verdict=verdict, **mine)
-                  for verdict in ("hit", "miss", "direct", "unknown")}
+    by_verdict = _reads_by_verdict(samples, job)
     count = sum(by_verdict.values())
     if not count:
         if steps:
@@ -276,7 +281,8 @@ def spokes(samples: Samples, job: str) -> list[Finding]:
     success = {collector: value for collector, value in
                _label_values(samples, catalogue.SCRAPE_COLLECTOR_SUCCESS.name, "collector").items()
                if collector.startswith("spoke_")}
-    unknown = total(samples, catalogue.DATASET_READS.name, verdict="unknown", **{catalogue.JOB_LABEL: job})
+    by_verdict = _reads_by_verdict(samples, job)
+    unknown = by_verdict["unknown"]
     if not success:
         return [Finding("no spoke collector is on: reads without a verdict of their own are booked direct_read "
                         "(through no spoke). Right for local disks; reads that go through a cache need its "
@@ -291,6 +297,12 @@ def spokes(samples: Samples, job: str) -> list[Finding]:
                                     "cannot be matched to its requests.",
                                     f"see the agent's log and stallwatch_spoke_collector_errors_total; check the "
                                     f"--{collector}.* flags"))
+    if by_verdict["direct"] and not (unknown or by_verdict["hit"] or by_verdict["miss"]):
+        findings.append(Finding(
+            f"every read of job {job!r} so far ({by_verdict['direct']:.0f}) crossed no spoke, by the client's own "
+            "account: its stalls on reads are booked direct_read, none remote_fetch. Right if the job reads a local "
+            "disk; if it reads through the spoke, tell the client where the spoke is: `stallwatch run --spoke-url "
+            f"URL` or `--spoke-mount PATH` (${remote.SPOKE_URLS_ENV}, ${capture.SPOKE_MOUNTS_ENV}).", note=True))
     if unknown:
         how = ("matched to the logged request of the same key, else classed hit or miss by their latency"
                if PER_REQUEST & success.keys() else "classed hit or miss by their latency (these spokes log no "

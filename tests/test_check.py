@@ -98,6 +98,27 @@ def test_failed_reads_are_counted_and_pointed_at(agent: Callable[..., Agent], tm
     assert status == 0 and "3 of those reads got no bytes" in out and "Failed reads" in out, out
 
 
+def test_reads_that_all_cross_no_spoke_on_a_node_with_one_point_at_the_spokes_address(
+        agent: Callable[..., Agent], tmp_path: Path) -> None:
+    """On a node whose agent watches a spoke, a job whose every read crossed no spoke by its client's account
+    (captured reads of URLs or paths the client was not told are the spoke's) has its read stalls booked
+    direct_read: the check says so, and how to tell the client where the spoke is."""
+    spoke_log = tmp_path / "spoke.log"
+    spoke_log.touch()
+    running, path = agent("--collector.spoke_nginx", "--spoke_nginx.log", str(spoke_log))
+    env = {"STALLWATCH_SOCKET": path, "STALLWATCH_JOB": "resnet"}
+    direct = ("import time\nfrom stallwatch.client import monitor, record_read, wire\n"
+              "for n in monitor(range(4)):\n    now = time.monotonic_ns()\n"
+              "    record_read('http://spoke/x', n, 4096, now - 2_000_000, now, wire.VERDICT_DIRECT)\n")
+    subprocess.run([sys.executable, "-c", direct], env={**os.environ, **env}, cwd=ROOT, check=True, timeout=120)
+    status, out = run_check(running.url, env)
+    assert status == 0 and "every read of job 'resnet' so far (4) crossed no spoke" in out, out
+    assert "stallwatch run --spoke-url URL" in out and "STALLWATCH_SPOKE_URLS" in out
+    run_job(tmp_path, env)  # reads left to the agent (verdict unknown): they may have crossed it
+    status, out = run_check(running.url, env)
+    assert status == 0 and "crossed no spoke" not in out, out
+
+
 def test_a_wrong_socket_path_records_nothing_and_the_check_says_so(
     agent: Callable[..., Agent], tmp_path: Path
 ) -> None:
