@@ -134,14 +134,15 @@ def _size(data: bytes | None) -> int:
     return len(data) if data else 0
 
 
-# Per thread, the open read of the GET it sent last, until its reply's headers (`context.reading` holds it too).
+# Per thread, the open read of its fetch under way, until the reply's headers (`context.reading` holds it too).
 _awaiting: dict[int, tuple[str, int, int]] = {}
 
 
 class _Sent:
-    """A GET sent on a connection, until its reply's headers. The wait for them is part of reading the reply, so
-    the request is its thread's open read from when it was sent (a hub gone quiet is a read in flight while it
-    lasts), unless the thread is inside another recorded read (a `ReadSpan`), which is the read then."""
+    """A fetch under way until its reply's headers: a GET sent, or an HTTPS connection's connect before its first
+    request. The wait for them is part of reading the reply, so the fetch is its thread's open read from its start
+    (a hub gone quiet is a read in flight while it lasts), unless the thread is inside another recorded read (a
+    `ReadSpan`), which is the read then."""
 
     __slots__ = ("location", "offset", "open", "preloaded", "start")
 
