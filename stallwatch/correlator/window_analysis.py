@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 
 import numpy as np
 import numpy.typing as npt
@@ -43,6 +43,21 @@ def _group(*columns: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return np.stack([c[first].astype(np.int64) for c in columns], axis=1).reshape(-1, len(columns)), group
 
 
+Rows = npt.NDArray[np.bool_] | slice
+_NO_ROWS = slice(0, 0)
+
+
+def _job_rows(jobs: npt.NDArray[np.integer]) -> Iterator[tuple[int, Rows]]:
+    """Each job in a column of jobs, with its rows: a mask, or every row (a slice, no mask made) where the column
+    holds one job, as a node's window usually does."""
+    ids = distinct_ids(jobs)
+    if len(ids) == 1:
+        yield ids[0], slice(None)
+        return
+    for job in ids:
+        yield job, jobs == job
+
+
 def _steps(columns: Columns) -> Steps:
     return Steps(*(columns[name].astype(np.int64) for name in
                    ("job", "rank", "gpu", "batch", "wait_start_ns", "wait_end_ns", "compute_end_ns", "ready_ns")))
@@ -55,7 +70,7 @@ def _spans(steps: Steps, stalled: npt.NDArray[np.bool_]) -> dict[int, Spans]:
             for mine in [stalled & (steps.job == job)]}
 
 
-def _read_lead(mine: npt.NDArray[np.bool_], steps: Steps, read_mine: npt.NDArray[np.bool_],
+def _read_lead(mine: npt.NDArray[np.bool_], steps: Steps, read_mine: Rows,
                read_batches: npt.NDArray[np.int64]) -> float | None:
     """How many batches a job's loaders have read ahead of its steps in a window (`mine`, `read_mine`): its latest
     read's batch less its latest step's (its ranks step together, each numbering its batches alike); None without
@@ -214,8 +229,9 @@ class WindowAnalyser:
         """Each read's verdict: its own, else the spoke's, else the latency split's (learnt from the window's own
         reads, with the verdicts the client gave them, less those it saw cross no spoke: a local disk's latency
         is neither cluster's)."""
-        learnt = np.flatnonzero(own_verdict != Verdict.DIRECT)
-        self.latency.learn(own_reads["end_ns"][learnt] - own_reads["start_ns"][learnt])
+        duration = own_reads["end_ns"] - own_reads["start_ns"]
+        crossed = own_verdict != Verdict.DIRECT
+        self.latency.learn(duration if crossed.all() else duration[crossed])  # usually all: no copy then
         return self._resolved(reads["verdict"].astype(np.int8, copy=True), reads["key"], reads["start_ns"],
                               reads["end_ns"], window)
 
@@ -272,14 +288,16 @@ class WindowAnalyser:
         if not reads["bytes"].all():
             fetched = reads["bytes"] > 0
             missed, hit, failed = missed & fetched, hit & fetched, ~fetched
-        for job, first in self._earliest(steps, reads).items():
+        read_rows = dict(_job_rows(read_jobs))
+        for job, first in self._earliest(steps, reads, read_rows).items():
             self._first_seen[job] = min(self._first_seen.get(job, first), first)
         step_seconds = (steps.compute_end - steps.wait_start) / 1e9
+        read_bytes = reads["bytes"]
         rows = []
         for job in sorted(set(self._first_seen) | set(self.warmup.jobs)):
             mine = steps.job == job
-            read_mine = read_jobs == job
-            misses, hits = read_mine & missed, read_mine & hit
+            read_mine = read_rows.get(job, _NO_ROWS)
+            misses, hits, fetched_bytes = missed[read_mine], hit[read_mine], read_bytes[read_mine]
             hit_count = int(np.count_nonzero(hits))  # counted, not summed: a mask's sum casts every row
             cold = self._cold(job)  # the forecast's figures, wanted only until the job is steady
             passing = self.passes.of(job)
@@ -293,15 +311,15 @@ class WindowAnalyser:
                                      // (window.end_ns - window.start_ns), 0, 3),
                 reads=int(np.count_nonzero(misses)) + hit_count,
                 hits=hit_count,
-                hub_bytes=int(reads["bytes"][np.flatnonzero(misses)].sum()),
-                read_bytes=int(reads["bytes"][misses | hits].sum()) if cold else 0,
+                hub_bytes=int(fetched_bytes[np.flatnonzero(misses)].sum()),
+                read_bytes=int(fetched_bytes[misses | hits].sum()) if cold else 0,
                 first_pass=first_pass,
                 read_lead=lead,
                 stall_idle_gpu_seconds=idle_by_job.get(job, 0.0),
                 stall_start_ns=steps.wait_start[mine & stalled],
                 stall_end_ns=steps.wait_end[mine & stalled],
                 waiting=job in waiting,
-                direct_reads=int(np.count_nonzero(read_mine & direct)),
+                direct_reads=int(np.count_nonzero(direct[read_mine])),
             )
             state = self.warmup.update(job, window.start_ns, window.end_ns, seen, self._first_seen[job],
                                        complete=not window.final)
@@ -309,7 +327,7 @@ class WindowAnalyser:
                                state.time_to_steady_s, state.idle_gpu_seconds, state.hub_bytes, state.regressions,
                                stalled_seconds(spans[job]) if job in spans else 0.0, state.forecast,
                                passing[1] if passing else None,
-                               int(np.count_nonzero(read_mine & failed)) if failed is not None else 0))
+                               int(np.count_nonzero(failed[read_mine])) if failed is not None else 0))
         return tuple(rows)
 
     def _cold(self, job: int) -> bool:
@@ -322,11 +340,12 @@ class WindowAnalyser:
         return state.ranks if state is not None else 0
 
     @staticmethod
-    def _earliest(steps: Steps, reads: Columns) -> dict[int, int]:
-        """Per job, the earliest wait or read start. A loop per job: no sort of the window's reads."""
+    def _earliest(steps: Steps, reads: Columns, read_rows: Mapping[int, Rows]) -> dict[int, int]:
+        """Per job, the earliest wait or read start (`read_rows`: each job's reads). A loop per job: no sort of the
+        window's reads."""
         earliest: dict[int, int] = {}
-        for jobs, times in ((steps.job, steps.wait_start), (reads["job"], reads["start_ns"])):
-            for job in distinct_ids(jobs):
-                first = int(times[jobs == job].min())
+        for by_job, times in ((_job_rows(steps.job), steps.wait_start), (read_rows.items(), reads["start_ns"])):
+            for job, rows in by_job:
+                first = int(times[rows].min())
                 earliest[job] = min(earliest.get(job, first), first)
         return earliest
