@@ -39,7 +39,7 @@ import time
 from collections.abc import Callable, Generator, Mapping
 from threading import get_ident
 from types import ModuleType
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
 from stallwatch.client import wire
@@ -55,6 +55,8 @@ from stallwatch.client.reads import (
     timed_read,
     verdict_from_headers,
 )
+
+T = TypeVar("T")
 
 SPOKE_URLS_ENV = "STALLWATCH_SPOKE_URLS"  # spokes' URLs (prefixes), separated by spaces or commas
 _DEFAULT_PORTS = {"http": 80, "https": 443}
@@ -157,6 +159,16 @@ class _Sent:
         if self.open is not None:
             reading[thread] = _awaiting[thread] = self.open
 
+    def awaited(self, wait: Callable[[], T]) -> T:
+        """`wait()` for the reply (or the connection), raising as it raises: failed if it raises, answered if not."""
+        try:
+            result = wait()
+        except Exception:
+            self.failed()
+            raise
+        self.answered()
+        return result
+
     def answered(self) -> None:
         """The headers came (or nothing will): the thread's open read is the body's, if any, from here on."""
         if self.open is None:
@@ -188,12 +200,7 @@ def _connect(original: Callable[..., Any]) -> Callable[..., Any]:
             connecting = _Sent(f"https://{self.host}:{self.port}/", 0, True)
         except Exception:  # never into the connect: it is recorded with its request, if at all
             return original(self, *args, **kwargs)
-        try:
-            result = original(self, *args, **kwargs)
-        except Exception:
-            connecting.failed()
-            raise
-        connecting.answered()
+        result = connecting.awaited(lambda: original(self, *args, **kwargs))
         self.__dict__[_CONNECTED] = connecting.start
         return result
     return connect
@@ -229,12 +236,7 @@ def _getresponse(original: Callable[..., Any]) -> Callable[..., Any]:
         sent: _Sent | None = self.__dict__.pop(_SENT, None)
         if sent is None:
             return original(self, *args, **kwargs)
-        try:
-            response = original(self, *args, **kwargs)
-        except Exception:
-            sent.failed()
-            raise
-        sent.answered()
+        response = sent.awaited(lambda: original(self, *args, **kwargs))
         _follow(response, sent)
         return response
     return getresponse
