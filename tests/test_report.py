@@ -215,3 +215,13 @@ def test_the_lines_of_one_window_are_merged_whatever_their_order(two_jobs: Path,
         assert total_steps(parts) == total_steps(whole)
         assert parts.stall_seconds == whole.stall_seconds
         assert parts.gpu_stall_idle_seconds == whole.gpu_stall_idle_seconds
+
+
+@pytest.mark.parametrize(("source", "said"), [
+    ("windows", "Failed reads: not in this window file"),
+    ("prometheus", f"Failed reads: not known: Prometheus holds no {c.DATASET_FAILED_READS.name} of the run"),
+])
+def test_failed_reads_not_counted_are_said_not_known_in_the_sources_own_words(source: str, said: str) -> None:
+    html = render_html(Run(1.7e9, 1.7e9 + 60, source))
+    assert said in html
+    assert "none: every read got its bytes" in render_html(Run(1.7e9, 1.7e9 + 60, source, failed_reads=0.0))

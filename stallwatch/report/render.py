@@ -164,7 +164,8 @@ def _headline(run: Run) -> str:
 def _failed_reads(run: Run) -> str:
     """Whether reads failed: what tells an outage (the hub out, the spoke failing) from a cache that is cold."""
     if run.failed_reads is None:
-        said = "not in this window file (its agent did not count them)"
+        said = ("not in this window file (its agent did not count them)" if run.source == "windows" else
+                f"not known: Prometheus holds no {c.DATASET_FAILED_READS.name} of the run (no agent counted its reads)")
     elif not run.failed_reads:
         said = "none: every read got its bytes"
     else:
