@@ -292,12 +292,12 @@ class WindowAnalyser:
         for job, first in self._earliest(steps, reads, read_rows).items():
             self._first_seen[job] = min(self._first_seen.get(job, first), first)
         step_seconds = (steps.compute_end - steps.wait_start) / 1e9
-        read_bytes = reads["bytes"]
+        nbytes = reads["bytes"]
         rows = []
         for job in sorted(set(self._first_seen) | set(self.warmup.jobs)):
             mine = steps.job == job
             read_mine = read_rows.get(job, _NO_ROWS)
-            misses, hits, fetched_bytes = missed[read_mine], hit[read_mine], read_bytes[read_mine]
+            misses, hits, fetched_bytes = missed[read_mine], hit[read_mine], nbytes[read_mine]
             hit_count = int(np.count_nonzero(hits))  # counted, not summed: a mask's sum casts every row
             cold = self._cold(job)  # the forecast's figures, wanted only until the job is steady
             passing = self.passes.of(job)
