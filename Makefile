@@ -4,6 +4,8 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 CLIENT_SPEEDUPS := build/.client-speedups
+CORRELATOR_KERNELS := build/.correlator-kernels
+C_PARTS := $(CLIENT_SPEEDUPS) $(CORRELATOR_KERNELS)
 STAGE := build/dist
 DIST := dist
 
@@ -13,8 +15,8 @@ define stage
 	rm -rf $(STAGE) && mkdir -p $(STAGE)/client $(STAGE)/agent
 	cp clients/python/pyproject.toml clients/python/setup.py clients/python/README.md $(STAGE)/client/
 	tar -c --exclude=__pycache__ --exclude='*.so' stallwatch/client | tar -x -C $(STAGE)/client
-	tar -c --exclude=__pycache__ --exclude=stallwatch/client --exclude=stallwatch/_revision \
-	  pyproject.toml README.md stallwatch | tar -x -C $(STAGE)/agent
+	tar -c --exclude=__pycache__ --exclude='*.so' --exclude=stallwatch/client --exclude=stallwatch/_revision \
+	  pyproject.toml setup.py README.md stallwatch | tar -x -C $(STAGE)/agent
 	git rev-parse HEAD > $(STAGE)/agent/stallwatch/_revision 2>/dev/null || true
 endef
 
@@ -24,10 +26,10 @@ test: $(STAMP) system-deps helm-tools lint typecheck pytest
 
 # The quick tier: lint, types, and every test that starts no real process (the others skip themselves when
 # they try: tests/conftest.py), on every core.
-check: $(STAMP) $(CLIENT_SPEEDUPS) lint typecheck
+check: $(STAMP) $(C_PARTS) lint typecheck
 	$(PY) -m pytest -q --no-processes -n auto
 
-demo: $(STAMP) system-deps $(CLIENT_SPEEDUPS)
+demo: $(STAMP) system-deps $(C_PARTS)
 	$(PY) -m stallwatch demo $(DEMO_ARGS)
 
 $(STAMP): pyproject.toml clients/python/pyproject.toml
@@ -49,15 +51,22 @@ $(CLIENT_SPEEDUPS): stallwatch/client/_speedups.c clients/python/setup.py | $(ST
 	$(PY) clients/python/setup.py -q build_ext --inplace --build-temp build/client-speedups
 	mkdir -p $(@D) && touch $@
 
+# The correlator's C kernels (setup.py), likewise optional: without them it runs their NumPy versions.
+$(CORRELATOR_KERNELS): stallwatch/correlator/_kernels.c setup.py | $(STAMP)
+	$(PY) setup.py -q build_ext --inplace --build-temp build/correlator-kernels
+	mkdir -p $(@D) && touch $@
+
 # The two distributions into dist/, built offline: stallwatch-client (stallwatch/client), an sdist, a wheel
 # with the C parts for this platform and one without them for any, and stallwatch (the rest, with the revision
-# it was built from: stallwatch/build.py), an sdist and a wheel.
+# it was built from: stallwatch/build.py), likewise an sdist, a wheel with the correlator's C kernels and one
+# without them.
 dist: $(STAMP)
 	$(stage)
 	rm -rf $(DIST)
 	$(PY) -m build -q --no-isolation --outdir $(DIST) $(STAGE)/client
 	STALLWATCH_CLIENT_PURE=1 $(PY) -m build -q --no-isolation --wheel --outdir $(DIST) $(STAGE)/client
 	$(PY) -m build -q --no-isolation --outdir $(DIST) $(STAGE)/agent
+	STALLWATCH_AGENT_PURE=1 $(PY) -m build -q --no-isolation --wheel --outdir $(DIST) $(STAGE)/agent
 
 system-deps:
 	PYTHON=$(PYTHON) scripts/install-system-deps.sh
@@ -72,7 +81,7 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(PY) -m mypy
 
-pytest: $(STAMP) system-deps helm-tools $(CLIENT_SPEEDUPS)
+pytest: $(STAMP) system-deps helm-tools $(C_PARTS)
 	$(PY) -m pytest -q
 
 generate: $(STAMP)
@@ -86,7 +95,7 @@ image: $(STAMP) system-deps
 protos: $(STAMP)
 	PYTHON=$(PY) scripts/generate-protos.sh
 
-benchmarks: $(STAMP) $(CLIENT_SPEEDUPS)
+benchmarks: $(STAMP) $(C_PARTS)
 	$(PY) benchmarks/run_all.py
 
 clean:

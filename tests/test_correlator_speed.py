@@ -14,6 +14,7 @@ import pytest
 
 from benchmarks.correlator_throughput import NOMINAL_RATE, rates, reads_per_batch, synthesise
 from stallwatch.correlator.reuse import earlier_and_larger
+from tests.kernels import IMPLEMENTATIONS, using
 
 LEAST_RATIO = 10.0
 ROUNDS = 3  # each pipeline's best round counts: a round slowed by another tenant does not
@@ -32,12 +33,14 @@ def test_the_vectorised_correlator_keeps_ten_times_the_per_event_pipelines_rate_
         f"{naive_rate / 1e6:.3f} M events/s, under {LEAST_RATIO:.0f}x")
 
 
+@IMPLEMENTATIONS
 @pytest.mark.parametrize("m", [3, 64, 65, 200, 1280, 1281, 2000])
-def test_the_dominance_sum_in_blocks_for_few_points_and_merges_for_many_alike(m: int) -> None:
-    """The what-if's `earlier_and_larger` works in blocks of 64 points up to 1,280 points (one block: a
-    pairwise comparison), by merge passes past them; both give the brute-force sum."""
+def test_the_dominance_sum_in_blocks_for_few_points_and_merges_for_many_alike(implementation: str, m: int) -> None:
+    """The what-if's `earlier_and_larger` works, in NumPy, in blocks of 64 points up to 1,280 points (one block:
+    a pairwise comparison), by merge passes past them; in C by a Fenwick tree. All give the brute-force sum."""
     rng = np.random.default_rng(m)
     values = rng.permutation(4 * m)[:m].astype(np.int64)
     weights = rng.integers(1, 1 << 30, m).astype(np.float64)
     expected = [weights[:q][values[:q] > values[q]].sum() for q in range(m)]
-    assert earlier_and_larger(values, weights).tolist() == expected
+    with using(implementation):
+        assert earlier_and_larger(values, weights).tolist() == expected

@@ -58,8 +58,10 @@ def container() -> Iterator[str]:
 @pytest.mark.slow
 def test_the_image_runs_the_agent_as_nobody_without_torch(container: str) -> None:
     assert buildah("run", container, "--", "id", "-u") == "65534"
-    probe = "import importlib.util as u; print(*(bool(u.find_spec(m)) for m in ('torch', 'grpc', 'stallwatch')))"
-    assert buildah("run", container, "--", "python3", "-c", probe) == "False True True"
+    probe = ("import importlib.util as u; from stallwatch.correlator import native;"
+             "print(*(bool(u.find_spec(m)) for m in ('torch', 'grpc', 'stallwatch')), native.kernels is not None)")
+    # the last: the agent's wheel with the correlator's C kernels, the one for the image's Python
+    assert buildah("run", container, "--", "python3", "-c", probe) == "False True True True"
     size = buildah("images", "--format", "{{.Size}}", IMAGE)
     print(f"image size: {size}")
 

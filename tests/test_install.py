@@ -30,11 +30,12 @@ pytestmark = pytest.mark.slow
 
 VERSION = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
 CLIENT_WHEEL = f"stallwatch_client-{VERSION}-py3-none-any.whl"
-# The client's wheel with its C parts, for this interpreter and platform (as setuptools tags it).
+# Each distribution's wheel with its C parts, for this interpreter and platform (as setuptools tags it).
 PYTHON_TAG = f"cp{sys.version_info.major}{sys.version_info.minor}"
-CLIENT_PLATFORM_WHEEL = (f"stallwatch_client-{VERSION}-{PYTHON_TAG}-{PYTHON_TAG}-"
-                         f"{sysconfig.get_platform().replace('-', '_').replace('.', '_')}.whl")
+PLATFORM_TAG = f"{PYTHON_TAG}-{PYTHON_TAG}-{sysconfig.get_platform().replace('-', '_').replace('.', '_')}"
+CLIENT_PLATFORM_WHEEL = f"stallwatch_client-{VERSION}-{PLATFORM_TAG}.whl"
 AGENT_WHEEL = f"stallwatch-{VERSION}-py3-none-any.whl"
+AGENT_PLATFORM_WHEEL = f"stallwatch-{VERSION}-{PLATFORM_TAG}.whl"  # with the correlator's C kernels
 # What the agent brings and a training image must not get from the client.
 AGENT_ONLY = ("numpy", "streamz", "torch", "prometheus_client", "yaml")
 INSTALL_DOCS = sorted([*ROOT.glob("docs/*.md"), *ROOT.glob("docs/*.yaml"), ROOT / "README.md",
@@ -78,7 +79,7 @@ def pip_install(bin_dir: Path, *args: str) -> None:
 
 def test_make_dist_builds_a_wheel_and_an_sdist_of_each(dist: Path) -> None:
     assert sorted(path.name for path in dist.iterdir()) == sorted(
-        [AGENT_WHEEL, f"stallwatch-{VERSION}.tar.gz", CLIENT_WHEEL, CLIENT_PLATFORM_WHEEL,
+        [AGENT_WHEEL, AGENT_PLATFORM_WHEEL, f"stallwatch-{VERSION}.tar.gz", CLIENT_WHEEL, CLIENT_PLATFORM_WHEEL,
          f"stallwatch_client-{VERSION}.tar.gz"])
 
 
@@ -92,6 +93,8 @@ def test_each_module_is_in_exactly_one_wheel_and_the_client_in_its_own(dist: Pat
     assert client - client_modules <= {"stallwatch/client/py.typed", "stallwatch/client/_speedups.pyi"}
     hook = {name for name in wheel_names(dist / CLIENT_PLATFORM_WHEEL) - client if not name.endswith(".py")}
     assert [Path(name).name.split(".")[0] for name in hook] == ["_speedups"], hook  # the C parts, compiled
+    kernels = wheel_names(dist / AGENT_PLATFORM_WHEEL) - agent
+    assert [name.split(".")[0] for name in kernels] == ["stallwatch/correlator/_kernels"], kernels
     for member in ("stallwatch/__init__.py", "stallwatch/py.typed", "stallwatch/_revision",
                    "stallwatch/exporters/mappings/juicefs.yaml", "stallwatch/exporters/kubelet/api.proto"):
         assert member in agent, member
@@ -180,10 +183,12 @@ def test_the_client_alone_sends_a_jobs_steps_and_reads(dist: Path, tmp_path: Pat
     assert keys == [read_key(str(shard))] * 5
 
 
-def test_the_agent_wheel_beside_the_client_runs_with_its_revision(dist: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize(("wheel", "kernels"), [(AGENT_PLATFORM_WHEEL, "True"), (AGENT_WHEEL, "False")])
+def test_the_agent_wheel_beside_the_client_runs_with_its_revision(dist: Path, tmp_path: Path, wheel: str,
+                                                                  kernels: str) -> None:
     bin_dir = venv(tmp_path / "agent")
     # The agent's dependencies are this interpreter's (no index here): on the path after the venv's own.
-    pip_install(bin_dir, "--no-deps", str(dist / CLIENT_WHEEL), str(dist / AGENT_WHEEL))
+    pip_install(bin_dir, "--no-deps", str(dist / CLIENT_WHEEL), str(dist / wheel))
     purelib = subprocess.run([str(bin_dir / "python"), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
                              capture_output=True, text=True, check=True, timeout=60).stdout.strip()
     (Path(purelib) / "dependencies.pth").write_text(sysconfig.get_path("purelib") + "\n")
@@ -192,12 +197,15 @@ def test_the_agent_wheel_beside_the_client_runs_with_its_revision(dist: Path, tm
                              cwd=tmp_path, env=env)
     assert version.returncode == 0, version.stderr
     # The commit `make dist` was run at, which others' commits may have followed since.
-    built_from = zipfile.ZipFile(dist / AGENT_WHEEL).read("stallwatch/_revision").decode().strip()
+    built_from = zipfile.ZipFile(dist / wheel).read("stallwatch/_revision").decode().strip()
     assert subprocess.run(["git", "merge-base", "--is-ancestor", built_from, "HEAD"], cwd=ROOT).returncode == 0
     assert version.stdout.startswith(f"stallwatch, version {VERSION} (revision: {built_from[:12]},")
     probe = ("import stallwatch as s, stallwatch.client as c, stallwatch.exporters.agent as a;"
-             "print(s.__file__, c.__file__, a.__file__)")
+             "from stallwatch.correlator import native;"
+             "print(s.__file__, c.__file__, a.__file__, native.kernels is not None)")
     where = subprocess.run([str(bin_dir / "python"), "-c", probe], capture_output=True, text=True, timeout=120,
                            cwd=tmp_path, env=env)
     assert where.returncode == 0, where.stderr
-    assert all(path.startswith(purelib) for path in where.stdout.split())
+    *paths, with_kernels = where.stdout.split()
+    assert all(path.startswith(purelib) for path in paths)
+    assert with_kernels == kernels  # the platform wheel's correlator runs its C kernels, the other NumPy

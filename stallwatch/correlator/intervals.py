@@ -13,6 +13,8 @@ from collections.abc import Sequence
 import numpy as np
 import numpy.typing as npt
 
+from stallwatch.correlator import native
+
 I64 = npt.NDArray[np.int64]
 F64 = npt.NDArray[np.float64]
 
@@ -119,6 +121,17 @@ def equal_join_columns(left: Sequence[I64], right: Sequence[npt.NDArray[np.integ
     if math.prod(spans) > 8 * left[0].size + 64:  # sparse keys: a table would be mostly empty
         packed = composite_key(*(np.concatenate((a, b)) for a, b in zip(left, right, strict=True)))
         return equal_join(packed[:left[0].size], packed[left[0].size:])
+    left_key = np.zeros(left[0].size, dtype=np.int64)
+    for a, low, span in zip(left, lows, spans, strict=True):
+        left_key = left_key * span + (a - low)
+    table = np.full(math.prod(spans), -1, dtype=np.int64)
+    table[left_key] = np.arange(left_key.size)
+    if native.kernels is not None:  # one pass over the right rows: the rest is NumPy's version of that pass
+        left_of, right_of = np.empty(right[0].size, dtype=np.int64), np.empty(right[0].size, dtype=np.int64)
+        pairs = native.kernels.equal_join_table(table, np.array(lows, dtype=np.int64), np.array(spans, dtype=np.int64),
+                                                tuple(np.ascontiguousarray(column) for column in right), left_of,
+                                                right_of)
+        return left_of[:pairs], right_of[:pairs]
     rows = np.flatnonzero((right[0] >= lows[0]) & (right[0] < lows[0] + spans[0]))
     right_key = right[0][rows].astype(np.int64) - lows[0]
     for column, low, span in zip(right[1:], lows[1:], spans[1:], strict=True):  # on the rows left: few
@@ -129,11 +142,6 @@ def equal_join_columns(left: Sequence[I64], right: Sequence[npt.NDArray[np.integ
             rows, right_key, values = rows[inside], right_key[inside], values[inside]
         right_key *= span  # in place: the right side is long
         right_key += values
-    left_key = np.zeros(left[0].size, dtype=np.int64)
-    for a, low, span in zip(left, lows, spans, strict=True):
-        left_key = left_key * span + (a - low)
-    table = np.full(math.prod(spans), -1, dtype=np.int64)
-    table[left_key] = np.arange(left_key.size)
     found = table[right_key]
     hit = np.flatnonzero(found >= 0)
     return (found, rows) if hit.size == found.size else (found[hit], rows[hit])
@@ -187,6 +195,14 @@ def covered_and_subsets(group: I64, start: I64, end: I64, subsets: tuple[npt.NDA
     worker's reads come in the order they ended, so within a group they are then mostly in end order already:
     the union is taken on the mirrored timeline (end order read backwards is start order there), and only rows
     in neither order are sorted by start."""
+    if native.kernels is not None:  # the same in one pass of C, its rows in the same orders
+        cover, subset_cover, first = (np.empty(n_groups, dtype=np.int64),
+                                      np.empty((len(subsets), n_groups), dtype=np.int64),
+                                      np.empty(n_groups, dtype=np.int64))
+        masks = np.stack(subsets).view(np.uint8) if subsets else np.zeros(0, dtype=np.uint8)
+        native.kernels.covered_and_subsets(_int64(group), _int64(start), _int64(end), masks.reshape(-1),
+                                           len(subsets), cover, subset_cover.reshape(-1), first)
+        return cover, tuple(subset_cover), first
     first = np.full(n_groups, np.iinfo(np.int64).max, dtype=np.int64)
     if group.size == 0:
         return np.zeros(n_groups, dtype=np.int64), tuple(np.zeros(n_groups, dtype=np.int64) for _ in subsets), first
@@ -207,6 +223,10 @@ def covered_and_subsets(group: I64, start: I64, end: I64, subsets: tuple[npt.NDA
     return (sorted_union_length(g, s, e, n_groups, leads),
             tuple(sorted_union_length(g[rows], s[rows], e[rows], n_groups)  # places: a scattered mask selects slowly
                   for rows in map(np.flatnonzero, chosen)), first)
+
+
+def _int64(column: npt.NDArray[np.integer]) -> I64:
+    return np.ascontiguousarray(column, dtype=np.int64)
 
 
 def sorted_union_length(group: I64, start: I64, end: I64, n_groups: int, leads: I64 | None = None) -> I64:
