@@ -174,7 +174,7 @@ def test_the_c_kernels_refuse_arrays_they_cannot_read_with_an_error_not_a_crash(
         BUILT.covered_and_subsets(np.zeros((2, 2), dtype=np.int64), ints, ints, masks, 0, cover, no_subsets, first)
     with pytest.raises(ValueError, match="C-contiguous"):  # NumPy will not lend a strided view as contiguous
         BUILT.earlier_and_larger(np.arange(8, dtype=np.int64)[::2], floats, floats.copy())
-    with pytest.raises(ValueError, match="values: -1 is not a position"):
+    with pytest.raises(ValueError, match="values: -1 is negative"):
         BUILT.earlier_and_larger(np.array([0, -1]), np.ones(2), np.zeros(2))
     with pytest.raises(ValueError, match="read-only"):  # results into an array that may not be written
         BUILT.earlier_and_larger(np.arange(2), np.ones(2), np.frombuffer(bytes(16)))

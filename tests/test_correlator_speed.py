@@ -34,12 +34,15 @@ def test_the_vectorised_correlator_keeps_ten_times_the_per_event_pipelines_rate_
 
 
 @IMPLEMENTATIONS
+@pytest.mark.parametrize("spread", [1, 10**9])
 @pytest.mark.parametrize("m", [3, 64, 65, 200, 1280, 1281, 2000])
-def test_the_dominance_sum_in_blocks_for_few_points_and_merges_for_many_alike(implementation: str, m: int) -> None:
+def test_the_dominance_sum_in_blocks_for_few_points_and_merges_for_many_alike(implementation: str, m: int,
+                                                                               spread: int) -> None:
     """The what-if's `earlier_and_larger` works, in NumPy, in blocks of 64 points up to 1,280 points (one block:
-    a pairwise comparison), by merge passes past them; in C by a Fenwick tree. All give the brute-force sum."""
+    a pairwise comparison), by merge passes past them; in C by a Fenwick tree, over the values' ranks where they
+    lie far apart (`spread`). All give the brute-force sum."""
     rng = np.random.default_rng(m)
-    values = rng.permutation(4 * m)[:m].astype(np.int64)
+    values = rng.permutation(4 * m)[:m].astype(np.int64) * spread
     weights = rng.integers(1, 1 << 30, m).astype(np.float64)
     expected = [weights[:q][values[:q] > values[q]].sum() for q in range(m)]
     with using(implementation):

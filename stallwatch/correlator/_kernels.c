@@ -8,7 +8,7 @@
        swept once: in start order, or backwards in end order (a worker's reads come so), else sorted by start.
    earlier_and_larger(values, weights, out)
        reuse.earlier_and_larger: per position, the summed weights of the earlier positions with a larger value,
-       by a Fenwick tree over the values.
+       by a Fenwick tree over the values (over their ranks, where they lie far apart).
    equal_join_table(table, lows, spans, columns, left_of, right_of) -> pairs
        intervals.equal_join_columns's probe: each right row inside every column's range [low, low + span)
        looked up in the left rows' table of packed keys.
@@ -266,6 +266,18 @@ done:
     return result;
 }
 
+typedef struct {
+    int64_t value;
+    Py_ssize_t index;
+} Ranked;
+
+static int
+by_value(const void *a, const void *b)
+{
+    int64_t x = ((const Ranked *)a)->value, y = ((const Ranked *)b)->value;
+    return (x > y) - (x < y);
+}
+
 static PyObject *
 earlier_and_larger(PyObject *module, PyObject *args)
 {
@@ -278,6 +290,8 @@ earlier_and_larger(PyObject *module, PyObject *args)
     int got = 0;
     PyObject *result = NULL;
     double *tree = NULL;
+    Ranked *ranked = NULL;
+    int64_t *ranks = NULL;
     for (; got < 3; got++)
         if (array_get(objects[got], &arrays[got], names[got], kinds[got], got == 2) < 0)
             goto done;
@@ -289,12 +303,31 @@ earlier_and_larger(PyObject *module, PyObject *args)
     double *out = arrays[2].view.buf;
     int64_t top = -1;
     for (Py_ssize_t q = 0; q < m; q++) {
-        if (values[q] < 0 || values[q] > PY_SSIZE_T_MAX / 16) {
-            PyErr_Format(PyExc_ValueError, "values: %lld is not a position", (long long)values[q]);
+        if (values[q] < 0) {
+            PyErr_Format(PyExc_ValueError, "values: %lld is negative", (long long)values[q]);
             goto done;
         }
         if (values[q] > top)
             top = values[q];
+    }
+    const int64_t *place = values;  /* each value's node in the tree, less one */
+    if (top >= 4 * (int64_t)m + 1024) {  /* values far apart (not the what-if's positions): their ranks instead */
+        ranked = PyMem_Malloc((size_t)m * sizeof *ranked);
+        ranks = PyMem_Malloc((size_t)m * sizeof *ranks);
+        if (!ranked || !ranks) {
+            PyErr_NoMemory();
+            goto done;
+        }
+        for (Py_ssize_t q = 0; q < m; q++)
+            ranked[q] = (Ranked){values[q], q};
+        qsort(ranked, (size_t)m, sizeof *ranked, by_value);
+        int64_t rank = -1;
+        for (Py_ssize_t r = 0; r < m; r++) {
+            rank += r == 0 || ranked[r].value != ranked[r - 1].value;  /* equal values, equal ranks */
+            ranks[ranked[r].index] = rank;
+        }
+        place = ranks;
+        top = rank;
     }
     Py_ssize_t size = (Py_ssize_t)top + 1;  /* the tree's nodes 1..size: value v at node v + 1 */
     tree = PyMem_Calloc((size_t)size + 1, sizeof *tree);
@@ -305,16 +338,18 @@ earlier_and_larger(PyObject *module, PyObject *args)
     double seen = 0.0;
     for (Py_ssize_t q = 0; q < m; q++) {
         double at_most = 0.0;  /* the weight of the values up to this one */
-        for (Py_ssize_t node = (Py_ssize_t)values[q] + 1; node > 0; node &= node - 1)
+        for (Py_ssize_t node = (Py_ssize_t)place[q] + 1; node > 0; node &= node - 1)
             at_most += tree[node];
         out[q] = seen - at_most;
-        for (Py_ssize_t node = (Py_ssize_t)values[q] + 1; node <= size; node += node & -node)
+        for (Py_ssize_t node = (Py_ssize_t)place[q] + 1; node <= size; node += node & -node)
             tree[node] += weights[q];
         seen += weights[q];
     }
     result = Py_NewRef(Py_None);
 done:
     PyMem_Free(tree);
+    PyMem_Free(ranked);
+    PyMem_Free(ranks);
     while (got-- > 0)
         PyBuffer_Release(&arrays[got].view);
     return result;
