@@ -4,8 +4,9 @@
 
    covered_and_subsets(group, start, end, masks, subsets, cover, subset_cover, first)
        intervals.covered_and_subsets: per group, the length covered by the union of its intervals, the same
-       for each mask's rows, and its earliest start. Rows are counted into their groups and each group's
-       swept once: in start order, or backwards in end order (a worker's reads come so), else sorted by start.
+       for each mask's rows (up to 32 masks, a byte a row each), and its earliest start. Rows are counted into
+       their groups and each group's swept once: in start order, or backwards in end order (a worker's reads
+       come so), else sorted by start.
    earlier_and_larger(values, weights, out)
        reuse.earlier_and_larger: per position, the summed weights of the earlier positions with a larger value,
        by a Fenwick tree over the values (over their ranks, where they lie far apart).
