@@ -213,7 +213,8 @@ covered_and_subsets(PyObject *module, PyObject *args)
         const int64_t *gs = starts + low, *ge = ends + low;
         const uint32_t *gb = bits + low;
         memset(covered, 0, sizeof covered);
-        if (count > 1 && !in_order(gs, count) && in_order(ge, count)) {
+        int by_start = count < 2 || in_order(gs, count);
+        if (!by_start && in_order(ge, count)) {
             for (Py_ssize_t j = 0; j <= subsets; j++)
                 furthest[j] = INT64_MAX;
             for (Py_ssize_t i = count - 1; i >= 0; i--) {
@@ -225,7 +226,7 @@ covered_and_subsets(PyObject *module, PyObject *args)
         }
         else {
             const int64_t *order = NULL;  /* the rows by start, where they are not in that order already */
-            if (count > 1 && !in_order(gs, count)) {
+            if (!by_start) {
                 if (!rows) {
                     rows = PyMem_Malloc((size_t)n * sizeof *rows);
                     spare = PyMem_Malloc((size_t)n * sizeof *spare);
