@@ -127,14 +127,10 @@ def rates(big: list[EventBatch], small: list[EventBatch]) -> tuple[float, float]
 def numpy_rate(big: list[EventBatch]) -> float | None:
     """Events per CPU second of the vectorised pipeline over `big` on the NumPy versions of its C kernels (what
     the `py3-none-any` wheel runs); None where the kernels are not built, and it runs those anyway."""
-    built = native.kernels
-    if built is None:
+    if native.kernels is None:
         return None
-    native.kernels = None
-    try:
+    with native.numpy_versions():
         seconds, _ = vectorised(big)
-    finally:
-        native.kernels = built
     return sum(map(len, big)) / seconds
 
 
