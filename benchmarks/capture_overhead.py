@@ -75,11 +75,11 @@ def read_sides(path: str) -> dict[str, Side]:
 
     plain, captured = opened(capture.original_open), opened(builtins.open)
     in_python: Any = capture.original_open(path, "rb", BUFFER_SIZE)  # recording in Python, as without C parts
-    built, reads.file_reads = reads.file_reads, reads.FileReads
+    built, reads.record_reads_of = reads.record_reads_of, reads.record_in_dict
     try:
         reads.record_reads(in_python.raw, path, wire.VERDICT_DIRECT)
     finally:
-        reads.file_reads = built
+        reads.record_reads_of = built
     return {"plain": reading(plain, READ_SIZE, READS_PER_CHUNK),
             "captured": reading(captured, READ_SIZE, READS_PER_CHUNK),
             "plain system": reading(plain, SYSTEM_READ_SIZE, SYSTEM_READS_PER_CHUNK),

@@ -143,7 +143,7 @@ def test_read_capture_runs_the_c_parts_from_the_platform_wheel_and_python_from_t
               "    with open(sys.argv[1], 'rb') as captured, open(capture.__file__, 'rb') as skipped:\n"
               "        print(type(builtins.open).__name__, type(captured.raw).__name__, type(skipped.raw).__name__,\n"
               "              reads.recorded(captured.raw), reads.recorded(skipped.raw))\n"
-              "        recorder = type(captured.raw.readinto.__self__)\n"
+              "        recorder = type(reads.recorder(captured.raw))\n"
               "print(recorder.__module__, capture.accelerated())\n")
     shard = tmp_path / "shard.bin"
     shard.write_bytes(b"x" * 64)

@@ -15,10 +15,11 @@
    and `capturing` (capture.capturing_open, which decides the rest and tests these again) for every other
    open, with the arguments as given. The rules are capture.capturing_open's; tests hold the two alike.
 
-   FileReads. A captured file's buffer refills through its raw file's `readinto`, one event a read of
-   the file system: `FileReads(file, path, verdict, position)` holds those reads' state, and its methods,
-   which reads.record_reads puts in the file's instance dict, time and record them (reads.FileReads,
-   reads.timed_read and reads.record_read inline). `configure(...)` says where they go, once.
+   CapturedFileIO. A captured file's buffer refills through its raw file's `readinto`, one event a read of
+   the file system: `record_reads(file, path, verdict, position)` makes the raw file (an io.FileIO) this
+   subclass of it, whose `readinto`, `readall`, `read` and `seek` time and record those reads with the
+   FileReads kept in the file's instance dict (reads.FileReads, reads.timed_read and reads.record_read
+   inline), until its `close` makes it an io.FileIO again. `configure(...)` says where the records go, once.
 
    read_key. keys.read_key's hash, below. */
 
@@ -488,7 +489,6 @@ static struct {
     Py_ssize_t rows_offset;    /* a transport.Channel's `reads` slot: the packed records waiting to be sent */
     Py_ssize_t full;           /* records a channel holds before it flushes (transport.FULL) */
     PyObject *read_key;        /* keys.read_key, for a path hash_key does not take */
-    PyObject *file_readinto, *file_readall, *file_read, *file_seek;  /* io.FileIO's */
     long long empty_read_ns;   /* a read of no bytes at least this long is an event (reads.EMPTY_READ_NS) */
 } reads;
 
@@ -496,7 +496,24 @@ static PyObject *target_name, *flush_full_name, *drop_name;  /* "target", "flush
 static PyObject *scheme_separator;  /* "://" */
 static PyObject *one;  /* 1 */
 static PyObject *buffer_name, *raw_name;  /* "buffer", "raw" */
-static PyObject *method_names[4];  /* "readinto", "readall", "read", "seek": a FileReadsMethod's `which` */
+static PyObject *reads_name;  /* "__stallwatch_reads": a captured file's FileReads, in its instance dict */
+
+/* io.FileIO, the methods of it that a captured file's call, and CapturedFileIO: found and made at import. */
+static PyTypeObject *file_io_type, *captured_type;
+static PyObject *file_readinto, *file_readall, *file_read, *file_seek, *file_close;
+static PyCFunction readinto_function;  /* io.FileIO.readinto's C function where it takes one argument (METH_O) */
+static Py_ssize_t dict_offset;  /* of an io.FileIO's instance dict, where its struct holds one (else 0) */
+
+/* `method(*call)`, one of io.FileIO's: its readinto called straight where it can be, past the checks of its
+   descriptor (whose test of its first argument's type walks a subclass's bases), the others through it. */
+static inline PyObject *
+call_file_io(PyObject *method, PyObject *const *call, Py_ssize_t nargs)
+{
+    if (method == file_readinto && readinto_function != NULL && nargs == 2) {
+        return readinto_function(call[0], call[1]);
+    }
+    return PyObject_Vectorcall(method, call, nargs, NULL);
+}
 
 #define SLOT(object, offset) (*(PyObject **)((char *)(object) + (offset)))
 
@@ -525,16 +542,13 @@ put_le64(char *at, uint64_t value)
     }
 }
 
-/* A captured raw file's reads: reads.FileReads in C. The file stays the io.FileIO that open() made (its
-   buffer keeps its fast paths); its instance dict holds this object's `readinto`, `readall`, `read` and
-   `seek`, which the buffer and any caller find before the type's. It holds the file weakly (no cycle
-   through the file's dict: a file nobody closes is still closed when dropped), and otherwise only an exact
-   str and an exact int, so neither it nor its methods can be part of a cycle: none is tracked by the cyclic
-   garbage collector, whose bookkeeping (and the collections that five tracked objects an open would bring
-   on) cost more than the rest of a capture's open. */
+/* A captured raw file's reads: reads.FileReads in C, the state its CapturedFileIO methods record with, kept
+   in the file's instance dict (one entry: the dict that open() made for the file's `name` has room for it
+   and for the `__IOBase_closed` of its close without growing). It holds no reference to the file, only an
+   exact str and an exact int, so it cannot be part of a cycle and is not tracked by the cyclic garbage
+   collector, whose bookkeeping costs more than the rest of a capture's open. */
 typedef struct {
     PyObject_HEAD
-    PyObject *file;      /* a weak reference */
     PyObject *path;      /* the str its reads are keyed by */
     long long position;  /* where the file's next read starts (a tell() would be a system call) */
     PyObject *verdict;
@@ -672,17 +686,6 @@ monotonic_ns(void)
     return (long long)now.tv_sec * 1000000000LL + now.tv_nsec;
 }
 
-static PyObject *
-file_of(FileReads *self)
-{
-    PyObject *file = PyWeakref_GET_OBJECT(self->file);
-    if (file == Py_None) {
-        PyErr_SetString(PyExc_ValueError, "I/O operation on closed file.");
-        return NULL;
-    }
-    return Py_NewRef(file);
-}
-
 /* The read a FileReads has open while no other read is (`context.reading` empty, the usual case): kept
    here, its objects borrowed from the reading thread (which holds them until the read ends), so a read
    allocates nothing to be seen in flight. `open_reads()` gives it to the flush thread; a fork forgets it. */
@@ -803,21 +806,16 @@ done:
    when it read bytes or waited, and the position moved on; a read inside another recorded read of this
    thread is that read's, and only read. */
 static PyObject *
-timed_read(FileReads *self, PyObject *method, PyObject *const *args, Py_ssize_t nargs)
+timed_read(FileReads *self, PyObject *file, PyObject *method, PyObject *const *args, Py_ssize_t nargs)
 {
-    PyObject *call[3], *result, *file = file_of(self);
-    if (UNLIKELY(file == NULL)) {
-        return NULL;
-    }
+    PyObject *call[3], *result;
     call[0] = file;
     for (Py_ssize_t i = 0; i < nargs; i++) {
         call[i + 1] = args[i];
     }
     PyObject *reading = SLOT(reads.context, reads.reading_offset);
     if (UNLIKELY(reading == NULL || !PyDict_CheckExact(reading))) {
-        result = PyObject_Vectorcall(method, call, nargs + 1, NULL);
-        Py_DECREF(file);
-        return result;
+        return PyObject_Vectorcall(method, call, nargs + 1, NULL);
     }
     Py_INCREF(reading);  /* a fork handler may put another in the slot meanwhile */
     long long position = self->position;
@@ -828,7 +826,7 @@ timed_read(FileReads *self, PyObject *method, PyObject *const *args, Py_ssize_t 
         the_open_read.position = position;
         the_open_read.start = started;
         the_open_read.thread = PyThread_get_thread_ident();
-        result = PyObject_Vectorcall(method, call, nargs + 1, NULL);
+        result = call_file_io(method, call, nargs + 1);
         the_open_read.thread = 0;
         if (result != NULL) {
             result = read_done(self, result, position, started);
@@ -839,153 +837,148 @@ timed_read(FileReads *self, PyObject *method, PyObject *const *args, Py_ssize_t 
         result = timed_read_beside(self, method, call, nargs + 1, reading, position);
     }
     Py_DECREF(reading);
-    Py_DECREF(file);
     return result;
-}
-
-static PyObject *
-file_reads_seek(FileReads *self, PyObject *const *args, Py_ssize_t nargs)
-{
-    PyObject *file = file_of(self);
-    if (file == NULL) {
-        return NULL;
-    }
-    PyObject *call[3] = {file, nargs > 0 ? args[0] : NULL, nargs > 1 ? args[1] : NULL};
-    PyObject *moved = PyObject_Vectorcall(reads.file_seek, call, nargs + 1, NULL);
-    Py_DECREF(file);
-    if (moved != NULL) {
-        long long position = PyLong_AsLongLong(moved);  /* lseek's: an off_t */
-        if (position == -1 && PyErr_Occurred()) {
-            Py_CLEAR(moved);
-        } else {
-            self->position = position;
-        }
-    }
-    return moved;
-}
-
-/* One of a FileReads' four methods, bound to it: what the file's instance dict holds. A small callable of
-   its own rather than a bound builtin method, which the garbage collector would track. */
-typedef struct {
-    PyObject_HEAD
-    vectorcallfunc vectorcall;
-    FileReads *reads;
-    int which;  /* its place in method_names: readinto, readall, read, seek */
-} FileReadsMethod;
-
-/* Its calls checked as io.FileIO checks them, with its messages. */
-static PyObject *
-file_reads_method_call(FileReadsMethod *self, PyObject *const *args, size_t nargsf, PyObject *kwnames)
-{
-    Py_ssize_t nargs = PyVectorcall_NARGS(nargsf);
-    if (kwnames != NULL && PyTuple_GET_SIZE(kwnames) > 0) {
-        PyErr_Format(PyExc_TypeError, "FileIO.%U() takes no keyword arguments", method_names[self->which]);
-        return NULL;
-    }
-    PyObject *method;
-    switch (self->which) {
-    case 0:
-        if (nargs != 1) {
-            PyErr_Format(PyExc_TypeError, "FileIO.readinto() takes exactly one argument (%zd given)", nargs);
-            return NULL;
-        }
-        method = reads.file_readinto;
-        break;
-    case 1:
-        if (nargs != 0) {
-            PyErr_Format(PyExc_TypeError, "FileIO.readall() takes no arguments (%zd given)", nargs);
-            return NULL;
-        }
-        method = reads.file_readall;
-        break;
-    case 2:
-        if (nargs > 1) {
-            PyErr_Format(PyExc_TypeError, "read expected at most 1 argument, got %zd", nargs);
-            return NULL;
-        }
-        method = reads.file_read;
-        break;
-    default:
-        if (nargs > 2) {
-            PyErr_Format(PyExc_TypeError, "seek expected at most 2 arguments, got %zd", nargs);
-            return NULL;
-        }
-        return file_reads_seek(self->reads, args, nargs);
-    }
-    return timed_read(self->reads, method, args, nargs);  /* one call: one copy of it, in the cache */
-}
-
-static void
-file_reads_method_dealloc(FileReadsMethod *self)
-{
-    Py_DECREF(self->reads);
-    PyObject_Free(self);
-}
-
-static PyObject *
-file_reads_method_self(FileReadsMethod *self, void *closure)
-{
-    return Py_NewRef(self->reads);
-}
-
-static PyObject *
-file_reads_method_name(FileReadsMethod *self, void *closure)
-{
-    return Py_NewRef(method_names[self->which]);
-}
-
-static PyObject *
-file_reads_method_repr(FileReadsMethod *self)
-{
-    return PyUnicode_FromFormat("<recorded method %U of %R>", method_names[self->which], self->reads->path);
-}
-
-static PyGetSetDef file_reads_method_getset[] = {
-    {"__self__", (getter)file_reads_method_self, NULL, NULL, NULL},
-    {"__name__", (getter)file_reads_method_name, NULL, NULL, NULL},
-    {NULL},
-};
-
-static PyTypeObject FileReadsMethodType = {
-    PyVarObject_HEAD_INIT(NULL, 0)
-    .tp_name = "stallwatch.client._speedups.FileReadsMethod",
-    .tp_doc = PyDoc_STR("io.FileIO's readinto, readall, read or seek of a captured file, recorded"),
-    .tp_basicsize = sizeof(FileReadsMethod),
-    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_VECTORCALL,
-    .tp_vectorcall_offset = offsetof(FileReadsMethod, vectorcall),
-    .tp_call = PyVectorcall_Call,
-    .tp_dealloc = (destructor)file_reads_method_dealloc,
-    .tp_repr = (reprfunc)file_reads_method_repr,
-    .tp_getset = file_reads_method_getset,
-};
-
-static PyObject *
-file_reads_method(FileReads *reads_of_file, int which)
-{
-    FileReadsMethod *self = PyObject_New(FileReadsMethod, &FileReadsMethodType);
-    if (self == NULL) {
-        return NULL;
-    }
-    self->vectorcall = (vectorcallfunc)file_reads_method_call;
-    self->reads = (FileReads *)Py_NewRef(reads_of_file);
-    self->which = which;
-    return (PyObject *)self;
 }
 
 static PyTypeObject FileReadsType;
 
-/* A FileReads of `file` (held weakly) from `position`, or NULL with an error set. The path becomes an exact
-   str and the verdict an exact int (see FileReads: nothing it holds may lead back to the file). */
-static PyObject *
-file_reads_of(PyObject *file, PyObject *path, PyObject *verdict, long long position)
+/* The FileReads of a captured `file`, a new reference; NULL where it has none (a dict that lost it), with an
+   error set only for what is not an Exception: an Exception here never reaches the reader, whose read then
+   goes on unrecorded. */
+static FileReads *
+reads_of(PyObject *file)
 {
-    PyObject *weak = PyWeakref_NewRef(file, NULL);
-    FileReads *self = weak ? PyObject_New(FileReads, &FileReadsType) : NULL;
-    if (self == NULL) {
-        Py_XDECREF(weak);
+    PyObject *dict = dict_offset > 0 ? Py_XNewRef(*(PyObject **)((char *)file + dict_offset))
+                                     : PyObject_GenericGetDict(file, NULL);
+    PyObject *found = dict ? PyDict_GetItemWithError(dict, reads_name) : NULL;
+    FileReads *recorder = found != NULL && Py_IS_TYPE(found, &FileReadsType) ? (FileReads *)Py_NewRef(found) : NULL;
+    Py_XDECREF(dict);
+    if (UNLIKELY(recorder == NULL) && PyErr_Occurred() && PyErr_ExceptionMatches(PyExc_Exception)) {
+        PyErr_Clear();
+    }
+    return recorder;
+}
+
+/* `method(file, *args)` (io.FileIO's), timed and recorded with the file's FileReads, held for the read: another
+   thread may take it from the dict while this one waits on the file system. */
+static PyObject *
+recorded_call(PyObject *file, PyObject *method, PyObject *const *args, Py_ssize_t nargs)
+{
+    FileReads *recorder = reads_of(file);
+    if (UNLIKELY(recorder == NULL)) {
+        if (PyErr_Occurred()) {
+            return NULL;
+        }
+        PyObject *call[3] = {file, nargs > 0 ? args[0] : NULL, nargs > 1 ? args[1] : NULL};
+        return PyObject_Vectorcall(method, call, nargs + 1, NULL);
+    }
+    PyObject *result = timed_read(recorder, file, method, args, nargs);
+    Py_DECREF(recorder);
+    return result;
+}
+
+static PyObject *
+captured_readinto(PyObject *file, PyObject *buffer)
+{
+    return recorded_call(file, file_readinto, &buffer, 1);
+}
+
+static PyObject *
+captured_readall(PyObject *file, PyObject *unused)
+{
+    return recorded_call(file, file_readall, NULL, 0);
+}
+
+static PyObject *
+captured_read(PyObject *file, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs > 1) {
+        PyErr_Format(PyExc_TypeError, "read expected at most 1 argument, got %zd", nargs);
         return NULL;
     }
-    self->file = weak;
+    return recorded_call(file, file_read, args, nargs);
+}
+
+/* io.FileIO.seek, the position kept. */
+static PyObject *
+captured_seek(PyObject *file, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs > 2) {
+        PyErr_Format(PyExc_TypeError, "seek expected at most 2 arguments, got %zd", nargs);
+        return NULL;
+    }
+    PyObject *call[3] = {file, nargs > 0 ? args[0] : NULL, nargs > 1 ? args[1] : NULL};
+    PyObject *moved = PyObject_Vectorcall(file_seek, call, nargs + 1, NULL);
+    FileReads *recorder = moved ? reads_of(file) : NULL;
+    if (recorder != NULL) {
+        long long position = PyLong_AsLongLong(moved);  /* lseek's: an off_t */
+        if (position == -1 && PyErr_Occurred()) {
+            Py_CLEAR(moved);
+        } else {
+            recorder->position = position;
+        }
+        Py_DECREF(recorder);
+    } else if (moved != NULL && PyErr_Occurred()) {
+        Py_CLEAR(moved);
+    }
+    return moved;
+}
+
+/* Make `file` an object of `type` (the same layout): the reference an object holds to its type moves over. */
+static void
+set_type(PyObject *file, PyTypeObject *type)
+{
+    PyTypeObject *was = Py_TYPE(file);
+    Py_SET_TYPE(file, (PyTypeObject *)Py_NewRef(type));
+    Py_DECREF(was);
+}
+
+/* io.FileIO.close, and the file a plain io.FileIO again: a closed file reads nothing more to record (each read
+   raises, as the type's would), and it is deallocated as the io.FileIO that open() made. The close of a file
+   nobody closed, as it is dropped, is this one too. */
+static PyObject *
+captured_close(PyObject *file, PyObject *unused)
+{
+    PyObject *closed = PyObject_CallOneArg(file_close, file);
+    if (Py_TYPE(file) == captured_type) {
+        set_type(file, file_io_type);
+    }
+    return closed;
+}
+
+static PyMethodDef captured_methods[] = {
+    {"readinto", (PyCFunction)captured_readinto, METH_O, PyDoc_STR("io.FileIO.readinto, recorded")},
+    {"readall", (PyCFunction)captured_readall, METH_NOARGS, PyDoc_STR("io.FileIO.readall, recorded")},
+    {"read", (PyCFunction)(void (*)(void))captured_read, METH_FASTCALL, PyDoc_STR("io.FileIO.read, recorded")},
+    {"seek", (PyCFunction)(void (*)(void))captured_seek, METH_FASTCALL,
+     PyDoc_STR("io.FileIO.seek, the position kept")},
+    {"close", (PyCFunction)captured_close, METH_NOARGS, PyDoc_STR("io.FileIO.close, the file an io.FileIO again")},
+    {NULL},
+};
+
+/* Named as io.FileIO is, so that its repr, its errors and its pickling's refusal read as the file's did. */
+static PyType_Slot captured_slots[] = {
+    {Py_tp_doc, (void *)PyDoc_STR("io.FileIO whose reads read capture records (stallwatch.client._speedups), from "
+                                  "open() to close")},
+    {Py_tp_methods, captured_methods},
+    {0, NULL},
+};
+
+static PyType_Spec captured_spec = {
+    .name = "_io.FileIO",
+    .flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_DISALLOW_INSTANTIATION | Py_TPFLAGS_IMMUTABLETYPE,
+    .slots = captured_slots,
+};
+
+/* A FileReads of a file from `position`, or NULL with an error set. The path becomes an exact str and the
+   verdict an exact int (see FileReads: nothing it holds may lead back to the file). */
+static PyObject *
+file_reads_of(PyObject *path, PyObject *verdict, long long position)
+{
+    FileReads *self = PyObject_New(FileReads, &FileReadsType);
+    if (self == NULL) {
+        return NULL;
+    }
     self->keyed = 0;
     self->path = PyUnicode_CheckExact(path) ? Py_NewRef(path) : PyUnicode_FromObject(path);
     self->verdict = PyNumber_Index(verdict);
@@ -1000,22 +993,9 @@ file_reads_of(PyObject *file, PyObject *path, PyObject *verdict, long long posit
     return (PyObject *)self;
 }
 
-static PyObject *
-file_reads_new(PyTypeObject *type, PyObject *args, PyObject *kwargs)
-{
-    PyObject *file, *path, *verdict;
-    long long position;
-    static char *names[] = {"file", "path", "verdict", "position", NULL};
-    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OUOL:FileReads", names, &file, &path, &verdict, &position)) {
-        return NULL;
-    }
-    return file_reads_of(file, path, verdict, position);
-}
-
 static void
 file_reads_dealloc(FileReads *self)
 {
-    Py_XDECREF(self->file);
     Py_XDECREF(self->path);
     Py_XDECREF(self->verdict);
     PyObject_Free(self);
@@ -1027,12 +1007,6 @@ file_reads_position(FileReads *self, void *closure)
     return PyLong_FromLongLong(self->position);
 }
 
-static PyObject *
-file_reads_bound(FileReads *self, void *which)
-{
-    return file_reads_method(self, (int)(intptr_t)which);
-}
-
 /* As reads.FileReads names its state. */
 static PyMemberDef file_reads_members[] = {
     {"_path", T_OBJECT, offsetof(FileReads, path), READONLY, NULL},
@@ -1042,24 +1016,55 @@ static PyMemberDef file_reads_members[] = {
 
 static PyGetSetDef file_reads_getset[] = {
     {"_position", (getter)file_reads_position, NULL, NULL, NULL},
-    {"readinto", (getter)file_reads_bound, NULL, PyDoc_STR("io.FileIO.readinto, recorded"), (void *)0},
-    {"readall", (getter)file_reads_bound, NULL, PyDoc_STR("io.FileIO.readall, recorded"), (void *)1},
-    {"read", (getter)file_reads_bound, NULL, PyDoc_STR("io.FileIO.read, recorded"), (void *)2},
-    {"seek", (getter)file_reads_bound, NULL, PyDoc_STR("io.FileIO.seek, the position kept"), (void *)3},
     {NULL},
 };
 
 static PyTypeObject FileReadsType = {
     PyVarObject_HEAD_INIT(NULL, 0)
     .tp_name = "stallwatch.client._speedups.FileReads",
-    .tp_doc = PyDoc_STR("FileReads(file, path, verdict, position): a captured raw file's reads, recorded"),
+    .tp_doc = PyDoc_STR("A captured raw file's reads: what its CapturedFileIO methods record with"),
     .tp_basicsize = sizeof(FileReads),
-    .tp_flags = Py_TPFLAGS_DEFAULT,
-    .tp_new = file_reads_new,
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_DISALLOW_INSTANTIATION,
     .tp_dealloc = (destructor)file_reads_dealloc,
     .tp_members = file_reads_members,
     .tp_getset = file_reads_getset,
 };
+
+/* reads.record_reads in C: `file` (an exact io.FileIO, as open() makes it) a CapturedFileIO from now on, its
+   reads from `position` recorded. 0, or -1 with an error set and the file as it was. Its type changes after
+   open() has made the buffer over it, whose fast paths for an exact io.FileIO (its closed test in C rather
+   than an attribute lookup, 42 of them for a JPEG through PIL) stay in place: they read the fields the two
+   types share. */
+static int
+record_file(PyObject *file, PyObject *path, PyObject *verdict, long long position)
+{
+    if (!Py_IS_TYPE(file, file_io_type)) {
+        PyErr_Format(PyExc_TypeError, "read capture records an io.FileIO, not %.200s", Py_TYPE(file)->tp_name);
+        return -1;
+    }
+    PyObject *recorder = file_reads_of(path, verdict, position);
+    PyObject *dict = recorder ? PyObject_GenericGetDict(file, NULL) : NULL;
+    int failed = dict == NULL || PyDict_SetItem(dict, reads_name, recorder) < 0;
+    Py_XDECREF(dict);
+    Py_XDECREF(recorder);
+    if (failed) {
+        return -1;
+    }
+    set_type(file, captured_type);
+    return 0;
+}
+
+static PyObject *
+record_reads(PyObject *module, PyObject *args)
+{
+    PyObject *file, *path, *verdict;
+    long long position = 0;
+    if (!PyArg_ParseTuple(args, "OUO|L:record_reads", &file, &path, &verdict, &position) ||
+        record_file(file, path, verdict, position) < 0) {
+        return NULL;
+    }
+    Py_RETURN_NONE;
+}
 
 /* reads.record_reads for the file open() made (its raw file, or its buffer's under a text layer), from
    its start: `opened` returned, its reads recorded, or left as it was where recording fails. */
@@ -1068,33 +1073,11 @@ captured_open(PyObject *opened, int binary, PyObject *path, PyObject *verdict)
 {
     PyObject *buffer = binary ? Py_NewRef(opened) : PyObject_GetAttr(opened, buffer_name);
     PyObject *file = buffer ? PyObject_GetAttr(buffer, raw_name) : NULL;
-    PyObject *recorder = file ? file_reads_of(file, path, verdict, 0) : NULL;
-    /* Straight into the instance dict, as PyObject_SetAttr would put them (io.FileIO has no data descriptor
-       of these names), without looking each name up on the type first. All four or none: a file recording
-       only some of its calls would miscount its reads. */
-    PyObject *dict = recorder ? PyObject_GenericGetDict(file, NULL) : NULL;
-    if (dict != NULL) {
-        for (int i = 0; i < 4; i++) {
-            PyObject *method = file_reads_method((FileReads *)recorder, i);
-            int failed = method == NULL || PyDict_SetItem(dict, method_names[i], method) < 0;
-            Py_XDECREF(method);
-            if (failed) {
-                PyObject *error_type, *error_value, *error_traceback;
-                PyErr_Fetch(&error_type, &error_value, &error_traceback);
-                while (i-- > 0) {
-                    if (PyDict_DelItem(dict, method_names[i]) < 0) {
-                        PyErr_Clear();
-                    }
-                }
-                PyErr_Restore(error_type, error_value, error_traceback);
-                break;
-            }
-        }
-        Py_DECREF(dict);
+    if (file != NULL) {
+        record_file(file, path, verdict, 0);
     }
     Py_XDECREF(buffer);
     Py_XDECREF(file);
-    Py_XDECREF(recorder);
     if (PyErr_Occurred()) {
         if (!PyErr_ExceptionMatches(PyExc_Exception)) {
             Py_DECREF(opened);
@@ -1109,11 +1092,10 @@ captured_open(PyObject *opened, int binary, PyObject *path, PyObject *verdict)
 static PyObject *
 configure(PyObject *module, PyObject *args)
 {
-    PyObject *file_type, *context, *read_key, *process_sender, *channel_type;
+    PyObject *context, *read_key, *process_sender, *channel_type;
     long long empty_read_ns;
     Py_ssize_t full;
-    if (!PyArg_ParseTuple(args, "O!OOLOO!n:configure", &PyType_Type, &file_type, &context, &read_key,
-                          &empty_read_ns, &process_sender, &PyType_Type, &channel_type, &full)) {
+    if (!PyArg_ParseTuple(args, "OOLOO!n:configure", &context, &read_key, &empty_read_ns, &process_sender, &PyType_Type, &channel_type, &full)) {
         return NULL;
     }
     PyObject *context_type = (PyObject *)Py_TYPE(context), *sender_type = (PyObject *)Py_TYPE(process_sender);
@@ -1126,18 +1108,6 @@ configure(PyObject *module, PyObject *args)
             return NULL;
         }
     }
-    PyObject *methods[4] = {PyObject_GetAttrString(file_type, "readinto"), PyObject_GetAttrString(file_type, "readall"),
-                            PyObject_GetAttrString(file_type, "read"), PyObject_GetAttrString(file_type, "seek")};
-    if (methods[0] == NULL || methods[1] == NULL || methods[2] == NULL || methods[3] == NULL) {
-        for (int i = 0; i < 4; i++) {
-            Py_XDECREF(methods[i]);
-        }
-        return NULL;
-    }
-    Py_XSETREF(reads.file_readinto, methods[0]);
-    Py_XSETREF(reads.file_readall, methods[1]);
-    Py_XSETREF(reads.file_read, methods[2]);
-    Py_XSETREF(reads.file_seek, methods[3]);
     Py_XSETREF(reads.context, Py_NewRef(context));
     Py_XSETREF(reads.process_sender, Py_NewRef(process_sender));
     Py_XSETREF(reads.read_key, Py_NewRef(read_key));
@@ -1158,10 +1128,54 @@ static PyMethodDef module_functions[] = {
     {"open_reads", open_reads, METH_NOARGS,
      PyDoc_STR("open_reads(): [(location, offset, start)] of the read a FileReads has open outside context.reading")},
     {"configure", configure, METH_VARARGS,
-     PyDoc_STR("configure(file_type, context, read_key, empty_read_ns, process_sender, channel_type, full): what "
-               "FileReads records with")},
+     PyDoc_STR("configure(context, read_key, empty_read_ns, process_sender, channel_type, full): what captured "
+               "files record with")},
+    {"record_reads", record_reads, METH_VARARGS,
+     PyDoc_STR("record_reads(file, path, verdict, position=0): reads.record_reads in C, `file` a CapturedFileIO "
+               "until its close")},
     {NULL},
 };
+
+/* io.FileIO, its methods that a captured file's call, and CapturedFileIO, its subclass: 0, or -1 with an error set. */
+static int
+file_io_methods(void)
+{
+    PyObject *io = PyImport_ImportModule("io");
+    PyObject *file_io = io ? PyObject_GetAttrString(io, "FileIO") : NULL;
+    Py_XDECREF(io);
+    if (file_io == NULL) {
+        return -1;
+    }
+    if (!PyType_Check(file_io)) {
+        PyErr_SetString(PyExc_TypeError, "io.FileIO is not a type");
+        Py_DECREF(file_io);
+        return -1;
+    }
+    file_io_type = (PyTypeObject *)file_io;
+    file_readinto = PyObject_GetAttrString(file_io, "readinto");
+    file_readall = PyObject_GetAttrString(file_io, "readall");
+    file_read = PyObject_GetAttrString(file_io, "read");
+    file_seek = PyObject_GetAttrString(file_io, "seek");
+    file_close = PyObject_GetAttrString(file_io, "close");
+    if (file_readinto == NULL || file_readall == NULL || file_read == NULL || file_seek == NULL || file_close == NULL) {
+        return -1;
+    }
+    if (Py_IS_TYPE(file_readinto, &PyMethodDescr_Type) &&
+        ((PyMethodDescrObject *)file_readinto)->d_method->ml_flags == METH_O) {
+        readinto_function = ((PyMethodDescrObject *)file_readinto)->d_method->ml_meth;
+    }
+    dict_offset = file_io_type->tp_flags & Py_TPFLAGS_MANAGED_DICT ? 0 : file_io_type->tp_dictoffset;
+    captured_type = (PyTypeObject *)PyType_FromSpecWithBases(&captured_spec, file_io);
+    if (captured_type == NULL) {
+        return -1;
+    }
+    if (captured_type->tp_basicsize != file_io_type->tp_basicsize ||
+        captured_type->tp_dictoffset != file_io_type->tp_dictoffset) {
+        PyErr_SetString(PyExc_TypeError, "CapturedFileIO: not io.FileIO's layout");
+        return -1;
+    }
+    return 0;
+}
 
 static struct PyModuleDef module = {
     PyModuleDef_HEAD_INIT,
@@ -1175,12 +1189,6 @@ static struct PyModuleDef module = {
 PyMODINIT_FUNC
 PyInit__speedups(void)
 {
-    static const char *file_methods[] = {"readinto", "readall", "read", "seek"};
-    for (int i = 0; i < 4; i++) {
-        if ((method_names[i] = PyUnicode_InternFromString(file_methods[i])) == NULL) {
-            return NULL;
-        }
-    }
     target_name = PyUnicode_InternFromString("target");
     flush_full_name = PyUnicode_InternFromString("flush_full");
     drop_name = PyUnicode_InternFromString("drop");
@@ -1188,9 +1196,10 @@ PyInit__speedups(void)
     scheme_separator = PyUnicode_InternFromString("://");
     buffer_name = PyUnicode_InternFromString("buffer");
     raw_name = PyUnicode_InternFromString("raw");
+    reads_name = PyUnicode_InternFromString("__stallwatch_reads");
     if (target_name == NULL || flush_full_name == NULL || drop_name == NULL || one == NULL ||
-        scheme_separator == NULL || buffer_name == NULL || raw_name == NULL || PyType_Ready(&OpenHookType) < 0 ||
-        PyType_Ready(&FileReadsType) < 0 || PyType_Ready(&FileReadsMethodType) < 0) {
+        scheme_separator == NULL || buffer_name == NULL || raw_name == NULL || reads_name == NULL ||
+        PyType_Ready(&OpenHookType) < 0 || PyType_Ready(&FileReadsType) < 0 || file_io_methods() < 0) {
         return NULL;
     }
     if (pthread_atfork(NULL, NULL, forget_the_open_read) != 0) {
@@ -1202,7 +1211,8 @@ PyInit__speedups(void)
         return NULL;
     }
     if (PyModule_AddObjectRef(m, "OpenHook", (PyObject *)&OpenHookType) < 0 ||
-        PyModule_AddObjectRef(m, "FileReads", (PyObject *)&FileReadsType) < 0) {
+        PyModule_AddObjectRef(m, "FileReads", (PyObject *)&FileReadsType) < 0 ||
+        PyModule_AddObjectRef(m, "CapturedFileIO", (PyObject *)captured_type) < 0) {
         Py_DECREF(m);
         return NULL;
     }

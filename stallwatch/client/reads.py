@@ -344,11 +344,13 @@ def _total_length(lines: list[bytes]) -> int:
 class FileReads:
     """A captured raw file's reads, recorded, one event a call that reads the file: `readinto` (a buffer's
     refill, or a read larger than the buffer), `readall`, `read`; `seek` keeps the position (a `tell()`
-    would cost a system call a read). `record_reads` puts these methods in the file's instance dict, where
-    the buffer and any caller find them before `io.FileIO`'s: the file stays the `io.FileIO` that `open()`
-    made, and its buffer keeps the fast paths it takes for one (a subclass cost its buffer an attribute
-    lookup a read, ~9,000 instructions a JPEG). The file is held weakly: no cycle through its dict, so a
-    file nobody closes is closed when dropped, as before. `_speedups.FileReads` is this class in C."""
+    would cost a system call a read). Without the C parts, `record_reads` puts these methods in the file's
+    instance dict, where the buffer and any caller find them before `io.FileIO`'s: the file stays the
+    `io.FileIO` that `open()` made, and its buffer keeps the fast paths it takes for one (a subclass made
+    before the buffer cost it an attribute lookup a read, ~9,000 instructions a JPEG). The file is held
+    weakly: no cycle through its dict, so a file nobody closes is closed when dropped, as before. In C
+    (`_speedups.record_reads`) the file becomes a subclass of `io.FileIO` with these methods until its close,
+    after its buffer was made, with one entry in its dict: `_speedups.FileReads`, these reads' state."""
 
     __slots__ = ("_file", "_path", "_position", "_verdict")
 
@@ -379,19 +381,12 @@ class FileReads:
         return self._position
 
 
-file_reads: Callable[[io.FileIO, str, int, int], Any] = FileReads
-if _speedups is not None:  # the same in C: ~1 µs less a read
-    _speedups.configure(io.FileIO, context, read_key, EMPTY_READ_NS, transport._current, Channel, transport.FULL)
-    file_reads = _speedups.FileReads
+RECORDED_METHODS = ("readinto", "readall", "read", "seek")  # what `record_in_dict` puts in a file's dict
 
 
-RECORDED_METHODS = ("readinto", "readall", "read", "seek")  # what `record_reads` puts in a file's dict
-
-
-def record_reads(file: io.FileIO, path: str, verdict: int, position: int = 0) -> None:
-    """Record the reads of `file` (an `io.FileIO` opened for reading, at `position`) as reads of `path` with
-    `verdict`."""
-    reads = file_reads(file, path, verdict, position)
+def record_in_dict(file: io.FileIO, path: str, verdict: int, position: int = 0) -> None:
+    """`record_reads` in Python: a `FileReads`'s methods in the file's instance dict."""
+    reads = FileReads(file, path, verdict, position)
     methods = (reads.readinto, reads.readall, reads.read, reads.seek)
     try:
         file.readinto, file.readall, file.read, file.seek = methods  # type: ignore[method-assign]
@@ -401,12 +396,31 @@ def record_reads(file: io.FileIO, path: str, verdict: int, position: int = 0) ->
         raise
 
 
+_CAPTURED_FILE: type | None = None
+record_reads_of: Callable[[io.FileIO, str, int, int], None] = record_in_dict
+if _speedups is not None:  # the same in C: ~1 µs less a read
+    _speedups.configure(context, read_key, EMPTY_READ_NS, transport._current, Channel, transport.FULL)
+    _CAPTURED_FILE, record_reads_of = _speedups.CapturedFileIO, _speedups.record_reads
+
+
+def record_reads(file: io.FileIO, path: str, verdict: int, position: int = 0) -> None:
+    """Record the reads of `file` (the `io.FileIO` that `open()` made, for reading, at `position`) as reads of
+    `path` with `verdict`, until its close."""
+    record_reads_of(file, path, verdict, position)
+
+
+def recorder(file: Any) -> Any:
+    """The state a raw file's reads are recorded with (`FileReads`, or `_speedups.FileReads`), None for a file
+    that does not record its reads (`record_reads`)."""
+    if _CAPTURED_FILE is not None and type(file) is _CAPTURED_FILE:
+        return vars(file).get("__stallwatch_reads")
+    found = getattr(getattr(file, "readinto", None), "__self__", None)
+    return found if isinstance(found, FileReads) else None
+
+
 def recorded(file: Any) -> bool:
     """Whether `file` (a raw file) records its reads (`record_reads`)."""
-    return isinstance(getattr(getattr(file, "readinto", None), "__self__", None), _RECORDERS)
-
-
-_RECORDERS: tuple[type, ...] = (FileReads,) if _speedups is None else (FileReads, _speedups.FileReads)
+    return recorder(file) is not None
 _FILE_READINTO, _FILE_READ = io.FileIO.readinto, io.FileIO.read
 
 
