@@ -14,6 +14,7 @@ import itertools
 import math
 import os
 import pickle
+import random
 import sys
 import threading
 import time
@@ -203,6 +204,27 @@ def test_each_read_of_the_file_system_is_an_event_at_its_offset_with_the_workers
                       for path, offset, size, verdict in expected]
 
 
+def test_reads_past_several_full_channels_arrive_once_each_in_order(capturing: Path, datagrams: Datagrams,
+                                                                    tmp_path: Path) -> None:
+    """More reads than a channel holds, three times over, beside flushes of part of them: every one is an event,
+    once, in the order read (the records packed back to back in the channel's buffer, flushed from its front)."""
+    path = tmp_path / "many.bin"
+    content = bytes(range(256)) * (3 * transport.FULL * 8 // 256 + 1)
+    path.write_bytes(content)
+    reads.set_batch(3)
+    with open(path, "rb") as f:
+        raw, offsets = f.raw, list(range(0, 3 * transport.FULL * 8 + 8, 8))
+        for offset in offsets:
+            assert raw.read(8) == content[offset:offset + 8]
+            if offset % 2056 == 0:
+                transport.sender().flush_all()  # part of a channel, at odd places among the full ones
+    reads.set_batch(-1)
+    transport.sender().flush_all()
+    wait_for("the reads", lambda: len(datagrams.rows("reads")) >= len(offsets), 10)
+    assert [row["key"] for row in datagrams.rows("reads")] == [read_key(str(path), offset) for offset in offsets]
+    assert {row["bytes"] for row in datagrams.rows("reads")} == {8}
+
+
 def test_the_c_hooks_own_captures_record_as_capturing_opens(capturing: Path, datagrams: Datagrams,
                                                             tmp_path: Path) -> None:
     """`open(path)` and `open(path, mode)` of an absolute path, which the C hook captures itself, record the
@@ -254,7 +276,8 @@ def test_a_captured_file_is_an_io_fileio_again_once_closed_however_it_is_closed(
                                                                                   tmp_path: Path) -> None:
     """In C a captured raw file is a subclass of io.FileIO from open() to its close (closed, dropped, or closed
     through its buffer), then an io.FileIO that reads as a closed one does; each type's references are where
-    they were (a reference moved at each change of type, none lost or left behind)."""
+    they were (none lost or left behind), and a file closed by io.FileIO.close itself lets its state go when
+    it is dropped."""
     path = tmp_path / "item.bin"
     path.write_bytes(b"x" * 64)
     with open(str(path), "rb") as first:
@@ -270,7 +293,45 @@ def test_a_captured_file_is_an_io_fileio_again_once_closed_however_it_is_closed(
             warnings.simplefilter("ignore", ResourceWarning)
             open(str(path), "rb").read(4)  # noqa: SIM115  # dropped unclosed
             open(str(path)).readline()  # noqa: SIM115
+        behind = open(str(path), "rb")  # noqa: SIM115
+        io.FileIO.close(behind.raw)  # type: ignore[arg-type]  # past the captured type's close: let go when dropped
+        recorder = reads.recorder(behind.raw)
+        del behind
+        if hook == "c":
+            assert sys.getrefcount(recorder) == 2  # this name's and the call's
     assert [sys.getrefcount(kind) for kind in types] == before
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_many_files_open_at_once_each_record_as_themselves_until_closed_in_any_order(capturing: Path, hook: str,
+                                                                                   tmp_path: Path, seed: int) -> None:
+    """Hundreds of captured files open together (in C, beyond the first size of the table that keeps their reads'
+    state), read and closed or dropped in a random order: each reads its own bytes and records as its own path
+    at its own position throughout, and a closed file's state is released (in C, nothing held for it)."""
+    rng = random.Random(seed)
+    paths = [str(tmp_path / f"{index}.bin") for index in range(rng.randrange(100, 300))]
+    for index, path in enumerate(paths):
+        Path(path).write_bytes(bytes([index % 256]) * 3 + b"end")
+    files = {path: open(path, "rb") for path in paths}  # noqa: SIM115
+    read = dict.fromkeys(paths, 0)
+    for path in rng.sample(paths, len(paths)):
+        for open_path in rng.sample(sorted(files), min(len(files), 5)):  # the others, read on
+            if read[open_path] < 3:
+                assert files[open_path].raw.read(1) == bytes([paths.index(open_path) % 256])  # beneath its buffer
+                read[open_path] += 1
+            recorder = reads.recorder(files[open_path].raw)
+            assert (recorder._path, recorder._position) == (open_path, read[open_path])
+        file = files.pop(path)
+        recorder = reads.recorder(file.raw)
+        if rng.random() < 0.5:
+            file.close()
+        else:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", ResourceWarning)
+                del file  # dropped unclosed: closed as it goes
+        if hook == "c":
+            assert sys.getrefcount(recorder) == 2  # this name's and the call's: the closed file's state let go
+        del recorder
 
 
 def test_a_captured_read_is_seen_in_flight_while_it_waits(capturing: Path, tmp_path: Path) -> None:

@@ -348,7 +348,7 @@ def test_open_records_round_trip_and_move_with_the_clients_clock() -> None:
 
 
 def test_version_2_batches_still_decode() -> None:
-    body = wire.encode_body(SOURCE, [STEP], [])
+    body = wire.encode_body(SOURCE, [STEP], b"")
     header = wire.HEADER_V2.pack(2, 1, 0, SOURCE.gpu, SOURCE.worker, SOURCE.rank, 1, 0, 4, NOW, WALL)
     decoded = decode(header + body, NOW, WALL)
     assert decoded.source == SOURCE and decoded.dropped == 4 and not len(decoded.opens)

@@ -79,7 +79,7 @@ def a_version_2_batch() -> bytes:
     now = time.monotonic_ns()
     source = wire.Source("fuzz", 1, 0, 2)
     header = wire.HEADER_V2.pack(2, 1, 0, source.gpu, source.worker, source.rank, 1, 0, 0, now, time.time_ns())
-    return header + wire.encode_body(source, [(0, now - 3000, now - 2000, now - 1000, -1)], [])
+    return header + wire.encode_body(source, [(0, now - 3000, now - 2000, now - 1000, -1)], b"")
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,7 @@
    CapturedFileIO. A captured file's buffer refills through its raw file's `readinto`, one event a read of
    the file system: `record_reads(file, path, verdict, position)` makes the raw file (an io.FileIO) this
    subclass of it, whose `readinto`, `readall`, `read` and `seek` time and record those reads with the
-   FileReads kept in the file's instance dict (reads.FileReads, reads.timed_read and reads.record_read
+   FileReads kept for it in a table by the file's address (reads.FileReads, reads.timed_read and reads.record_read
    inline), until its `close` makes it an io.FileIO again. `configure(...)` says where the records go, once.
 
    read_key. keys.read_key's hash, below. */
@@ -37,9 +37,11 @@
 #if defined(__GNUC__)
 #define COLD __attribute__((cold, noinline))
 #define UNLIKELY(condition) __builtin_expect(!!(condition), 0)
+#define LIKELY(condition) __builtin_expect(!!(condition), 1)
 #else
 #define COLD
 #define UNLIKELY(condition) (condition)
+#define LIKELY(condition) (condition)
 #endif
 
 /* Folders a path may lie under, each a str ending in the separator: laid out back to back when all are
@@ -496,16 +498,21 @@ static PyObject *target_name, *flush_full_name, *drop_name;  /* "target", "flush
 static PyObject *scheme_separator;  /* "://" */
 static PyObject *one;  /* 1 */
 static PyObject *buffer_name, *raw_name;  /* "buffer", "raw" */
-static PyObject *reads_name;  /* "__stallwatch_reads": a captured file's FileReads, in its instance dict */
 
 /* io.FileIO, the methods of it that a captured file's call, and CapturedFileIO: found and made at import. */
 static PyTypeObject *file_io_type, *captured_type;
 static PyObject *file_readinto, *file_readall, *file_read, *file_seek, *file_close;
-static PyCFunction readinto_function;  /* io.FileIO.readinto's C function where it takes one argument (METH_O) */
-static Py_ssize_t dict_offset;  /* of an io.FileIO's instance dict, where its struct holds one (else 0) */
+/* io.FileIO's C functions that a captured file calls straight, past the checks of their descriptors (whose test of
+   the first argument's type walks a subclass's bases), where they take their arguments as they do in 3.11:
+   readinto (METH_O), close (METH_NOARGS), seek (METH_FASTCALL); else NULL, and the call goes through the descriptor. */
+static PyCFunction readinto_function, close_function;
+static _PyCFunctionFast seek_function;
+/* The members of open()'s objects that a capture reads, from their structs where the object is of the exact type:
+   io.BufferedReader's `raw`, io.TextIOWrapper's `buffer` (0: through getattr). */
+static PyTypeObject *buffered_reader_type, *text_wrapper_type;
+static Py_ssize_t raw_offset, buffer_offset;
 
-/* `method(*call)`, one of io.FileIO's: its readinto called straight where it can be, past the checks of its
-   descriptor (whose test of its first argument's type walks a subclass's bases), the others through it. */
+/* `method(*call)`, one of io.FileIO's: its readinto called straight where it can be, the others through it. */
 static inline PyObject *
 call_file_io(PyObject *method, PyObject *const *call, Py_ssize_t nargs)
 {
@@ -543,8 +550,7 @@ put_le64(char *at, uint64_t value)
 }
 
 /* A captured raw file's reads: reads.FileReads in C, the state its CapturedFileIO methods record with, kept
-   in the file's instance dict (one entry: the dict that open() made for the file's `name` has room for it
-   and for the `__IOBase_closed` of its close without growing). It holds no reference to the file, only an
+   in `captured_files` until the file's close. It holds no reference to the file, only an
    exact str and an exact int, so it cannot be part of a cycle and is not tracked by the cyclic garbage
    collector, whose bookkeeping costs more than the rest of a capture's open. */
 typedef struct {
@@ -612,7 +618,7 @@ record_lost(PyObject *channel, int unpackable)
     }
     Py_XDECREF(channel);
     if (!PyErr_Occurred()) {
-        return 0;  /* unset or not a list: the AttributeError or TypeError record_read would drop */
+        return 0;  /* unset or not a bytearray: the AttributeError or TypeError record_read would drop */
     }
     if (PyErr_ExceptionMatches(PyExc_Exception)) {
         PyErr_Clear();
@@ -621,7 +627,30 @@ record_lost(PyObject *channel, int unpackable)
     return -1;
 }
 
-/* reads.record_read, inline: the read's record packed, as `Channel.read` packs it, and appended to the
+/* Room for one more READ record at the end of a channel's `reads` (an exact bytearray), its size grown by
+   one record: where to write it, or NULL with an error set. Within the room the array has, the size is set in
+   place; else the room made is a full channel's, for the records to come until its next flush (after which the
+   array, emptied from the front, gives its memory back). */
+static char *
+new_record(PyObject *rows)
+{
+    PyByteArrayObject *array = (PyByteArrayObject *)rows;
+    Py_ssize_t size = Py_SIZE(array), grown = size + READ_RECORD_SIZE;
+    if (LIKELY(array->ob_exports == 0 && (array->ob_start - array->ob_bytes) + grown < array->ob_alloc)) {
+        Py_SET_SIZE(array, grown);
+        array->ob_start[grown] = '\0';  /* as every bytearray ends */
+        return array->ob_start + size;
+    }
+    Py_ssize_t room = Py_MAX(grown, reads.full * READ_RECORD_SIZE);
+    if (PyByteArray_Resize(rows, room) < 0) {
+        return NULL;
+    }
+    Py_SET_SIZE(array, grown);
+    array->ob_start[grown] = '\0';
+    return array->ob_start + size;
+}
+
+/* reads.record_read, inline: the read's record packed, as `Channel.read` packs it, at the end of the
    channel's records. 0 once recorded or lost (an Exception loses the event, never reaching the reader;
    one that cannot be packed is counted as dropped, as there); -1 with anything else set
    (KeyboardInterrupt), as there. */
@@ -631,7 +660,7 @@ record(FileReads *self, long long position, Py_ssize_t nbytes, long long start, 
     PyObject *channel = read_channel();
     PyObject *batch = SLOT(reads.context, reads.batch_offset);
     PyObject *rows = channel ? SLOT(channel, reads.rows_offset) : NULL;
-    if (UNLIKELY(batch == NULL || rows == NULL || !PyList_CheckExact(rows))) {
+    if (UNLIKELY(batch == NULL || rows == NULL || !PyByteArray_CheckExact(rows))) {
         return record_lost(channel, 0);
     }
     if (UNLIKELY(self->keyed == 0) && key_the_file(self) < 0) {
@@ -651,23 +680,17 @@ record(FileReads *self, long long position, Py_ssize_t nbytes, long long start, 
         PyErr_SetString(PyExc_OverflowError, "a verdict is a signed byte");
         return record_lost(channel, 1);
     }
-    PyObject *packed = PyBytes_FromStringAndSize(NULL, READ_RECORD_SIZE);
-    if (UNLIKELY(packed == NULL)) {
+    char *at = new_record(rows);
+    if (UNLIKELY(at == NULL)) {
         return record_lost(channel, 0);
     }
-    char *at = PyBytes_AS_STRING(packed);
     put_le64(at, (uint64_t)batch_value);
     put_le64(at + 8, key);
     put_le64(at + 16, (uint64_t)nbytes);
     put_le64(at + 24, (uint64_t)start);
     put_le64(at + 32, (uint64_t)end);
     at[40] = (char)self->verdict_byte;
-    int appended = PyList_Append(rows, packed);
-    Py_DECREF(packed);
-    if (UNLIKELY(appended < 0)) {
-        return record_lost(channel, 0);
-    }
-    if (UNLIKELY(PyList_GET_SIZE(rows) >= reads.full)) {
+    if (UNLIKELY(PyByteArray_GET_SIZE(rows) >= reads.full * READ_RECORD_SIZE)) {
         PyObject *done = PyObject_CallMethodNoArgs(channel, flush_full_name);
         if (done == NULL) {
             return record_lost(channel, 0);
@@ -842,35 +865,129 @@ timed_read(FileReads *self, PyObject *file, PyObject *method, PyObject *const *a
 
 static PyTypeObject FileReadsType;
 
-/* The FileReads of a captured `file`, a new reference; NULL where it has none (a dict that lost it), with an
-   error set only for what is not an Exception: an Exception here never reaches the reader, whose read then
-   goes on unrecorded. */
-static FileReads *
+/* The captured files' FileReads, by the file's address: a table of open addressing (linear probing, at most half
+   full), where a lookup is a few instructions and no object is touched but the entry; the file's instance dict
+   cost ~110 instructions a lookup and ~190 an insertion, four lookups and an insertion a JPEG. An entry goes at
+   the file's close (CapturedFileIO's, which a file dropped unclosed goes through too); all under the GIL. */
+typedef struct {
+    PyObject *file;  /* borrowed: the file leaves the table at its close */
+    FileReads *reads;
+} CapturedEntry;
+
+static struct {
+    CapturedEntry *entries;
+    size_t mask;  /* entries - 1, a power of two less one */
+    size_t used;
+} captured_files;
+
+static inline size_t
+entry_of(PyObject *file)
+{
+    return (size_t)(((uintptr_t)file * 0x9E3779B97F4A7C15u) >> 32) & captured_files.mask;
+}
+
+/* The FileReads of a captured `file` (borrowed), NULL where it has none. */
+static inline FileReads *
+captured_reads(PyObject *file)
+{
+    for (size_t i = entry_of(file);; i = (i + 1) & captured_files.mask) {
+        CapturedEntry *entry = &captured_files.entries[i];
+        if (entry->file == file || entry->file == NULL) {
+            return entry->reads;
+        }
+    }
+}
+
+/* Put `file`'s entry in the table, holding `reads` (a new reference, taken): 0, or -1 with an error set. */
+static int
+captured_add(PyObject *file, FileReads *reads)
+{
+    if ((captured_files.used + 1) * 2 > captured_files.mask + 1) {
+        size_t size = (captured_files.mask + 1) * 2;
+        CapturedEntry *was = captured_files.entries, *grown = PyMem_Calloc(size, sizeof(CapturedEntry));
+        if (grown == NULL) {
+            Py_DECREF(reads);
+            PyErr_NoMemory();
+            return -1;
+        }
+        size_t old_size = captured_files.mask + 1;
+        captured_files.entries = grown;
+        captured_files.mask = size - 1;
+        for (size_t j = 0; j < old_size; j++) {
+            if (was[j].file != NULL) {
+                size_t i = entry_of(was[j].file);
+                while (grown[i].file != NULL) {
+                    i = (i + 1) & captured_files.mask;
+                }
+                grown[i] = was[j];
+            }
+        }
+        PyMem_Free(was);
+    }
+    size_t i = entry_of(file);
+    while (captured_files.entries[i].file != NULL && captured_files.entries[i].file != file) {
+        i = (i + 1) & captured_files.mask;
+    }
+    CapturedEntry *entry = &captured_files.entries[i];
+    if (entry->file == NULL) {
+        captured_files.used++;
+    }
+    FileReads *replaced = entry->reads;  /* a file closed behind CapturedFileIO's back, whose address is reused */
+    entry->file = file;
+    entry->reads = reads;
+    Py_XDECREF(replaced);
+    return 0;
+}
+
+/* Take `file`'s entry out of the table, the entries after it moved back over the gap. */
+static void
+captured_remove(PyObject *file)
+{
+    size_t mask = captured_files.mask, i = entry_of(file);
+    while (captured_files.entries[i].file != file) {
+        if (captured_files.entries[i].file == NULL) {
+            return;
+        }
+        i = (i + 1) & mask;
+    }
+    FileReads *reads = captured_files.entries[i].reads;
+    for (size_t j = (i + 1) & mask; captured_files.entries[j].file != NULL; j = (j + 1) & mask) {
+        size_t home = entry_of(captured_files.entries[j].file);
+        if (((j - home) & mask) >= ((j - i) & mask)) {  /* its home is at or before the gap: it may move back */
+            captured_files.entries[i] = captured_files.entries[j];
+            i = j;
+        }
+    }
+    captured_files.entries[i].file = NULL;
+    captured_files.entries[i].reads = NULL;
+    captured_files.used--;
+    Py_DECREF(reads);
+}
+
+/* The FileReads of a captured `file`, a new reference; NULL where it has none (closed behind CapturedFileIO's
+   back), its read then going on unrecorded. */
+static inline FileReads *
 reads_of(PyObject *file)
 {
-    PyObject *dict = dict_offset > 0 ? Py_XNewRef(*(PyObject **)((char *)file + dict_offset))
-                                     : PyObject_GenericGetDict(file, NULL);
-    PyObject *found = dict ? PyDict_GetItemWithError(dict, reads_name) : NULL;
-    FileReads *recorder = found != NULL && Py_IS_TYPE(found, &FileReadsType) ? (FileReads *)Py_NewRef(found) : NULL;
-    Py_XDECREF(dict);
-    if (UNLIKELY(recorder == NULL) && PyErr_Occurred() && PyErr_ExceptionMatches(PyExc_Exception)) {
-        PyErr_Clear();
-    }
-    return recorder;
+    return (FileReads *)Py_XNewRef(captured_reads(file));
+}
+
+/* `method(file, *args)`, at most two `args`. */
+static PyObject *
+call_with(PyObject *method, PyObject *file, PyObject *const *args, Py_ssize_t nargs)
+{
+    PyObject *call[3] = {file, nargs > 0 ? args[0] : NULL, nargs > 1 ? args[1] : NULL};
+    return PyObject_Vectorcall(method, call, nargs + 1, NULL);
 }
 
 /* `method(file, *args)` (io.FileIO's), timed and recorded with the file's FileReads, held for the read: another
-   thread may take it from the dict while this one waits on the file system. */
+   thread may close the file while this one waits on the file system. */
 static PyObject *
 recorded_call(PyObject *file, PyObject *method, PyObject *const *args, Py_ssize_t nargs)
 {
     FileReads *recorder = reads_of(file);
     if (UNLIKELY(recorder == NULL)) {
-        if (PyErr_Occurred()) {
-            return NULL;
-        }
-        PyObject *call[3] = {file, nargs > 0 ? args[0] : NULL, nargs > 1 ? args[1] : NULL};
-        return PyObject_Vectorcall(method, call, nargs + 1, NULL);
+        return call_with(method, file, args, nargs);
     }
     PyObject *result = timed_read(recorder, file, method, args, nargs);
     Py_DECREF(recorder);
@@ -907,9 +1024,8 @@ captured_seek(PyObject *file, PyObject *const *args, Py_ssize_t nargs)
         PyErr_Format(PyExc_TypeError, "seek expected at most 2 arguments, got %zd", nargs);
         return NULL;
     }
-    PyObject *call[3] = {file, nargs > 0 ? args[0] : NULL, nargs > 1 ? args[1] : NULL};
-    PyObject *moved = PyObject_Vectorcall(file_seek, call, nargs + 1, NULL);
-    FileReads *recorder = moved ? reads_of(file) : NULL;
+    PyObject *moved = seek_function ? seek_function(file, args, nargs) : call_with(file_seek, file, args, nargs);
+    FileReads *recorder = moved ? captured_reads(file) : NULL;
     if (recorder != NULL) {
         long long position = PyLong_AsLongLong(moved);  /* lseek's: an off_t */
         if (position == -1 && PyErr_Occurred()) {
@@ -917,20 +1033,24 @@ captured_seek(PyObject *file, PyObject *const *args, Py_ssize_t nargs)
         } else {
             recorder->position = position;
         }
-        Py_DECREF(recorder);
-    } else if (moved != NULL && PyErr_Occurred()) {
-        Py_CLEAR(moved);
     }
     return moved;
 }
 
-/* Make `file` an object of `type` (the same layout): the reference an object holds to its type moves over. */
+/* Make `file` an object of `type` (the same layout), as assigning `__class__` does: an object holds a reference
+   to its type where that is a heap type (CapturedFileIO; io.FileIO from 3.12, not in 3.11, where moving one
+   from it left it none to give once the files open at once outnumbered its references). */
 static void
 set_type(PyObject *file, PyTypeObject *type)
 {
     PyTypeObject *was = Py_TYPE(file);
-    Py_SET_TYPE(file, (PyTypeObject *)Py_NewRef(type));
-    Py_DECREF(was);
+    if (type->tp_flags & Py_TPFLAGS_HEAPTYPE) {
+        Py_INCREF(type);
+    }
+    Py_SET_TYPE(file, type);
+    if (was->tp_flags & Py_TPFLAGS_HEAPTYPE) {
+        Py_DECREF(was);
+    }
 }
 
 /* io.FileIO.close, and the file a plain io.FileIO again: a closed file reads nothing more to record (each read
@@ -939,11 +1059,22 @@ set_type(PyObject *file, PyTypeObject *type)
 static PyObject *
 captured_close(PyObject *file, PyObject *unused)
 {
-    PyObject *closed = PyObject_CallOneArg(file_close, file);
+    PyObject *closed = close_function ? close_function(file, NULL) : PyObject_CallOneArg(file_close, file);
     if (Py_TYPE(file) == captured_type) {
         set_type(file, file_io_type);
+        captured_remove(file);
     }
     return closed;
+}
+
+/* A file dropped while still a CapturedFileIO (closed by io.FileIO.close itself, past its type's close, or never
+   closed): its entry out of the table and the file an io.FileIO again, deallocated as one (closed first if open). */
+static void
+captured_dealloc(PyObject *file)
+{
+    captured_remove(file);
+    set_type(file, file_io_type);
+    file_io_type->tp_dealloc(file);
 }
 
 static PyMethodDef captured_methods[] = {
@@ -961,6 +1092,7 @@ static PyType_Slot captured_slots[] = {
     {Py_tp_doc, (void *)PyDoc_STR("io.FileIO whose reads read capture records (stallwatch.client._speedups), from "
                                   "open() to close")},
     {Py_tp_methods, captured_methods},
+    {Py_tp_dealloc, captured_dealloc},
     {0, NULL},
 };
 
@@ -1043,11 +1175,7 @@ record_file(PyObject *file, PyObject *path, PyObject *verdict, long long positio
         return -1;
     }
     PyObject *recorder = file_reads_of(path, verdict, position);
-    PyObject *dict = recorder ? PyObject_GenericGetDict(file, NULL) : NULL;
-    int failed = dict == NULL || PyDict_SetItem(dict, reads_name, recorder) < 0;
-    Py_XDECREF(dict);
-    Py_XDECREF(recorder);
-    if (failed) {
+    if (recorder == NULL || captured_add(file, (FileReads *)recorder) < 0) {
         return -1;
     }
     set_type(file, captured_type);
@@ -1066,13 +1194,28 @@ record_reads(PyObject *module, PyObject *args)
     Py_RETURN_NONE;
 }
 
+static PyObject *
+recorder(PyObject *module, PyObject *file)
+{
+    FileReads *found = Py_IS_TYPE(file, captured_type) ? captured_reads(file) : NULL;
+    return Py_NewRef(found ? (PyObject *)found : Py_None);
+}
+
+/* `object.name`, read from its struct where `object` is of exactly `type`, whose member it is at `offset` (not 0). */
+static PyObject *
+member(PyObject *object, PyTypeObject *type, Py_ssize_t offset, PyObject *name)
+{
+    PyObject *value = offset && Py_IS_TYPE(object, type) ? SLOT(object, offset) : NULL;
+    return value ? Py_NewRef(value) : PyObject_GetAttr(object, name);
+}
+
 /* reads.record_reads for the file open() made (its raw file, or its buffer's under a text layer), from
    its start: `opened` returned, its reads recorded, or left as it was where recording fails. */
 static PyObject *
 captured_open(PyObject *opened, int binary, PyObject *path, PyObject *verdict)
 {
-    PyObject *buffer = binary ? Py_NewRef(opened) : PyObject_GetAttr(opened, buffer_name);
-    PyObject *file = buffer ? PyObject_GetAttr(buffer, raw_name) : NULL;
+    PyObject *buffer = binary ? Py_NewRef(opened) : member(opened, text_wrapper_type, buffer_offset, buffer_name);
+    PyObject *file = buffer ? member(buffer, buffered_reader_type, raw_offset, raw_name) : NULL;
     if (file != NULL) {
         record_file(file, path, verdict, 0);
     }
@@ -1130,6 +1273,8 @@ static PyMethodDef module_functions[] = {
     {"configure", configure, METH_VARARGS,
      PyDoc_STR("configure(context, read_key, empty_read_ns, process_sender, channel_type, full): what captured "
                "files record with")},
+    {"recorder", recorder, METH_O,
+     PyDoc_STR("recorder(file): the FileReads a CapturedFileIO records its reads with, None for any other object")},
     {"record_reads", record_reads, METH_VARARGS,
      PyDoc_STR("record_reads(file, path, verdict, position=0): reads.record_reads in C, `file` a CapturedFileIO "
                "until its close")},
@@ -1137,17 +1282,40 @@ static PyMethodDef module_functions[] = {
 };
 
 /* io.FileIO, its methods that a captured file's call, and CapturedFileIO, its subclass: 0, or -1 with an error set. */
+/* The C function of `method` (a method descriptor) where it takes its arguments as `flags` say, else NULL. */
+static void *
+c_function(PyObject *method, int flags)
+{
+    if (Py_IS_TYPE(method, &PyMethodDescr_Type) && ((PyMethodDescrObject *)method)->d_method->ml_flags == flags) {
+        return (void *)((PyMethodDescrObject *)method)->d_method->ml_meth;
+    }
+    return NULL;
+}
+
+/* The offset of `type`'s member `name` (an object), 0 where it is not one. */
+static Py_ssize_t
+member_offset(PyTypeObject *type, const char *name)
+{
+    Py_ssize_t offset = slot_offset((PyObject *)type, name);
+    if (offset < 0) {
+        PyErr_Clear();
+        return 0;
+    }
+    return offset;
+}
+
 static int
 file_io_methods(void)
 {
     PyObject *io = PyImport_ImportModule("io");
     PyObject *file_io = io ? PyObject_GetAttrString(io, "FileIO") : NULL;
-    Py_XDECREF(io);
     if (file_io == NULL) {
+        Py_XDECREF(io);
         return -1;
     }
     if (!PyType_Check(file_io)) {
         PyErr_SetString(PyExc_TypeError, "io.FileIO is not a type");
+        Py_DECREF(io);
         Py_DECREF(file_io);
         return -1;
     }
@@ -1158,13 +1326,20 @@ file_io_methods(void)
     file_seek = PyObject_GetAttrString(file_io, "seek");
     file_close = PyObject_GetAttrString(file_io, "close");
     if (file_readinto == NULL || file_readall == NULL || file_read == NULL || file_seek == NULL || file_close == NULL) {
+        Py_DECREF(io);
         return -1;
     }
-    if (Py_IS_TYPE(file_readinto, &PyMethodDescr_Type) &&
-        ((PyMethodDescrObject *)file_readinto)->d_method->ml_flags == METH_O) {
-        readinto_function = ((PyMethodDescrObject *)file_readinto)->d_method->ml_meth;
+    readinto_function = (PyCFunction)c_function(file_readinto, METH_O);
+    close_function = (PyCFunction)c_function(file_close, METH_NOARGS);
+    seek_function = (_PyCFunctionFast)c_function(file_seek, METH_FASTCALL);
+    buffered_reader_type = (PyTypeObject *)PyObject_GetAttrString(io, "BufferedReader");
+    text_wrapper_type = (PyTypeObject *)PyObject_GetAttrString(io, "TextIOWrapper");
+    Py_DECREF(io);
+    if (buffered_reader_type == NULL || text_wrapper_type == NULL) {
+        return -1;
     }
-    dict_offset = file_io_type->tp_flags & Py_TPFLAGS_MANAGED_DICT ? 0 : file_io_type->tp_dictoffset;
+    raw_offset = member_offset(buffered_reader_type, "raw");
+    buffer_offset = member_offset(text_wrapper_type, "buffer");
     captured_type = (PyTypeObject *)PyType_FromSpecWithBases(&captured_spec, file_io);
     if (captured_type == NULL) {
         return -1;
@@ -1196,9 +1371,10 @@ PyInit__speedups(void)
     scheme_separator = PyUnicode_InternFromString("://");
     buffer_name = PyUnicode_InternFromString("buffer");
     raw_name = PyUnicode_InternFromString("raw");
-    reads_name = PyUnicode_InternFromString("__stallwatch_reads");
+    captured_files.mask = 63;
+    captured_files.entries = PyMem_Calloc(captured_files.mask + 1, sizeof(CapturedEntry));
     if (target_name == NULL || flush_full_name == NULL || drop_name == NULL || one == NULL ||
-        scheme_separator == NULL || buffer_name == NULL || raw_name == NULL || reads_name == NULL ||
+        scheme_separator == NULL || buffer_name == NULL || raw_name == NULL || captured_files.entries == NULL ||
         PyType_Ready(&OpenHookType) < 0 || PyType_Ready(&FileReadsType) < 0 || file_io_methods() < 0) {
         return NULL;
     }

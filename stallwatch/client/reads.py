@@ -350,7 +350,7 @@ class FileReads:
     before the buffer cost it an attribute lookup a read, ~9,000 instructions a JPEG). The file is held
     weakly: no cycle through its dict, so a file nobody closes is closed when dropped, as before. In C
     (`_speedups.record_reads`) the file becomes a subclass of `io.FileIO` with these methods until its close,
-    after its buffer was made, with one entry in its dict: `_speedups.FileReads`, these reads' state."""
+    after its buffer was made, these reads' state a `_speedups.FileReads` that the C parts keep by the file."""
 
     __slots__ = ("_file", "_path", "_position", "_verdict")
 
@@ -412,8 +412,8 @@ def record_reads(file: io.FileIO, path: str, verdict: int, position: int = 0) ->
 def recorder(file: Any) -> Any:
     """The state a raw file's reads are recorded with (`FileReads`, or `_speedups.FileReads`), None for a file
     that does not record its reads (`record_reads`)."""
-    if _CAPTURED_FILE is not None and type(file) is _CAPTURED_FILE:
-        return vars(file).get("__stallwatch_reads")
+    if _speedups is not None and type(file) is _CAPTURED_FILE:
+        return _speedups.recorder(file)
     found = getattr(getattr(file, "readinto", None), "__self__", None)
     return found if isinstance(found, FileReads) else None
 

@@ -20,9 +20,9 @@ count and clocks of that moment. While the agent is absent the client stops even
 `ABSENT_RETRY_NS`, so a node without an agent pays only the append of each event.
 
 Never blocking: the socket is non-blocking and only the flush thread waits, in `poll()`, with the
-lock released to training threads after each attempt. Recording appends to a list (atomic under the
-GIL): a step's tuple, or a read's record already packed (a row that cannot be packed is dropped and
-counted then). Flushing takes the first n entries and deletes them, both single operations, so
+lock released to training threads after each attempt. Recording appends (atomic under the GIL) a step's
+tuple to a list, or a read's record, already packed, to a bytearray (a row that cannot be packed is dropped
+and counted then). Flushing takes the first n entries and deletes them, both single operations, so
 appends from other threads are never lost; one lock makes sure only one thread flushes at a time. The
 flush thread also flushes every `FLUSH_INTERVAL_NS` so idle processes still deliver; the buffers are
 also flushed when full, at the end of every loader epoch, and at exit (which waits at most
@@ -67,6 +67,8 @@ MAX_PENDING_EVENTS = 32 * wire.MAX_EVENTS  # ~1.3 MB of encoded reads per proces
 RETRY_POLL_MS = 50
 FULL = wire.MAX_EVENTS  # events a channel holds before it flushes
 _PACK_READ = wire.READ.pack
+_READ_SIZE = wire.READ.size
+_FULL_READS = FULL * _READ_SIZE  # bytes of READ records a channel holds before it flushes
 EXIT_DRAIN_S = 0.2
 # A wait, a batch or a read open this long is worth a datagram of its own; shorter ones ride along with
 # the events a flush sends anyway (a wait is not reported at all before this).
@@ -90,7 +92,9 @@ class Channel:
         self.source = source
         self.steps: list[wire.Step] = []
         self.steps_packed = 0  # steps taken from `steps` into batches, ever
-        self.reads: list[bytes] = []  # READ records, packed as they are recorded (the C recording packs its own)
+        # READ records, packed back to back as they are recorded (the C recording packs its own in place): one
+        # buffer, where a list of a bytes object a record cost an allocation, a free and a join each.
+        self.reads = bytearray()
         self.dropped_unreported = 0
         self.dropped_total = 0
         self._forget_open()
@@ -115,8 +119,8 @@ class Channel:
         except struct.error:  # a malformed row: lost, and counted, as a batch that fails to pack
             self.drop(1)
             return
-        self.reads.append(packed)
-        if len(self.reads) >= FULL:
+        self.reads += packed
+        if len(self.reads) >= _FULL_READS:
             self.flush_full()
 
     def flush_full(self) -> None:
@@ -132,6 +136,10 @@ class Channel:
             self.loop = outer
         self.ended_ns = last_end_ns
         self.flush()
+
+    def reads_waiting(self) -> int:
+        """READ records waiting to be packed into a batch."""
+        return len(self.reads) // _READ_SIZE
 
     def steps_recorded(self) -> int:
         """Steps recorded on the channel, ever (packed or waiting)."""
@@ -269,9 +277,9 @@ class Sender:
         now = time.monotonic_ns()
         while channel.steps or channel.reads or opens:
             n_steps = min(len(channel.steps), wire.MAX_EVENTS)
-            n_reads = min(len(channel.reads), wire.MAX_EVENTS - n_steps)
-            steps, reads = channel.steps[:n_steps], channel.reads[:n_reads]
-            del channel.steps[:n_steps], channel.reads[:n_reads]
+            n_reads = min(channel.reads_waiting(), wire.MAX_EVENTS - n_steps)
+            steps, reads = channel.steps[:n_steps], bytes(channel.reads[:n_reads * _READ_SIZE])
+            del channel.steps[:n_steps], channel.reads[:n_reads * _READ_SIZE]
             channel.steps_packed += n_steps
             batch_opens: list[wire.Open] = []
             if not (channel.steps or channel.reads):
