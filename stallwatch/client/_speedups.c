@@ -868,7 +868,7 @@ static PyTypeObject FileReadsType;
 /* The captured files' FileReads, by the file's address: a table of open addressing (linear probing, at most half
    full), where a lookup is a few instructions and no object is touched but the entry; the file's instance dict
    cost ~110 instructions a lookup and ~190 an insertion, four lookups and an insertion a JPEG. An entry goes at
-   the file's close (CapturedFileIO's, which a file dropped unclosed goes through too); all under the GIL. */
+   the file's close (CapturedFileIO's), or as the file is deallocated (closed past it); all under the GIL. */
 typedef struct {
     PyObject *file;  /* borrowed: the file leaves the table at its close */
     FileReads *reads;
@@ -886,7 +886,9 @@ entry_of(PyObject *file)
     return (size_t)(((uintptr_t)file * 0x9E3779B97F4A7C15u) >> 32) & captured_files.mask;
 }
 
-/* The FileReads of a captured `file` (borrowed), NULL where it has none. */
+/* The FileReads of `file` (borrowed), NULL where it has none. Every CapturedFileIO has one, from its capture (just
+   before it became one) to its close or end (just after it was one); its methods bound before its close may be
+   called after it, on the io.FileIO it then is, which has none. */
 static inline FileReads *
 captured_reads(PyObject *file)
 {
@@ -924,18 +926,13 @@ captured_add(PyObject *file, FileReads *reads)
         }
         PyMem_Free(was);
     }
-    size_t i = entry_of(file);
-    while (captured_files.entries[i].file != NULL && captured_files.entries[i].file != file) {
+    size_t i = entry_of(file);  /* the file has none: a file is captured once, and leaves at its close or end */
+    while (captured_files.entries[i].file != NULL) {
         i = (i + 1) & captured_files.mask;
     }
-    CapturedEntry *entry = &captured_files.entries[i];
-    if (entry->file == NULL) {
-        captured_files.used++;
-    }
-    FileReads *replaced = entry->reads;  /* a file closed behind CapturedFileIO's back, whose address is reused */
-    entry->file = file;
-    entry->reads = reads;
-    Py_XDECREF(replaced);
+    captured_files.entries[i].file = file;
+    captured_files.entries[i].reads = reads;
+    captured_files.used++;
     return 0;
 }
 
@@ -964,14 +961,6 @@ captured_remove(PyObject *file)
     Py_DECREF(reads);
 }
 
-/* The FileReads of a captured `file`, a new reference; NULL where it has none (closed behind CapturedFileIO's
-   back), its read then going on unrecorded. */
-static inline FileReads *
-reads_of(PyObject *file)
-{
-    return (FileReads *)Py_XNewRef(captured_reads(file));
-}
-
 /* `method(file, *args)`, at most two `args`. */
 static PyObject *
 call_with(PyObject *method, PyObject *file, PyObject *const *args, Py_ssize_t nargs)
@@ -985,9 +974,9 @@ call_with(PyObject *method, PyObject *file, PyObject *const *args, Py_ssize_t na
 static PyObject *
 recorded_call(PyObject *file, PyObject *method, PyObject *const *args, Py_ssize_t nargs)
 {
-    FileReads *recorder = reads_of(file);
+    FileReads *recorder = (FileReads *)Py_XNewRef(captured_reads(file));
     if (UNLIKELY(recorder == NULL)) {
-        return call_with(method, file, args, nargs);
+        return call_with(method, file, args, nargs);  /* no longer captured: as io.FileIO's own would */
     }
     PyObject *result = timed_read(recorder, file, method, args, nargs);
     Py_DECREF(recorder);
