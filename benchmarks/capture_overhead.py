@@ -13,11 +13,14 @@
    capture installs (C where the client was built with it) and, beside it, `capturing_open` alone.
 
 Each round times every side once, in an order that alternates from round to round, so that all meet the
-same moment of the machine; the figures are the medians over the rounds of each round's differences.
+same moment of the machine; the figures are the medians over the rounds of each round's differences. The
+opens run in many short rounds (`--open-rounds` of `--opens` each, ~10 ms a side): a difference of tens of
+nanoseconds between opens of ~8 µs drowned in the machine's drift between sides timed ~0.2 s apart, which
+rounds of 20,000 opens a side were (one run gave 241 ns for the C hook on a skipped file, the next 144 ns).
 Events go to a real socket drained by another process, as the agent would, in chunks of eight datagrams
 with an untimed pause after each (the kernel queues only ten here).
 
-    PYTHONPATH=. python benchmarks/capture_overhead.py [--rounds N] [--opens N]
+    PYTHONPATH=. python benchmarks/capture_overhead.py [--rounds N] [--open-rounds N] [--opens N]
 """
 
 from __future__ import annotations
@@ -153,7 +156,7 @@ def beyond(read: dict[str, list[int]], captured: str) -> float:
                              - read["recording"][n] / READS_PER_CHUNK for n in range(len(read["recording"])))
 
 
-def measure(rounds: int, opens: int) -> dict[str, float]:
+def measure(rounds: int, open_rounds: int, opens: int) -> dict[str, float]:
     with tempfile.TemporaryDirectory() as directory:
         data = Path(directory) / "sample.bin"
         data.write_bytes(os.urandom(max(READS_PER_CHUNK * READ_SIZE, SYSTEM_READS_PER_CHUNK * SYSTEM_READ_SIZE)))
@@ -166,7 +169,7 @@ def measure(rounds: int, opens: int) -> dict[str, float]:
             capture.start({})
             with reads.reads_as(SOURCE):  # and the process's own source again after
                 read = rounds_of(read_sides(str(data)), rounds, 0.005)
-                opened = rounds_of(open_sides(os.__file__, str(data), opens), rounds, 0.0)
+                opened = rounds_of(open_sides(os.__file__, str(data), opens), open_rounds, 0.0)
         finally:
             capture.stop()
             transport.sender().close()
@@ -202,13 +205,14 @@ def measure(rounds: int, opens: int) -> dict[str, float]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=41, help="rounds, each timing every side once")
-    parser.add_argument("--opens", type=int, default=20_000, help="opens a side a round")
+    parser.add_argument("--rounds", type=int, default=41, help="rounds of reads, each timing every side once")
+    parser.add_argument("--open-rounds", type=int, default=801, help="rounds of opens, each timing every side once")
+    parser.add_argument("--opens", type=int, default=1_000, help="opens a side a round")
     args = parser.parse_args()
-    figures = measure(args.rounds, args.opens)
+    figures = measure(args.rounds, args.open_rounds, args.opens)
     print(f"capture's open() hook and raw readinto: {'C (_speedups)' if capture.accelerated() else 'Python'}")
-    print(f"read capture ({args.rounds} rounds, medians; reads of {READ_SIZE} B, {READS_PER_CHUNK:,} a side a round; "
-          f"{args.opens:,} opens a side a round; CPU count {os.cpu_count()}):")
+    print(f"read capture (medians; {args.rounds} rounds of reads of {READ_SIZE} B, {READS_PER_CHUNK:,} a side a round; "
+          f"{args.open_rounds} rounds of {args.opens:,} opens a side; CPU count {os.cpu_count()}):")
     for name, nanoseconds in figures.items():
         print(f"  {name:40s} {nanoseconds:9.0f} ns")
     beyond = figures["capture beyond recording, per read"]

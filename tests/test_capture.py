@@ -744,7 +744,7 @@ def test_capture_is_off_when_the_environment_says_so() -> None:
 def test_the_cost_benchmark_measures_every_side() -> None:
     """benchmarks/capture_overhead.py, one short round: every figure it prints is measured (the figures
     themselves are the benchmark's to judge, never a test's), and it leaves the process as it found it."""
-    figures = measure(rounds=1, opens=50)
+    figures = measure(rounds=1, open_rounds=2, opens=50)
     assert len(figures) == 15 and all(math.isfinite(value) for value in figures.values()), figures
     assert figures["captured 16 KiB read"] > 0 and figures["recording an event"] > 0
     assert not capture.installed() and not reads.bound()
