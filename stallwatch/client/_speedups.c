@@ -37,11 +37,9 @@
 #if defined(__GNUC__)
 #define COLD __attribute__((cold, noinline))
 #define UNLIKELY(condition) __builtin_expect(!!(condition), 0)
-#define LIKELY(condition) __builtin_expect(!!(condition), 1)
 #else
 #define COLD
 #define UNLIKELY(condition) (condition)
-#define LIKELY(condition) (condition)
 #endif
 
 /* Folders a path may lie under, each a str ending in the separator: laid out back to back when all are
@@ -656,17 +654,12 @@ new_record(PyObject *rows)
 {
     PyByteArrayObject *array = (PyByteArrayObject *)rows;
     Py_ssize_t size = Py_SIZE(array), grown = size + READ_RECORD_SIZE;
-    if (LIKELY(array->ob_exports == 0 && (array->ob_start - array->ob_bytes) + grown < array->ob_alloc)) {
-        Py_SET_SIZE(array, grown);
-        array->ob_start[grown] = '\0';  /* as every bytearray ends */
-        return array->ob_start + size;
-    }
-    Py_ssize_t room = Py_MAX(grown, reads.full * READ_RECORD_SIZE);
-    if (PyByteArray_Resize(rows, room) < 0) {
+    if (UNLIKELY(array->ob_exports != 0 || (array->ob_start - array->ob_bytes) + grown >= array->ob_alloc) &&
+        PyByteArray_Resize(rows, Py_MAX(grown, reads.full * READ_RECORD_SIZE)) < 0) {
         return NULL;
     }
     Py_SET_SIZE(array, grown);
-    array->ob_start[grown] = '\0';
+    array->ob_start[grown] = '\0';  /* as every bytearray ends */
     return array->ob_start + size;
 }
 
@@ -920,6 +913,17 @@ captured_reads(PyObject *file)
     }
 }
 
+/* The first empty entry from `file`'s home on. */
+static size_t
+empty_entry(PyObject *file)
+{
+    size_t i = entry_of(file);
+    while (captured_files.entries[i].file != NULL) {
+        i = (i + 1) & captured_files.mask;
+    }
+    return i;
+}
+
 /* Put `file`'s entry in the table, holding `reads` (a new reference, taken): 0, or -1 with an error set. */
 static int
 captured_add(PyObject *file, FileReads *reads)
@@ -937,19 +941,12 @@ captured_add(PyObject *file, FileReads *reads)
         captured_files.mask = size - 1;
         for (size_t j = 0; j < old_size; j++) {
             if (was[j].file != NULL) {
-                size_t i = entry_of(was[j].file);
-                while (grown[i].file != NULL) {
-                    i = (i + 1) & captured_files.mask;
-                }
-                grown[i] = was[j];
+                grown[empty_entry(was[j].file)] = was[j];
             }
         }
         PyMem_Free(was);
     }
-    size_t i = entry_of(file);  /* the file has none: a file is captured once, and leaves at its close or end */
-    while (captured_files.entries[i].file != NULL) {
-        i = (i + 1) & captured_files.mask;
-    }
+    size_t i = empty_entry(file);  /* the file has none: a file is captured once, and leaves at its close or end */
     captured_files.entries[i].file = file;
     captured_files.entries[i].reads = reads;
     captured_files.used++;
@@ -1290,7 +1287,6 @@ static PyMethodDef module_functions[] = {
     {NULL},
 };
 
-/* io.FileIO, its methods that a captured file's call, and CapturedFileIO, its subclass: 0, or -1 with an error set. */
 /* The C function of `method` (a method descriptor) where it takes its arguments as `flags` say, else NULL. */
 static void *
 c_function(PyObject *method, int flags)
@@ -1313,6 +1309,7 @@ member_offset(PyTypeObject *type, const char *name)
     return offset;
 }
 
+/* io.FileIO, its methods that a captured file's call, and CapturedFileIO, its subclass: 0, or -1 with an error set. */
 static int
 file_io_methods(void)
 {

@@ -278,7 +278,7 @@ class Sender:
         while channel.steps or channel.reads or opens:
             n_steps = min(len(channel.steps), wire.MAX_EVENTS)
             n_reads = min(channel.reads_waiting(), wire.MAX_EVENTS - n_steps)
-            steps, reads = channel.steps[:n_steps], bytes(channel.reads[:n_reads * _READ_SIZE])
+            steps, reads = channel.steps[:n_steps], channel.reads[:n_reads * _READ_SIZE]
             del channel.steps[:n_steps], channel.reads[:n_reads * _READ_SIZE]
             channel.steps_packed += n_steps
             batch_opens: list[wire.Open] = []
